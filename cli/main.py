@@ -1,0 +1,44 @@
+"""The ``fp8ptq`` command: a click group whose commands live in sibling modules."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from fp8ptq import __version__
+from fp8ptq.errors import Fp8ptqError
+
+
+class Fp8ptqGroup(click.Group):
+    """Turns an ``Fp8ptqError`` anywhere below into one ``error:`` line and its exit code."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Fp8ptqError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+
+@click.group(cls=Fp8ptqGroup)
+@click.version_option(__version__, prog_name="fp8ptq")
+def main():
+    """FP8 post-training quantization of PyTorch / Hugging Face models."""
+
+
+def _register():
+    from . import formats_cmd
+
+    main.add_command(formats_cmd.formats)
+    for module in ("quantize_cmd", "eval_cmd"):
+        try:
+            mod = __import__(f"{__package__}.{module}", fromlist=["command"])
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{module}":
+                raise
+            continue
+        main.add_command(mod.command)
+
+
+_register()

@@ -1,0 +1,117 @@
+"""A number format described as data: bits, bias, special values, subnormals, rounding.
+
+Every other part of fp8ptq asks a ``FormatSpec`` for its range and codes; nothing special-cases a
+format by name. The code->value table and the rounding grid are derived from the spec once
+(``layout(spec)``) by the encoding family named in ``specials``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+ROUNDINGS = ("nearest_even", "half_away", "stochastic", "hybrid")
+
+# How the special values are encoded:
+#   ieee: exponent field all ones = inf (mantissa 0) / NaN (otherwise); +0 and -0.
+#   fn:   no inf; only the all-ones exponent+mantissa pattern is NaN (OCP E4M3FN); +0 and -0.
+#   fnuz: no inf, no -0; the sign-only pattern 0x80 is the single NaN (Graphcore/AMD FNUZ).
+#   hif8: HiFloat8's own layout (dot field); one zero, NaN 0x80, +-inf at 2^15 x 1.5.
+#   int:  two's-complement integer, symmetric range [-(2^(b-1)-1), 2^(b-1)-1].
+SPECIALS = ("ieee", "fn", "fnuz", "hif8", "int")
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    specials: str = "ieee"
+    subnormals: bool = True
+    rounding: str = "nearest_even"
+    torch_dtype: str | None = None
+    aliases: tuple[str, ...] = ()
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.specials not in SPECIALS:
+            raise ValueError(f"specials must be one of {SPECIALS}, got {self.specials!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"{self.name}: {self.bits} bits; fp8ptq codes hold 1 to 8 bits")
+        if self.is_float and self.exponent_bits < 1:
+            raise ValueError(f"{self.name}: a float format needs at least one exponent bit")
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def is_float(self) -> bool:
+        return self.specials != "int"
+
+    @property
+    def num_codes(self) -> int:
+        return 1 << self.bits
+
+    @cached_property
+    def layout(self):
+        from .layouts import build_layout
+
+        return build_layout(self)
+
+    # Range facts, read off the layout so they are right by construction.
+    @property
+    def max(self) -> float:
+        return self.layout.max
+
+    @property
+    def min_normal(self) -> float:
+        return self.layout.min_normal
+
+    @property
+    def min_subnormal(self) -> float:
+        return self.layout.min_positive
+
+    @property
+    def has_inf(self) -> bool:
+        return self.layout.has_inf
+
+    @property
+    def has_nan(self) -> bool:
+        return self.layout.has_nan
+
+    @property
+    def has_negative_zero(self) -> bool:
+        return self.layout.has_negative_zero
+
+    @property
+    def binades(self) -> int:
+        """Powers of two covered from the smallest non-zero magnitude to the largest finite."""
+        return math.floor(math.log2(self.max)) - math.floor(math.log2(self.min_subnormal)) + 1
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "aliases": list(self.aliases),
+            "kind": "int" if not self.is_float else "float",
+            "bits": self.bits,
+            "exponent_bits": self.exponent_bits,
+            "mantissa_bits": self.mantissa_bits,
+            "bias": self.bias,
+            "specials": self.specials,
+            "subnormals": self.subnormals,
+            "rounding": self.rounding,
+            "max": self.max,
+            "min_normal": self.min_normal,
+            "min_subnormal": self.min_subnormal,
+            "has_inf": self.has_inf,
+            "has_nan": self.has_nan,
+            "has_negative_zero": self.has_negative_zero,
+            "binades": self.binades,
+            "torch_dtype": self.torch_dtype,
+            "description": self.description,
+        }
