@@ -1,0 +1,26 @@
+"""Calibrators: turn the statistics of one calibration pass into clip ranges (amax)."""
+
+from fp8ptq.errors import UsageError
+
+from .max import MaxCalibrator, MaxWeightCalibrator
+from .mse import MseCalibrator, MseWeightCalibrator
+from .percentile import PercentileCalibrator
+
+ACTIVATION_CALIBRATORS = {"max": MaxCalibrator, "percentile": PercentileCalibrator,
+                          "mse": MseCalibrator}
+WEIGHT_CALIBRATORS = {"max": MaxWeightCalibrator, "mse": MseWeightCalibrator}
+
+
+def activation_calibrator(name: str, **options):
+    if name not in ACTIVATION_CALIBRATORS:
+        raise UsageError(f"unknown activation calibrator {name!r}; valid: "
+                         f"{', '.join(ACTIVATION_CALIBRATORS)}")
+    cls = ACTIVATION_CALIBRATORS[name]
+    return cls(**options) if name == "percentile" else cls()
+
+
+def weight_calibrator(name: str):
+    if name not in WEIGHT_CALIBRATORS:
+        raise UsageError(f"unknown weight calibrator {name!r}; valid: "
+                         f"{', '.join(WEIGHT_CALIBRATORS)}")
+    return WEIGHT_CALIBRATORS[name]()

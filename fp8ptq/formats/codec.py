@@ -113,7 +113,7 @@ def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
             q.to(torch.int64) & (spec.num_codes - 1)).to(torch.uint8)
     mags = lay.magnitudes.to(q.device)
     finite = torch.isfinite(q)
-    idx = torch.searchsorted(mags, torch.where(finite, q.abs(), 0.0))
+    idx = torch.searchsorted(mags, torch.where(finite, q.abs(), 0.0).contiguous())
     code = lay.magnitude_codes.to(q.device)[idx.clamp_(max=len(mags) - 1)]
     negative = torch.signbit(q) & ((q != 0) | lay.has_negative_zero)
     code = torch.where(negative, code | lay.sign_bit, code)

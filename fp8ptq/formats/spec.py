@@ -89,6 +89,14 @@ class FormatSpec:
         return self.layout.has_negative_zero
 
     @property
+    def tapered(self) -> bool:
+        """Precision varies across binades (HiFloat8), so mapping amax onto ``max`` is not
+        automatically the best scale."""
+        steps = self.layout.step_log2.tolist()
+        widths = {e - s for e, s in zip(range(self.layout.e_lo, self.layout.e_hi + 1), steps)}
+        return self.is_float and len(widths - {min(widths)}) > 1
+
+    @property
     def binades(self) -> int:
         """Powers of two covered from the smallest non-zero magnitude to the largest finite."""
         return math.floor(math.log2(self.max)) - math.floor(math.log2(self.min_subnormal)) + 1

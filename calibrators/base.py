@@ -1,0 +1,27 @@
+"""The calibrator interface: statistics in, clip range (amax) out.
+
+Activation calibrators read a ``TensorStats`` from the single calibration pass; weight
+calibrators read the weight itself (grouped by a granularity). Both return amax; turning amax
+into a scale is ``fp8ptq.scales``' job, so every calibrator gets the same guards.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from fp8ptq.formats import FormatSpec
+from fp8ptq.observers import TensorStats
+
+
+class ActivationCalibrator(Protocol):
+    name: str
+
+    def amax(self, stats: TensorStats, fmt: FormatSpec) -> float: ...
+
+
+class WeightCalibrator(Protocol):
+    name: str
+
+    def amax(self, w2d: torch.Tensor, granularity, fmt: FormatSpec) -> torch.Tensor: ...

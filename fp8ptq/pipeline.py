@@ -1,0 +1,164 @@
+"""The quantize pipeline: one calibration pass -> scales -> ``QuantGemm`` modules -> report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .calibrators import activation_calibrator, weight_calibrator
+from .errors import NumericsError, UsageError
+from .formats import FormatSpec, encode, get_format
+from .granularity import weight_granularity
+from .model.gemm import find_gemms, input_channel_dim, kind, matches, set_submodule, weight_2d
+from .observers import StatsCollector, TensorStats
+from .qmodules import QuantGemm
+from .recipe import Recipe
+from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
+
+
+@dataclass
+class Target:
+    name: str
+    module: nn.Module
+    weight_format: FormatSpec
+    act_format: FormatSpec | None
+
+
+@dataclass
+class ModuleReport:
+    name: str
+    kind: str
+    weight_format: str
+    act_format: str | None
+    weight_amax: float
+    weight_scale_min: float
+    weight_scale_max: float
+    weight_sqnr_db: float
+    input_amax: float | None = None
+    input_scale: float | None = None
+    input_sqnr_db: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class QuantizeResult:
+    model: nn.Module
+    modules: list[ModuleReport]
+    skipped: list[str]
+    stats: dict[str, TensorStats]
+    seconds: dict[str, float]
+    warnings: list[str]
+
+
+def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[str]]:
+    """Which GEMMs get quantized, in which formats, and which are skipped."""
+    base_w = get_format(recipe.weight_format or recipe.format)
+    act_name = recipe.act_format or recipe.format
+    base_a = None if act_name == "none" else get_format(act_name)
+    targets, skipped = [], []
+    for name, module in find_gemms(model):
+        if isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns):
+            skipped.append(name)
+            continue
+        override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
+        if override == "none":
+            skipped.append(name)
+            continue
+        w_fmt = get_format(override) if override else base_w
+        a_fmt = (get_format(override) if override else base_a) if base_a is not None else None
+        targets.append(Target(name, module, w_fmt, a_fmt))
+    return targets, skipped
+
+
+def collect_stats(model: nn.Module, targets: list[Target], batches: Iterable[dict],
+                  progress=None) -> dict[str, TensorStats]:
+    """Run the calibration data through the model once, observing every target's input."""
+    modules = {t.name: t.module for t in targets}
+    dims = {t.name: input_channel_dim(t.module) for t in targets}
+    collector = StatsCollector(modules, dims)
+    with collector.observing(), torch.inference_mode():
+        for batch in batches:
+            model(**batch) if isinstance(batch, dict) else model(batch)
+            if progress is not None:
+                progress()
+    return collector.stats
+
+
+def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable[dict] | None = None,
+                   progress=None) -> QuantizeResult:
+    """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
+    needed for weight-only or dynamic per-token activations)."""
+    times = {}
+    targets, skipped = plan_targets(model, recipe)
+    if not targets:
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
+    static_acts = recipe.act_granularity == "tensor" and any(t.act_format for t in targets)
+    t0 = time.perf_counter()
+    stats: dict[str, TensorStats] = {}
+    if batches is not None:
+        stats = collect_stats(model, targets, batches, progress)
+    elif static_acts:
+        raise UsageError("static per-tensor activation scales need calibration data "
+                         "(--calib-data), or use --act-granularity token")
+    times["calibrate"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    reports, all_warnings = [], []
+    gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
+    w_calib = weight_calibrator(recipe.weight_calib)
+    a_calib = activation_calibrator(recipe.act_calib, percentile=recipe.percentile)
+    for t in targets:
+        report = _quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name))
+        all_warnings += [f"{t.name}: {w}" for w in report.warnings]
+        reports.append(report)
+    times["quantize"] = time.perf_counter() - t0
+    return QuantizeResult(model, reports, skipped, stats, times, all_warnings)
+
+
+def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats):
+    warnings: list[str] = []
+    w2d = weight_2d(t.module).detach().float()
+    if not bool(torch.isfinite(w2d).all()):
+        raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize it")
+    w_amax = w_calib.amax(w2d, gran, t.weight_format)
+    w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
+                            warnings=warnings)
+    rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
+    codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
+
+    input_scale, input_amax, input_sqnr = None, None, None
+    if t.act_format is not None and recipe.act_granularity == "tensor":
+        if stats is None or not stats.seen:
+            warnings.append("saw no calibration tokens (unused module?)")
+            input_amax = 0.0
+        else:
+            if stats.nonfinite:
+                warnings.append(f"{stats.nonfinite} non-finite input values ignored")
+            input_amax = a_calib.amax(stats, t.act_format)
+        input_scale = amax_to_scale(input_amax, t.act_format, pow2=recipe.scale_pow2,
+                                    what="input", warnings=warnings)
+        if stats is not None and stats.seen:
+            input_sqnr = histogram_sqnr_db(stats, float(input_scale), t.act_format)
+
+    q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
+                  weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
+                  input_scale=input_scale, act_granularity=recipe.act_granularity)
+    w_sqnr = sqnr_db(w2d, q.dequantized_weight_2d())
+    set_submodule(model, t.name, q)
+    return ModuleReport(
+        name=t.name, kind=kind(t.module), weight_format=t.weight_format.name,
+        act_format=t.act_format.name if t.act_format else None,
+        weight_amax=float(w2d.abs().max()), weight_scale_min=float(w_scale.min()),
+        weight_scale_max=float(w_scale.max()), weight_sqnr_db=w_sqnr,
+        input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
+        input_sqnr_db=input_sqnr, warnings=warnings)
+
+
+def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Iterable[dict]:
+    for i in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[i:i + batch_size].to(device)
+        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -1,0 +1,99 @@
+"""``QuantGemm``: a GEMM module whose weight lives as format codes + scales.
+
+On CPU it simulates the quantized GEMM exactly: the weight is decoded from its codes once, inputs
+are quantize-dequantized with a static (calibrated) or dynamic per-token scale. On a GPU with FP8
+tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import (FormatSpec, codes_as_torch_float8, decode, fake_quantize, get_format,
+                      to_torch_float8)
+from .model.gemm import kind, weight_from_2d
+from .scales import TINY
+
+
+class QuantGemm(nn.Module):
+    def __init__(self, inner: nn.Module, *, weight_format: FormatSpec, weight_codes: torch.Tensor,
+                 weight_scale: torch.Tensor, weight_granularity, act_format: FormatSpec | None,
+                 input_scale: torch.Tensor | None, act_granularity: str = "tensor"):
+        super().__init__()
+        self.inner = inner
+        self.kind = kind(inner)
+        self.weight_format = get_format(weight_format)
+        self.weight_granularity = weight_granularity
+        self.act_format = get_format(act_format) if act_format is not None else None
+        self.act_granularity = act_granularity
+        self.register_buffer("weight_codes", weight_codes.to(torch.uint8))
+        self.register_buffer("weight_scale", weight_scale.float())
+        self.register_buffer("input_scale", None if input_scale is None else
+                             input_scale.float().reshape(1))
+        dtype = inner.weight.dtype
+        with torch.no_grad():
+            inner.weight.data = weight_from_2d(inner, self.dequantized_weight_2d().to(dtype))
+        inner.weight.requires_grad_(False)
+
+    def dequantized_weight_2d(self) -> torch.Tensor:
+        w = decode(self.weight_codes, self.weight_format)
+        return w * self.weight_granularity.expand(self.weight_scale, w)
+
+    @property
+    def weight(self):
+        return self.inner.weight
+
+    @property
+    def bias(self):
+        return self.inner.bias
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(x, self._act_scale(x), self.act_format)
+
+    def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_granularity == "token":
+            amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+            return (amax / self.act_format.max).clamp(min=TINY)
+        return self.input_scale
+
+    def forward(self, x, *args, **kwargs):
+        if self.act_format is None:
+            return self.inner(x, *args, **kwargs)
+        if x.is_cuda and self._can_scaled_mm():
+            return self._scaled_mm_forward(x)
+        return self.inner(self.quantize_input(x), *args, **kwargs)
+
+    def _can_scaled_mm(self) -> bool:
+        fp8 = ("e4m3", "e5m2")
+        return (self.kind in ("linear", "conv1d_hf") and self.weight_format.name in fp8
+                and self.act_format.name in fp8 and "e4m3" in (self.weight_format.name,
+                                                               self.act_format.name)
+                and self.weight_granularity.name in ("tensor", "channel")
+                and torch.cuda.get_device_capability(self.weight_codes.device) >= (8, 9))
+
+    def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Real FP8 GEMM: a [M, K] row-major x b [K, N] column-major (the codes' transpose)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        scale_a = self._act_scale(x2)
+        a = to_torch_float8(x2.float() / scale_a, self.act_format)
+        b = codes_as_torch_float8(self.weight_codes, self.weight_format).t()
+        scale_b = self.weight_scale.reshape(1, -1)
+        rowwise = self.weight_granularity.name == "channel" or self.act_granularity == "token"
+        if rowwise:
+            scale_a = scale_a.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+            scale_b = scale_b.expand(1, b.shape[1]).contiguous()
+        else:
+            scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+        out_dtype = torch.bfloat16 if rowwise else x.dtype
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        act = "none" if self.act_format is None else (
+            f"{self.act_format.name}/{self.act_granularity}")
+        return (f"kind={self.kind}, weight={self.weight_format.name}/"
+                f"{self.weight_granularity.name}, act={act}")

@@ -1,0 +1,114 @@
+"""A quantization recipe: everything the ``quantize`` flags can say, as data.
+
+Recipes load from YAML/JSON (``--recipe``; an ``fp8ptq.json`` works too: its ``recipe`` key is
+used), flags override them, and the merged recipe is recorded in ``fp8ptq.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import UsageError
+from .formats import ROUNDINGS, get_format
+from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+
+
+@dataclass
+class Recipe:
+    format: str = "e4m3"
+    weight_format: str | None = None  # default: ``format``
+    act_format: str | None = None  # default: ``format``; "none" = weight-only
+    weight_granularity: str = "channel"
+    block_size: int = 128
+    act_granularity: str = "tensor"
+    weight_calib: str = "max"
+    act_calib: str = "max"
+    percentile: float = 99.99
+    rounding: str | None = None  # default: the format's own
+    scale_pow2: bool = False
+    skip: list[str] = field(default_factory=list)
+    quantize_lm_head: bool = False
+    overrides: dict[str, str] = field(default_factory=dict)  # glob -> format name or "none"
+    calib_data: str | None = None
+    text_field: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    batch_size: int = 8
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for name in (self.format, self.weight_format):
+            if name is not None:
+                get_format(name)
+        if self.act_format not in (None, "none"):
+            get_format(self.act_format)
+        for pattern, fmt in self.overrides.items():
+            if fmt != "none":
+                get_format(fmt)
+        _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
+        _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
+        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.rounding is not None:
+            _choice("rounding", self.rounding, ROUNDINGS)
+        for key in ("block_size", "num_samples", "seq_len", "batch_size"):
+            if getattr(self, key) < 1:
+                raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.percentile <= 100:
+            raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
+
+    @property
+    def skip_patterns(self) -> list[str]:
+        return list(self.skip) + ([] if self.quantize_lm_head else ["lm_head"])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Recipe":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UsageError(f"unknown recipe key(s): {', '.join(unknown)}; valid: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Recipe":
+        return cls.from_dict(load_recipe_dict(path))
+
+    def merged(self, **flags) -> "Recipe":
+        """A copy with the given (non-None) flag values on top."""
+        data = self.to_dict()
+        data.update({k: v for k, v in flags.items() if v is not None})
+        return Recipe.from_dict(data)
+
+
+def load_recipe_dict(path: str | Path) -> dict:
+    p = Path(path)
+    if p.is_dir() and (p / "fp8ptq.json").exists():
+        p = p / "fp8ptq.json"
+    if not p.is_file():
+        raise UsageError(f"recipe file not found: {path}")
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot parse recipe {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"recipe {path} must be a mapping of option: value")
+    if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json
+        data = data["recipe"]
+    return data
+
+
+def _choice(key, value, valid):
+    if value not in valid:
+        raise UsageError(f"{key} must be one of {', '.join(valid)}, got {value!r}")

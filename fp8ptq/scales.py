@@ -1,0 +1,55 @@
+"""From clip range (amax) to scale, with the guards every scale goes through.
+
+scale = amax / format.max, so the clip range maps onto the format's largest finite value. A scale
+is always finite and > 0: an all-zero tensor, a module that saw no calibration tokens or a
+non-finite amax gets scale 1 and a warning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import FormatSpec, quantize_values
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "tensor",
+                  warnings: list[str] | None = None) -> torch.Tensor:
+    amax = torch.as_tensor(amax, dtype=torch.float32).clone()
+    bad = ~torch.isfinite(amax) | (amax <= 0)
+    if bool(bad.any()):
+        if warnings is not None:
+            warnings.append(f"{what}: {int(bad.sum())} of {amax.numel()} scale group(s) had "
+                            "amax 0 or non-finite (all-zero, constant or never seen); scale 1 used")
+        amax = torch.where(bad, torch.full_like(amax, fmt.max), amax)
+    scale = (amax / fmt.max).clamp(min=TINY)
+    if pow2:
+        # Seed 004: a power-of-two scale is an exponent-bias shift. Round up so nothing clips.
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
+
+
+def sqnr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (inf when exact)."""
+    noise = (x.double() - xq.double()).pow(2).sum()
+    signal = x.double().pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(signal / noise)) if signal > 0 else float("-inf")
+
+
+def histogram_sqnr_db(stats, scale: float, fmt: FormatSpec) -> float:
+    """SQNR of quantizing the distribution recorded in ``stats`` with ``scale`` (log-bin centres
+    stand in for the values of each bin)."""
+    from .observers import bin_centers
+
+    counts = stats.histogram
+    nz = counts > 0
+    if not bool(nz.any()):
+        return float("nan")
+    c = bin_centers()[nz].clamp(max=max(stats.amax, TINY))
+    q = quantize_values((c / scale).float(), fmt).double() * scale
+    noise = ((q - c) ** 2 * counts[nz]).sum()
+    signal = (c**2 * counts[nz]).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(signal / noise))
