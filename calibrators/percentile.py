@@ -21,7 +21,7 @@ class PercentileCalibrator:
         target = stats.count * self.percentile / 100.0
         if stats.zeros >= target:
             return stats.amax
-        cumulative = stats.zeros + torch.cumsum(stats.histogram, 0)
+        cumulative = torch.cumsum(stats.histogram, 0)
         idx = int(torch.searchsorted(cumulative, torch.tensor([target], dtype=torch.float64)))
         idx = min(idx, len(cumulative) - 1)
         return min(float(bin_edges()[idx]), stats.amax)

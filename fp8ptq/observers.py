@@ -1,10 +1,12 @@
 """Statistics of GEMM inputs, collected in one calibration pass with bounded memory.
 
-Each observed tensor keeps: its running amax, a per-input-channel amax (for SmoothQuant), the
-number of elements seen, and a histogram of |x| on a fixed log2 grid (``BINS_PER_OCTAVE`` bins
-per power of two from 2^MIN_LOG2 to 2^MAX_LOG2, plus a bin for exact zeros). A fixed grid means
-batches merge exactly and every calibrator (max, percentile, MSE, ...) reads the same pass;
-log spacing matches floating-point formats, whose precision is relative.
+Each observed tensor keeps its running amax, a per-input-channel amax (for SmoothQuant), the
+number of elements seen, and a histogram of |x| on a fixed grid: ``SUB_BINS`` linear sub-bins per
+power of two from 2^MIN_LOG2 to 2^MAX_LOG2 (an HDR histogram), plus bin 0 for zeros and anything
+smaller. The bin index is read straight off the float32 bit pattern (exponent and top mantissa
+bits), so histogramming costs a shift, not a log. A fixed grid means batches merge exactly and
+every calibrator (max, percentile, MSE, ...) reads the same pass; relative bin widths match
+floating-point formats, whose precision is relative.
 """
 
 from __future__ import annotations
@@ -15,21 +17,33 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-BINS_PER_OCTAVE = 32
+SUB_BITS = 5
+SUB_BINS = 1 << SUB_BITS
 MIN_LOG2, MAX_LOG2 = -40, 40
-NUM_BINS = (MAX_LOG2 - MIN_LOG2) * BINS_PER_OCTAVE
+NUM_BINS = (MAX_LOG2 - MIN_LOG2) * SUB_BINS + 1  # bin 0: zero / below 2^MIN_LOG2
+_FIRST = (MIN_LOG2 + 127) << SUB_BITS  # float32 bits >> (23 - SUB_BITS) of 2^MIN_LOG2
+
+
+def _bounds(offset: float) -> torch.Tensor:
+    k = torch.arange(NUM_BINS - 1, dtype=torch.float64)
+    octave, sub = torch.div(k, SUB_BINS, rounding_mode="floor"), torch.remainder(k, SUB_BINS)
+    return torch.exp2(MIN_LOG2 + octave) * (1 + (sub + offset) / SUB_BINS)
 
 
 def bin_edges() -> torch.Tensor:
-    """Upper edges of the log bins (float64), without the zero bin."""
-    k = torch.arange(1, NUM_BINS + 1, dtype=torch.float64)
-    return torch.exp2(MIN_LOG2 + k / BINS_PER_OCTAVE)
+    """Upper edge of every bin (float64, NUM_BINS); bin 0's is 2^MIN_LOG2."""
+    return torch.cat([torch.tensor([2.0**MIN_LOG2], dtype=torch.float64), _bounds(1.0)])
 
 
 def bin_centers() -> torch.Tensor:
-    """Geometric centre of each log bin (float64), without the zero bin."""
-    k = torch.arange(NUM_BINS, dtype=torch.float64) + 0.5
-    return torch.exp2(MIN_LOG2 + k / BINS_PER_OCTAVE)
+    """Representative value of every bin (float64, NUM_BINS); bin 0 stands for zero."""
+    return torch.cat([torch.zeros(1, dtype=torch.float64), _bounds(0.5)])
+
+
+def histogram_index(a: torch.Tensor) -> torch.Tensor:
+    """Bin of each non-negative float32 value."""
+    idx = (a.view(torch.int32) >> (23 - SUB_BITS)) - (_FIRST - 1)
+    return idx.clamp_(0, NUM_BINS - 1)
 
 
 @dataclass
@@ -37,29 +51,32 @@ class TensorStats:
     amax: float = 0.0
     channel_amax: torch.Tensor | None = None  # float32 [channels]
     count: int = 0
-    zeros: int = 0
     histogram: torch.Tensor = field(default_factory=lambda: torch.zeros(NUM_BINS,
                                                                         dtype=torch.float64))
     nonfinite: int = 0
 
     def update(self, x: torch.Tensor, channel_dim: int = -1) -> None:
-        x = x.detach()
-        a = x.abs().float()
-        finite = torch.isfinite(a)
-        if not bool(finite.all()):
+        a = x.detach().abs()
+        if channel_dim != -1 and channel_dim != a.dim() - 1:
+            a = a.movedim(channel_dim, -1)
+        a = a.reshape(-1, a.shape[-1]).float()
+        ch = a.amax(dim=0)
+        if not bool(torch.isfinite(ch).all()):  # rare: pay for the elementwise check only then
+            finite = torch.isfinite(a)
             self.nonfinite += int((~finite).sum())
             a = torch.where(finite, a, torch.zeros_like(a))
-        self.amax = max(self.amax, float(a.max())) if a.numel() else self.amax
-        ch = a.movedim(channel_dim, -1).reshape(-1, a.shape[channel_dim]).amax(dim=0).cpu()
+            ch = a.amax(dim=0)
+        ch = ch.cpu()
         self.channel_amax = ch if self.channel_amax is None else torch.maximum(
             self.channel_amax, ch)
-        flat = a.reshape(-1)
-        self.count += flat.numel()
-        nonzero = flat[flat > 0]
-        self.zeros += flat.numel() - nonzero.numel()
-        pos = (torch.log2(nonzero) - MIN_LOG2) * BINS_PER_OCTAVE
-        idx = pos.floor_().clamp_(0, NUM_BINS - 1).long()
-        self.histogram += torch.bincount(idx, minlength=NUM_BINS).to(torch.float64).cpu()
+        self.amax = max(self.amax, float(ch.max())) if ch.numel() else self.amax
+        self.count += a.numel()
+        counts = torch.bincount(histogram_index(a).reshape(-1), minlength=NUM_BINS)
+        self.histogram += counts.to(torch.float64).cpu()
+
+    @property
+    def zeros(self) -> int:
+        return int(self.histogram[0])
 
     def merge(self, other: "TensorStats") -> None:
         self.amax = max(self.amax, other.amax)
@@ -67,7 +84,6 @@ class TensorStats:
             self.channel_amax = other.channel_amax.clone() if self.channel_amax is None else \
                 torch.maximum(self.channel_amax, other.channel_amax)
         self.count += other.count
-        self.zeros += other.zeros
         self.histogram += other.histogram
         self.nonfinite += other.nonfinite
 

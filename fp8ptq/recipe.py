@@ -40,7 +40,7 @@ class Recipe:
     seq_len: int = 512
     batch_size: int = 8
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
 
     def __post_init__(self):
         self.validate()

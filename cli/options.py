@@ -1,0 +1,78 @@
+"""Recipe flags shared by ``quantize`` and ``eval`` (one definition, so they cannot drift)."""
+
+from __future__ import annotations
+
+import click
+
+from fp8ptq.errors import UsageError
+from fp8ptq.formats import ROUNDINGS
+from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from fp8ptq.recipe import Recipe
+
+RECIPE_OPTIONS = [
+    click.option("--recipe", "recipe_path", type=click.Path(),
+                 help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a run)."),
+    click.option("--calib-data", help="Calibration text: .txt/.json/.jsonl/.parquet file or hub "
+                 "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub)."),
+    click.option("--text-field", help="Text field of .json/.jsonl/.parquet calibration data."),
+    click.option("--num-samples", type=int, help="Calibration sequences [128]."),
+    click.option("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
+    click.option("--seed", type=int, help="Seed for sampling calibration windows [0]."),
+    click.option("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
+    click.option("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
+                 help="Weight scales per tensor, output channel or 2-D block [channel]."),
+    click.option("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
+    click.option("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
+                 help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
+    click.option("--weight-calib", help="Weight calibrator: max|mse [max]."),
+    click.option("--act-calib", help="Activation calibrator: max|percentile|mse [max]."),
+    click.option("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
+    click.option("--rounding", type=click.Choice(ROUNDINGS),
+                 help="Rounding of weights (default: the format's own)."),
+    click.option("--scale-pow2", is_flag=True, default=None,
+                 help="Round every scale up to a power of two (an exponent-bias shift)."),
+    click.option("--skip", multiple=True, help="Glob of module names to keep in high precision "
+                 "(repeatable). lm_head is skipped unless --quantize-lm-head."),
+    click.option("--quantize-lm-head", is_flag=True, default=None, help="Quantize lm_head too."),
+    click.option("--override", "overrides", multiple=True,
+                 help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
+    click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+                 help="Dtype the model is loaded and run in [bfloat16]."),
+]
+
+
+def recipe_options(f):
+    for option in reversed(RECIPE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def parse_overrides(items) -> dict[str, str] | None:
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        pattern, sep, fmt = item.partition("=")
+        if not sep or not pattern or not fmt:
+            raise UsageError(f"--override expects PATTERN=FORMAT, got {item!r}")
+        out[pattern.strip()] = fmt.strip()
+    return out
+
+
+def build_recipe(kwargs: dict, **extra) -> Recipe:
+    """Recipe file (if any) < flags given on the command line. Pops the recipe flags."""
+    path = kwargs.pop("recipe_path", None)
+    base = Recipe.load(path) if path else Recipe()
+    flags = dict(
+        calib_data=kwargs.pop("calib_data"), text_field=kwargs.pop("text_field"),
+        num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
+        seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
+        weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
+        act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
+        act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
+        rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
+        quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
+        overrides=parse_overrides(kwargs.pop("overrides")),
+        skip=list(kwargs.pop("skip")) or None, **extra)
+    return base.merged(**flags)
+

@@ -1,0 +1,88 @@
+"""The quantize job as a library call: load -> calibration data -> quantize -> (write).
+
+The CLI's ``quantize`` and ``eval --compare`` both run through here so that a variant evaluated
+on the fly is quantized exactly as a written checkpoint would be.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .data import build_calibration_set, load_texts, resolve_calib_spec
+from .errors import UsageError
+from .pipeline import QuantizeResult, quantize_model, token_batches
+from .recipe import Recipe
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class JobTimings:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, key):
+        timings = self
+
+        class _T:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timings.seconds[key] = timings.seconds.get(key, 0.0) + time.perf_counter() - \
+                    self.t0
+
+        return _T()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no CUDA device is available")
+    return device
+
+
+def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None):
+    from .loading import load_model
+
+    return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
+                      device_map=device_map)
+
+
+def needs_calibration(recipe: Recipe) -> bool:
+    return recipe.act_granularity == "tensor" and (recipe.act_format or recipe.format) != "none"
+
+
+def calibration_set(loaded, recipe: Recipe):
+    spec = resolve_calib_spec(recipe.calib_data)
+    texts = load_texts(spec, text_field=recipe.text_field)
+    return build_calibration_set(texts, loaded.tokenizer, num_samples=recipe.num_samples,
+                                 seq_len=recipe.seq_len, seed=recipe.seed, source=spec)
+
+
+def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
+                    timings: JobTimings | None = None) -> QuantizeResult:
+    """Quantize ``loaded.model`` in place. ``progress(total)`` returns a per-batch callback."""
+    timings = timings or JobTimings()
+    batches, tick = None, None
+    if calib is not None:
+        device = next(loaded.model.parameters()).device
+        batches = token_batches(calib.input_ids, recipe.batch_size, device)
+        n = -(-calib.input_ids.shape[0] // recipe.batch_size)
+        tick = progress(n) if progress else None
+    with timings.timed("calibrate+quantize"):
+        result = quantize_model(loaded.model, recipe, batches, progress=tick)
+    timings.seconds.update(result.seconds)
+    return result
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+__all__ = ["JobTimings", "load", "calibration_set", "quantize_loaded", "needs_calibration",
+           "peak_rss_mb", "resolve_device", "DTYPES"]
