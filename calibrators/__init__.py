@@ -2,19 +2,23 @@
 
 from fp8ptq.errors import UsageError
 
-from .max import MaxCalibrator, MaxWeightCalibrator
+from .max import CastCalibrator, MaxCalibrator, MaxWeightCalibrator
 from .mse import MseCalibrator, MseWeightCalibrator
 from .percentile import PercentileCalibrator
 
 ACTIVATION_CALIBRATORS = {"max": MaxCalibrator, "percentile": PercentileCalibrator,
-                          "mse": MseCalibrator}
-WEIGHT_CALIBRATORS = {"max": MaxWeightCalibrator, "mse": MseWeightCalibrator}
+                          "mse": MseCalibrator, "cast": CastCalibrator}
+# Layer-output-aware activation calibrators (they need row samples and the weight):
+# implemented in ``layerwise``, listed here so names validate in one place.
+LAYERWISE_CALIBRATORS = ("best", "pow2-search")
+WEIGHT_CALIBRATORS = {"max": MaxWeightCalibrator, "mse": MseWeightCalibrator,
+                      "cast": CastCalibrator}
 
 
 def activation_calibrator(name: str, **options):
     if name not in ACTIVATION_CALIBRATORS:
         raise UsageError(f"unknown activation calibrator {name!r}; valid: "
-                         f"{', '.join(ACTIVATION_CALIBRATORS)}")
+                         f"{', '.join([*ACTIVATION_CALIBRATORS, *LAYERWISE_CALIBRATORS])}")
     cls = ACTIVATION_CALIBRATORS[name]
     return cls(**options) if name == "percentile" else cls()
 

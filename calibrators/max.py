@@ -17,3 +17,16 @@ class MaxWeightCalibrator:
 
     def amax(self, w2d: torch.Tensor, granularity, fmt) -> torch.Tensor:
         return granularity.amax(w2d)
+
+
+class CastCalibrator:
+    """Direct cast, no calibration: amax = the format's max, i.e. scale 1 (seed 003's
+    'direct-cast', seed 002's trans-precision inference)."""
+
+    name = "cast"
+
+    def amax(self, stats_or_w, *args):
+        fmt = args[-1]
+        if torch.is_tensor(stats_or_w):  # weights: one value per granularity group
+            return torch.full_like(args[0].amax(stats_or_w), fmt.max)
+        return fmt.max

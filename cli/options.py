@@ -24,8 +24,8 @@ RECIPE_OPTIONS = [
     click.option("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     click.option("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
                  help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
-    click.option("--weight-calib", help="Weight calibrator: max|mse [max]."),
-    click.option("--act-calib", help="Activation calibrator: max|percentile|mse [max]."),
+    click.option("--weight-calib", help="Weight calibrator: max|mse|cast [max]."),
+    click.option("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
     click.option("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
     click.option("--rounding", type=click.Choice(ROUNDINGS),
                  help="Rounding of weights (default: the format's own)."),
@@ -36,6 +36,20 @@ RECIPE_OPTIONS = [
     click.option("--quantize-lm-head", is_flag=True, default=None, help="Quantize lm_head too."),
     click.option("--override", "overrides", multiple=True,
                  help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
+    click.option("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
+                 "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    click.option("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
+                 "pow2-search [-4,5]."),
+    click.option("--bn-retune", is_flag=True, default=None,
+                 help="Re-estimate BatchNorm statistics with quantization active (CNNs)."),
+    click.option("--keep-depthwise", is_flag=True, default=None,
+                 help="Keep depthwise convolutions in high precision."),
+    click.option("--keep-first-last", is_flag=True, default=None,
+                 help="Keep the first and the last GEMM in high precision (CNNs)."),
+    click.option("--quantize-attention", is_flag=True, default=None,
+                 help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
+    click.option("--quantize-residual", is_flag=True, default=None,
+                 help="Also quantize the inputs of residual additions."),
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
                  help="Dtype the model is loaded and run in [bfloat16]."),
 ]
@@ -59,6 +73,16 @@ def parse_overrides(items) -> dict[str, str] | None:
     return out
 
 
+def parse_range(text):
+    if text is None:
+        return None
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--pow2-range expects LOW,HIGH integers, got {text!r}") from None
+    return (low, high)
+
+
 def build_recipe(kwargs: dict, **extra) -> Recipe:
     """Recipe file (if any) < flags given on the command line. Pops the recipe flags."""
     path = kwargs.pop("recipe_path", None)
@@ -73,6 +97,11 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
+        smoothquant=kwargs.pop("smoothquant"), pow2_range=parse_range(kwargs.pop("pow2_range")),
+        bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
+        keep_first_last=kwargs.pop("keep_first_last"),
+        quantize_attention=kwargs.pop("quantize_attention"),
+        quantize_residual=kwargs.pop("quantize_residual"),
         skip=list(kwargs.pop("skip")) or None, **extra)
     return base.merged(**flags)
 

@@ -14,7 +14,7 @@ import torch
 
 from .data import build_calibration_set, load_texts, resolve_calib_spec
 from .errors import UsageError
-from .pipeline import QuantizeResult, quantize_model, token_batches
+from .pipeline import QuantizeResult, calibration_passes, quantize_model, token_batches
 from .recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,7 +72,7 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
     if calib is not None:
         device = next(loaded.model.parameters()).device
         batches = token_batches(calib.input_ids, recipe.batch_size, device)
-        n = -(-calib.input_ids.shape[0] // recipe.batch_size)
+        n = -(-calib.input_ids.shape[0] // recipe.batch_size) * calibration_passes(recipe)
         tick = progress(n) if progress else None
     with timings.timed("calibrate+quantize"):
         result = quantize_model(loaded.model, recipe, batches, progress=tick)

@@ -92,13 +92,30 @@ class TensorStats:
         return self.count > 0
 
 
-class StatsCollector:
-    """Forward pre-hooks that feed each module's first input into its ``TensorStats``."""
+def sample_rows(x: torch.Tensor, channel_dim: int, stride: int) -> torch.Tensor:
+    """Every ``stride``-th row of ``x`` seen as [rows, channels] (deterministic positions, so a
+    later pass over the same batch picks the same tokens)."""
+    if channel_dim != -1 and channel_dim != x.dim() - 1:
+        x = x.movedim(channel_dim, -1)
+    return x.reshape(-1, x.shape[-1])[::stride]
 
-    def __init__(self, modules: dict[str, nn.Module], channel_dims: dict[str, int] | None = None):
+
+class StatsCollector:
+    """Forward pre-hooks that feed each module's first input into its ``TensorStats``.
+
+    With ``sample_batches`` > 0 it also keeps, from the first ``sample_batches`` batches, every
+    ``row_stride``-th input row of each module: bounded samples for calibrators that measure
+    the layer's output error (best-of, power-of-two search, SmoothQuant auto).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], channel_dims: dict[str, int] | None = None,
+                 sample_batches: int = 0, row_stride: int = 16):
         self.modules = modules
         self.channel_dims = channel_dims or {}
         self.stats = {name: TensorStats() for name in modules}
+        self.sample_batches, self.row_stride = sample_batches, row_stride
+        self.samples: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        self.batch_index = 0
 
     @contextmanager
     def observing(self):
@@ -116,5 +133,14 @@ class StatsCollector:
         def hook(_module, args):
             if args and torch.is_tensor(args[0]):
                 self.stats[name].update(args[0], dim)
+                if self.batch_index < self.sample_batches:
+                    rows = sample_rows(args[0].detach(), dim, self.row_stride)
+                    self.samples[name].append(rows.float().cpu())
 
         return hook
+
+    def next_batch(self) -> None:
+        self.batch_index += 1
+
+    def row_samples(self) -> dict[str, torch.Tensor]:
+        return {n: torch.cat(rows) for n, rows in self.samples.items() if rows}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,8 @@ from .calibrators import activation_calibrator, weight_calibrator
 from .errors import NumericsError, UsageError
 from .formats import FormatSpec, encode, get_format
 from .granularity import weight_granularity
-from .model.gemm import find_gemms, input_channel_dim, kind, matches, set_submodule, weight_2d
+from .model.gemm import (find_gemms, input_channel_dim, is_depthwise, kind, matches,
+                         set_submodule, weight_2d)
 from .observers import StatsCollector, TensorStats
 from .qmodules import QuantGemm
 from .recipe import Recipe
@@ -42,6 +44,7 @@ class ModuleReport:
     input_scale: float | None = None
     input_sqnr_db: float | None = None
     warnings: list[str] = field(default_factory=list)
+    act_calib: str | None = None  # which calibrator set the input scale (best-of records its pick)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class QuantizeResult:
     stats: dict[str, TensorStats]
     seconds: dict[str, float]
     warnings: list[str]
+    extras: dict = field(default_factory=dict)  # reports of optional stages, by stage name
 
 
 def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[str]]:
@@ -60,8 +64,11 @@ def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[s
     act_name = recipe.act_format or recipe.format
     base_a = None if act_name == "none" else get_format(act_name)
     targets, skipped = [], []
-    for name, module in find_gemms(model):
-        if isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns):
+    gemms = list(find_gemms(model))
+    edge = {gemms[0][0], gemms[-1][0]} if recipe.keep_first_last and gemms else set()
+    for name, module in gemms:
+        if (isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns) or name in edge
+                or (recipe.keep_depthwise and is_depthwise(module))):
             skipped.append(name)
             continue
         override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
@@ -74,59 +81,116 @@ def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[s
     return targets, skipped
 
 
-def collect_stats(model: nn.Module, targets: list[Target], batches: Iterable[dict],
-                  progress=None) -> dict[str, TensorStats]:
+LAYER_AWARE_CALIBRATORS = ("best", "pow2-search")
+SAMPLE_BATCHES = 2  # batches whose input rows are kept for layer-output-aware calibrators
+
+
+def collect_stats(model: nn.Module, targets: list[Target], batches: list, progress=None,
+                  sample_batches: int = 0, taps=None) -> StatsCollector:
     """Run the calibration data through the model once, observing every target's input."""
     modules = {t.name: t.module for t in targets}
     dims = {t.name: input_channel_dim(t.module) for t in targets}
-    collector = StatsCollector(modules, dims)
+    collector = StatsCollector(modules, dims, sample_batches=sample_batches)
     with collector.observing(), torch.inference_mode():
         for batch in batches:
-            model(**batch) if isinstance(batch, dict) else model(batch)
+            run_batch(model, batch)
+            collector.next_batch()
             if progress is not None:
                 progress()
-    return collector.stats
+    return collector
 
 
-def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable[dict] | None = None,
+def run_batch(model: nn.Module, batch):
+    return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def calibration_passes(recipe: Recipe) -> int:
+    """How many times the calibration batches go through the model (for progress bars)."""
+    return 1 + (recipe.smoothquant is not None) + recipe.bn_retune
+
+
+def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
                    progress=None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations)."""
-    times = {}
+    times: dict[str, float] = {}
+    batches = list(batches) if batches is not None else None
     targets, skipped = plan_targets(model, recipe)
     if not targets:
         raise UsageError("no GEMM module left to quantize (check --skip / --override)")
     static_acts = recipe.act_granularity == "tensor" and any(t.act_format for t in targets)
+    layer_aware = recipe.act_calib in LAYER_AWARE_CALIBRATORS
+    if batches is None and (static_acts or recipe.smoothquant is not None or recipe.bn_retune
+                            or recipe.quantize_attention or recipe.quantize_residual):
+        raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
+                         "activations (--act-granularity token) alone need none")
+    extras: dict = {}
+
     t0 = time.perf_counter()
-    stats: dict[str, TensorStats] = {}
+    if recipe.smoothquant is not None:
+        from .smoothquant import apply_smoothquant
+
+        pre = collect_stats(model, targets, batches, progress, sample_batches=SAMPLE_BATCHES)
+        extras["smoothquant"] = apply_smoothquant(model, targets, pre.stats,
+                                                  pre.row_samples(), recipe)
+    times["smoothquant"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    taps = None
+    if recipe.quantize_attention or recipe.quantize_residual:
+        from .taps import ActivationTaps
+
+        taps = ActivationTaps(model, recipe)
+    collector = None
     if batches is not None:
-        stats = collect_stats(model, targets, batches, progress)
-    elif static_acts:
-        raise UsageError("static per-tensor activation scales need calibration data "
-                         "(--calib-data), or use --act-granularity token")
+        with taps.observing() if taps else nullcontext():
+            collector = collect_stats(model, targets, batches, progress,
+                                      sample_batches=SAMPLE_BATCHES if layer_aware else 0)
     times["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    reports, all_warnings = [], []
+    stats = collector.stats if collector else {}
     gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
     w_calib = weight_calibrator(recipe.weight_calib)
-    a_calib = activation_calibrator(recipe.act_calib, percentile=recipe.percentile)
+    chosen = {}
+    if layer_aware and static_acts:
+        from .calibrators.layerwise import choose_layerwise
+
+        chosen = choose_layerwise(model, targets, stats, collector.row_samples(), recipe, gran,
+                                  w_calib, batches[:SAMPLE_BATCHES])
+    a_calib = None if layer_aware else activation_calibrator(recipe.act_calib,
+                                                            percentile=recipe.percentile)
+    reports, all_warnings = [], []
     for t in targets:
-        report = _quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name))
+        report = _quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
+                                  chosen.get(t.name))
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
+    if taps is not None:
+        extras["taps"] = taps.freeze(recipe)
     times["quantize"] = time.perf_counter() - t0
-    return QuantizeResult(model, reports, skipped, stats, times, all_warnings)
+
+    if recipe.bn_retune:
+        from .bn_retune import retune_batchnorm
+
+        t0 = time.perf_counter()
+        extras["bn_retune"] = retune_batchnorm(model, batches, progress)
+        times["bn_retune"] = time.perf_counter() - t0
+    return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras)
 
 
-def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats):
+def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None):
+    """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``)."""
     warnings: list[str] = []
     w2d = weight_2d(t.module).detach().float()
     if not bool(torch.isfinite(w2d).all()):
         raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize it")
-    w_amax = w_calib.amax(w2d, gran, t.weight_format)
-    w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
-                            warnings=warnings)
+    if chosen is not None and chosen.weight_scale is not None:
+        w_scale, gran = chosen.weight_scale, chosen.weight_granularity
+    else:
+        w_amax = w_calib.amax(w2d, gran, t.weight_format)
+        w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
+                                warnings=warnings)
     rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
     codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
 
@@ -138,9 +202,13 @@ def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats):
         else:
             if stats.nonfinite:
                 warnings.append(f"{stats.nonfinite} non-finite input values ignored")
-            input_amax = a_calib.amax(stats, t.act_format)
-        input_scale = amax_to_scale(input_amax, t.act_format, pow2=recipe.scale_pow2,
-                                    what="input", warnings=warnings)
+            input_amax = chosen.input_amax if chosen is not None else a_calib.amax(
+                stats, t.act_format)
+        if chosen is not None and chosen.input_scale is not None:
+            input_scale = chosen.input_scale
+        else:
+            input_scale = amax_to_scale(input_amax, t.act_format, pow2=recipe.scale_pow2,
+                                        what="input", warnings=warnings)
         if stats is not None and stats.seen:
             input_sqnr = histogram_sqnr_db(stats, float(input_scale), t.act_format)
 
@@ -155,7 +223,8 @@ def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats):
         weight_amax=float(w2d.abs().max()), weight_scale_min=float(w_scale.min()),
         weight_scale_max=float(w_scale.max()), weight_sqnr_db=w_sqnr,
         input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
-        input_sqnr_db=input_sqnr, warnings=warnings)
+        input_sqnr_db=input_sqnr, warnings=warnings,
+        act_calib=chosen.method if chosen is not None else recipe.act_calib)
 
 
 def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Iterable[dict]:

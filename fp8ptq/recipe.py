@@ -34,6 +34,13 @@ class Recipe:
     skip: list[str] = field(default_factory=list)
     quantize_lm_head: bool = False
     overrides: dict[str, str] = field(default_factory=dict)  # glob -> format name or "none"
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
+    bn_retune: bool = False
+    keep_depthwise: bool = False
+    keep_first_last: bool = False
+    quantize_attention: bool = False
+    quantize_residual: bool = False
     calib_data: str | None = None
     text_field: str | None = None
     num_samples: int = 128
@@ -57,11 +64,27 @@ class Recipe:
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        from .calibrators import (ACTIVATION_CALIBRATORS, LAYERWISE_CALIBRATORS,
+                                  WEIGHT_CALIBRATORS)
+
+        _choice("act_calib", self.act_calib, (*ACTIVATION_CALIBRATORS, *LAYERWISE_CALIBRATORS))
+        _choice("weight_calib", self.weight_calib, tuple(WEIGHT_CALIBRATORS))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
         for key in ("block_size", "num_samples", "seq_len", "batch_size"):
             if getattr(self, key) < 1:
                 raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.smoothquant is not None and self.smoothquant != "auto":
+            try:
+                self.smoothquant = float(self.smoothquant)
+            except ValueError:
+                raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
+                                 f"{self.smoothquant!r}") from None
+            if not 0 <= self.smoothquant <= 1:
+                raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        self.pow2_range = tuple(int(v) for v in self.pow2_range)
+        if len(self.pow2_range) != 2 or self.pow2_range[0] > self.pow2_range[1]:
+            raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
 
@@ -70,7 +93,9 @@ class Recipe:
         return list(self.skip) + ([] if self.quantize_lm_head else ["lm_head"])
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["pow2_range"] = list(self.pow2_range)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
