@@ -20,13 +20,13 @@ class MaxWeightCalibrator:
 
 
 class CastCalibrator:
-    """Direct cast, no calibration: amax = the format's max, i.e. scale 1 (seed 003's
-    'direct-cast', seed 002's trans-precision inference)."""
+    """Direct cast, no calibration: scale 1 (seed 003's 'direct-cast', seed 002's
+    trans-precision inference)."""
 
     name = "cast"
 
     def amax(self, stats_or_w, *args):
         fmt = args[-1]
         if torch.is_tensor(stats_or_w):  # weights: one value per granularity group
-            return torch.full_like(args[0].amax(stats_or_w), fmt.max)
-        return fmt.max
+            return torch.full_like(args[0].amax(stats_or_w), fmt.calibration_max)
+        return fmt.calibration_max

@@ -7,6 +7,8 @@ granularity group, each group picking its own best candidate.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fp8ptq.formats import quantize_values
@@ -18,11 +20,13 @@ WEIGHT_RATIOS = torch.linspace(1.0, 0.5, 11)
 
 
 def candidate_ratios(fmt, default: torch.Tensor) -> torch.Tensor:
-    """Tapered formats (HiF8) are most precise near 1, far below their max: their candidates
-    map amax anywhere from max down to 1, in quarter-octave steps."""
+    """Clip-range candidates as multiples of amax (scale = candidate / calibration_max). For
+    tapered formats (HiF8) they map amax anywhere from 1 up to the format's max, in
+    quarter-octave steps."""
     if not fmt.tapered:
         return default
-    return torch.exp2(-torch.arange(0, int(4 * torch.log2(torch.tensor(fmt.max))) + 1) / 4.0)
+    lo, hi = -math.log2(fmt.calibration_max), math.log2(fmt.max / fmt.calibration_max)
+    return torch.exp2(torch.arange(int(4 * hi), int(4 * lo) - 1, -1) / 4.0)
 
 
 def _fake_quant(x: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
@@ -43,7 +47,7 @@ class MseCalibrator:
         centers = bin_centers()[nz].clamp(max=stats.amax).float()
         weights = counts[nz]
         candidates = stats.amax * candidate_ratios(fmt, self.ratios)
-        scales = (candidates / fmt.max).float().unsqueeze(1)
+        scales = (candidates / fmt.calibration_max).float().unsqueeze(1)
         err = (_fake_quant(centers.unsqueeze(0), scales, fmt) - centers).double().pow(2)
         return float(candidates[int(torch.argmin(err @ weights))])
 
@@ -59,7 +63,7 @@ class MseWeightCalibrator:
         amax = granularity.amax(w)
         best_err, best = None, amax.clone()
         for r in candidate_ratios(fmt, self.ratios).tolist():
-            scale = (amax * r / fmt.max).clamp(min=torch.finfo(torch.float32).tiny)
+            scale = (amax * r / fmt.calibration_max).clamp(min=torch.finfo(torch.float32).tiny)
             err = granularity.reduce((_fake_quant(w, granularity.expand(scale, w), fmt) - w)
                                      .pow(2), "sum")
             if best_err is None:

@@ -27,10 +27,11 @@ class QuantGemm(nn.Module):
         self.weight_granularity = weight_granularity
         self.act_format = get_format(act_format) if act_format is not None else None
         self.act_granularity = act_granularity
-        self.register_buffer("weight_codes", weight_codes.to(torch.uint8))
-        self.register_buffer("weight_scale", weight_scale.float())
+        # clone: scales chosen under torch.inference_mode must not stay inference tensors
+        self.register_buffer("weight_codes", weight_codes.to(torch.uint8).clone())
+        self.register_buffer("weight_scale", weight_scale.float().clone())
         self.register_buffer("input_scale", None if input_scale is None else
-                             input_scale.float().reshape(1))
+                             input_scale.float().reshape(1).clone())
         dtype = inner.weight.dtype
         with torch.no_grad():
             inner.weight.data = weight_from_2d(inner, self.dequantized_weight_2d().to(dtype))

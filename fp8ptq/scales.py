@@ -1,6 +1,7 @@
 """From clip range (amax) to scale, with the guards every scale goes through.
 
-scale = amax / format.max, so the clip range maps onto the format's largest finite value. A scale
+scale = amax / format.calibration_max: the clip range maps onto the format's largest finite value
+(or, for tapered formats like HiF8, onto the top of its full-precision range). A scale
 is always finite and > 0: an all-zero tensor, a module that saw no calibration tokens or a
 non-finite amax gets scale 1 and a warning.
 """
@@ -22,8 +23,8 @@ def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "ten
         if warnings is not None:
             warnings.append(f"{what}: {int(bad.sum())} of {amax.numel()} scale group(s) had "
                             "amax 0 or non-finite (all-zero, constant or never seen); scale 1 used")
-        amax = torch.where(bad, torch.full_like(amax, fmt.max), amax)
-    scale = (amax / fmt.max).clamp(min=TINY)
+        amax = torch.where(bad, torch.full_like(amax, fmt.calibration_max), amax)
+    scale = (amax / fmt.calibration_max).clamp(min=TINY)
     if pow2:
         # Seed 004: a power-of-two scale is an exponent-bias shift. Round up so nothing clips.
         scale = torch.exp2(torch.ceil(torch.log2(scale)))

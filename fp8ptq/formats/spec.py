@@ -97,6 +97,19 @@ class FormatSpec:
         return self.is_float and len(widths - {min(widths)}) > 1
 
     @property
+    def calibration_max(self) -> float:
+        """The value a calibrated amax is mapped onto. For uniform formats their max; for
+        tapered ones the top of the full-precision range (2^4 for HiF8, whose 3-bit mantissa
+        ends there), since mapping amax onto 2^15 would leave 1 mantissa bit for large values
+        and push the bulk of a tensor towards the low-precision bottom."""
+        if not self.tapered:
+            return self.max
+        lay = self.layout
+        widths = [e - s for e, s in zip(range(lay.e_lo, lay.e_hi + 1), lay.step_log2.tolist())]
+        top = max(e for e, w in zip(range(lay.e_lo, lay.e_hi + 1), widths) if w == max(widths))
+        return 2.0 ** (top + 1)
+
+    @property
     def binades(self) -> int:
         """Powers of two covered from the smallest non-zero magnitude to the largest finite."""
         return math.floor(math.log2(self.max)) - math.floor(math.log2(self.min_subnormal)) + 1
@@ -120,6 +133,7 @@ class FormatSpec:
             "has_nan": self.has_nan,
             "has_negative_zero": self.has_negative_zero,
             "binades": self.binades,
+            "calibration_max": self.calibration_max,
             "torch_dtype": self.torch_dtype,
             "description": self.description,
         }
