@@ -1,0 +1,230 @@
+"""Loading a model + tokenizer from a hub id, a local folder, a ``.gguf`` file or an fp8ptq output."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
+
+from .errors import UsageError
+
+TASK_CLASSES = {
+    "causal-lm": AutoModelForCausalLM,
+    "qa": AutoModelForQuestionAnswering,
+    "seq-cls": AutoModelForSequenceClassification,
+    "base": AutoModel,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: str  # what the user passed
+    kind: str  # "hub" | "local" | "gguf" ("fp8ptq" from fp8ptq.checkpoint.load_quantized)
+    resolved_path: str  # local folder, hub id, or for a .gguf its dequantized copy in the cache
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    device_map: Any = None,
+    task: str | None = None,
+) -> LoadedModel:
+    """Load ``spec`` (local folder, ``.gguf`` file or hub id) in eval mode, with a tokenizer
+    that has a pad token. ``task`` ("causal-lm", "qa", "seq-cls", "base") overrides the model
+    class that ``config.architectures`` implies."""
+    if task is not None and task not in TASK_CLASSES:
+        raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASK_CLASSES)}")
+    path = Path(spec).expanduser()
+    load_kwargs = dict(dtype=dtype, device=device, device_map=device_map, task=task)
+
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _load_gguf(spec, path.resolve(), **load_kwargs)
+    if path.is_dir():
+        if (path / "fp8ptq.json").is_file():
+            from .checkpoint import load_quantized
+
+            return load_quantized(str(path), device=device)
+        if not (path / "config.json").is_file():
+            raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
+        return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
+    if path.exists():
+        raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json or a .gguf file")
+    if _looks_like_path(spec):
+        raise UsageError(f"cannot load model {spec!r}: no such file or folder")
+    return _load_from_hub(spec, **load_kwargs)
+
+
+def _looks_like_path(spec: str) -> bool:
+    # A hub id "org/name" has one "/", so a single separator does not make a path on its own.
+    return (
+        spec.startswith((os.sep, ".", "~"))
+        or spec.count(os.sep) > 1
+        or (os.sep != "/" and os.sep in spec)
+        or spec.endswith(".gguf")
+    )
+
+
+def model_class(config, task: str | None = None):
+    """The Auto class for ``config``: ``task`` if given, else by ``config.architectures``."""
+    if task is not None:
+        return TASK_CLASSES[task]
+    architectures = getattr(config, "architectures", None) or []
+    for arch in architectures:
+        if arch.endswith("ForQuestionAnswering"):
+            return AutoModelForQuestionAnswering
+        if arch.endswith("ForSequenceClassification"):
+            return AutoModelForSequenceClassification
+        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+            return AutoModelForCausalLM
+    return AutoModel
+
+
+def _load_pretrained(source, location, kind, *, dtype, device, device_map, task, **hub_kwargs):
+    """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id)."""
+    config = AutoConfig.from_pretrained(location, **hub_kwargs)
+    cls = model_class(config, task)
+    extra = {} if device_map is None else {"device_map": device_map}
+    model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **hub_kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from e
+    return LoadedModel(model, _with_pad_token(tokenizer), source, kind, location)
+
+
+def _with_pad_token(tokenizer):
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# --- hub ---------------------------------------------------------------------------------
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds.
+
+    Checked up front because the hub client otherwise retries an unreachable host for ~25 s
+    before failing. Behind a proxy we cannot tell, so we say yes and let the client try."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_offline() -> bool:
+    """True when the hub must not be contacted: offline mode set, or it cannot be reached."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or not hub_reachable()
+
+
+def _load_from_hub(spec, **load_kwargs) -> LoadedModel:
+    offline = hub_offline()
+    try:
+        # Offline, the local HF cache may still hold the model.
+        return _load_pretrained(spec, spec, "hub", local_files_only=offline, **load_kwargs)
+    except UsageError:
+        raise
+    except (OSError, ValueError) as e:
+        if offline:
+            raise UsageError(
+                f"cannot load model {spec!r}: not a local path and the Hugging Face hub is "
+                f"unreachable ({_first_line(e)})"
+            ) from e
+        raise UsageError(f"cannot load model {spec!r} from the Hugging Face hub: {_first_line(e)}") from e
+
+
+# --- GGUF --------------------------------------------------------------------------------
+
+
+def gguf_cache_root() -> Path:
+    root = os.environ.get("FP8PTQ_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "fp8ptq"
+    return base / "gguf"
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the dequantized copy of ``gguf_path`` lives; changes when the file does (size,
+    mtime) or when transformers does (its conversion may change between versions)."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return gguf_cache_root() / f"{gguf_path.stem}-{digest}"
+
+
+def _load_gguf(source, gguf_path: Path, *, task, **load_kwargs) -> LoadedModel:
+    cached = gguf_cache_dir(gguf_path)
+    if not (cached / "config.json").is_file():
+        model, tokenizer = _dequantize_gguf(gguf_path, task)
+        _save_atomically(model, tokenizer, cached)
+        del model
+    # Loading back from the cache even the first time keeps first and later loads identical.
+    return _load_pretrained(source, str(cached), "gguf", task=task, **load_kwargs)
+
+
+def _dequantize_gguf(gguf_path: Path, task: str | None):
+    from transformers import GgufConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    # Without dequantize=True transformers may keep the weights packed in GGUF blocks
+    # (GgufLinear) when it finds a kernel; quantizing needs plain nn.Linear weights.
+    model = model_class(None, task or "causal-lm").from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer
+
+
+def _save_atomically(model, tokenizer, target: Path) -> None:
+    """Write the folder next to ``target`` and rename it into place, so a reader never sees
+    half a cache entry."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first: keep theirs.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

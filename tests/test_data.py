@@ -1,0 +1,235 @@
+import hashlib
+import json
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from fp8ptq.data import (
+    DEFAULT_CALIB,
+    CalibrationSet,
+    build_calibration_set,
+    load_texts,
+    resolve_calib_spec,
+    token_sha256,
+)
+from fp8ptq.errors import DataError, UsageError
+
+ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
+MINILM = ASSETS / "models" / "minilm-squad"
+needs_assets = pytest.mark.skipif(not ASSETS.is_dir(), reason="shared assets not present")
+
+DOCS = ["the quick brown fox", "jumps over the lazy dog", "hello world"]
+
+
+def write(path: Path, text: str) -> str:
+    path.write_bytes(text.encode("utf-8"))
+    return str(path)
+
+
+# --- load_texts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".raw"])
+def test_line_files_strip_and_skip_blank_lines(tmp_path, suffix):
+    spec = write(tmp_path / f"c{suffix}", "  the quick brown fox \r\n\r\njumps over the lazy dog\r\n   \nhello world")
+    assert load_texts(spec) == DOCS
+
+
+def test_json_list_of_strings(tmp_path):
+    assert load_texts(write(tmp_path / "c.json", json.dumps(DOCS + ["  "]))) == DOCS
+
+
+def test_json_records_default_and_custom_field(tmp_path):
+    spec = write(tmp_path / "c.json", json.dumps([{"text": d, "body": d.upper()} for d in DOCS]))
+    assert load_texts(spec) == DOCS
+    assert load_texts(spec, text_field="body") == [d.upper() for d in DOCS]
+
+
+def test_json_data_object(tmp_path):
+    spec = write(tmp_path / "c.json", json.dumps({"version": 2, "data": [{"text": d} for d in DOCS]}))
+    assert load_texts(spec) == DOCS
+
+
+def test_json_squad_uses_contexts(tmp_path):
+    squad = {
+        "version": "1.1",
+        "data": [
+            {"title": "A", "paragraphs": [{"context": DOCS[0], "qas": []}, {"context": DOCS[1], "qas": []}]},
+            {"title": "B", "paragraphs": [{"context": DOCS[2], "qas": [{"question": "q?"}]}]},
+        ],
+    }
+    assert load_texts(write(tmp_path / "squad.json", json.dumps(squad))) == DOCS
+
+
+@needs_assets
+def test_squad_asset():
+    texts = load_texts(str(ASSETS / "squad-v1.1" / "dev-train.json"))
+    assert len(texts) > 100
+    assert texts[0].startswith("Super Bowl 50 was an American football game")
+
+
+def test_jsonl(tmp_path):
+    lines = [json.dumps({"id": i, "text": d}) for i, d in enumerate(DOCS)]
+    spec = write(tmp_path / "c.jsonl", "\n".join(lines[:2]) + "\n\n" + lines[2] + "\n")
+    assert load_texts(spec) == DOCS
+
+
+def test_jsonl_custom_field(tmp_path):
+    spec = write(tmp_path / "c.jsonl", "\n".join(json.dumps({"content": d}) for d in DOCS))
+    assert load_texts(spec, text_field="content") == DOCS
+
+
+def test_parquet(tmp_path):
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "c.parquet"
+    pd.DataFrame({"text": DOCS + [None], "label": [0, 1, 2, 3]}).to_parquet(path)
+    assert load_texts(str(path)) == DOCS
+    with pytest.raises(DataError, match=r"no text column 'body'; available columns: text, label"):
+        load_texts(str(path), text_field="body")
+
+
+def test_missing_field_lists_available_fields(tmp_path):
+    spec = write(tmp_path / "c.jsonl", json.dumps({"id": 1, "content": "x"}))
+    with pytest.raises(DataError, match=r"no text field 'text'; available fields: id, content"):
+        load_texts(spec)
+    spec = write(tmp_path / "c.json", json.dumps([{"body": "x"}]))
+    with pytest.raises(DataError, match=r"no text field 'text'; available fields: body"):
+        load_texts(spec)
+
+
+def test_non_text_field(tmp_path):
+    spec = write(tmp_path / "c.jsonl", json.dumps({"text": 3}))
+    with pytest.raises(DataError, match="holds int, not text"):
+        load_texts(spec)
+
+
+def test_bad_json_line(tmp_path):
+    spec = write(tmp_path / "c.jsonl", json.dumps({"text": "ok"}) + "\n{oops\n")
+    with pytest.raises(DataError, match=r"c.jsonl:2: not valid JSON"):
+        load_texts(spec)
+
+
+@pytest.mark.parametrize("spec", ["missing.txt", "data/missing.jsonl", "./missing", "a/b/missing.csv"])
+def test_missing_file_names_the_path(spec):
+    with pytest.raises(DataError, match="not found") as excinfo:
+        load_texts(spec)
+    assert spec in str(excinfo.value)
+
+
+@pytest.mark.parametrize("suffix, content", [(".txt", "\r\n  \n"), (".json", "[]"), (".jsonl", "")])
+def test_empty_file(tmp_path, suffix, content):
+    with pytest.raises(DataError, match="no text"):
+        load_texts(write(tmp_path / f"empty{suffix}", content))
+
+
+def test_unsupported_suffix(tmp_path):
+    with pytest.raises(DataError, match="unsupported calibration file type '.csv'"):
+        load_texts(write(tmp_path / "c.csv", "text\nhello\n"))
+
+
+def test_hub_dataset_offline_is_one_clear_error():
+    start = time.perf_counter()
+    with pytest.raises(UsageError) as excinfo:
+        load_texts("no-such-dataset-xyz:cfg:train")
+    assert time.perf_counter() - start < 30
+    assert excinfo.type is UsageError
+    message = str(excinfo.value)
+    assert "hub is unreachable" in message and "local" in message
+    assert "\n" not in message
+
+
+def test_resolve_calib_spec():
+    assert resolve_calib_spec(None) == DEFAULT_CALIB == "wikitext:wikitext-2-raw-v1:train"
+    assert resolve_calib_spec("") == DEFAULT_CALIB
+    assert resolve_calib_spec("my.txt") == "my.txt"
+
+
+@needs_assets
+def test_wikitext_raw_asset():
+    texts = load_texts(str(ASSETS / "wikitext-2-raw" / "wiki.test.raw"))
+    assert texts[0] == "= Robert Boulter ="
+    assert not any("\r" in t for t in texts)
+
+
+# --- build_calibration_set -----------------------------------------------------------------
+
+
+@pytest.fixture
+def corpus():
+    return [" ".join(["the quick brown fox jumps over the lazy dog"] * 3), "hello world and hello again"] * 20
+
+
+def test_shape_and_metadata(corpus, word_tokenizer):
+    calib = build_calibration_set(corpus, word_tokenizer, num_samples=8, seq_len=16, seed=3, source="mem")
+    assert isinstance(calib, CalibrationSet)
+    assert calib.input_ids.shape == (8, 16) and calib.input_ids.dtype == torch.long
+    assert (calib.num_samples, calib.seq_len, calib.seed, calib.source) == (8, 16, 3, "mem")
+    per_doc = [len(word_tokenizer(d, add_special_tokens=False)["input_ids"]) for d in corpus]
+    assert calib.num_tokens == sum(per_doc) + len(corpus) - 1  # one eos between documents
+
+
+def test_windows_are_slices_of_the_eos_joined_corpus(corpus, word_tokenizer):
+    calib = build_calibration_set(corpus, word_tokenizer, num_samples=4, seq_len=20)
+    eos = word_tokenizer.eos_token_id
+    joined = []
+    for i, doc in enumerate(corpus):
+        joined += ([eos] if i else []) + word_tokenizer(doc, add_special_tokens=False)["input_ids"]
+    assert len(joined) == calib.num_tokens
+    for row in calib.input_ids.tolist():
+        assert any(joined[s : s + 20] == row for s in range(len(joined) - 19))
+
+
+def test_seeded_sampling_is_deterministic(corpus, word_tokenizer):
+    a = build_calibration_set(corpus, word_tokenizer, num_samples=6, seq_len=12, seed=7)
+    b = build_calibration_set(corpus, word_tokenizer, num_samples=6, seq_len=12, seed=7)
+    c = build_calibration_set(corpus, word_tokenizer, num_samples=6, seq_len=12, seed=8)
+    assert torch.equal(a.input_ids, b.input_ids) and a.sha256 == b.sha256
+    assert not torch.equal(a.input_ids, c.input_ids) and a.sha256 != c.sha256
+
+
+def test_hash_is_sha256_of_int64_token_bytes():
+    ids = torch.arange(6).reshape(2, 3)
+    assert token_sha256(ids) == hashlib.sha256(np.arange(6, dtype="<i8").tobytes()).hexdigest()
+    # A fixed value, so a change of hashing scheme cannot go unnoticed.
+    assert token_sha256(ids) == "f190072c5052f4f440d4a607c25f5bced487c420806c9aab4ca5b0653e72da61"
+    assert token_sha256(ids.to(torch.int32)) == token_sha256(ids)
+
+
+def test_too_short(word_tokenizer):
+    with pytest.raises(DataError, match=r"calibration data too short: 4 tokens, need at least 9"):
+        build_calibration_set(["the quick brown fox"], word_tokenizer, num_samples=2, seq_len=8)
+
+
+def test_overlap_warns(word_tokenizer):
+    docs = ["the quick brown fox jumps over the lazy dog"] * 4  # 39 tokens
+    with pytest.warns(UserWarning, match="windows will overlap"):
+        calib = build_calibration_set(docs, word_tokenizer, num_samples=8, seq_len=16)
+    assert calib.input_ids.shape == (8, 16)
+
+
+def test_no_warning_when_corpus_is_large(corpus, word_tokenizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_calibration_set(corpus, word_tokenizer, num_samples=4, seq_len=16)
+
+
+def test_invalid_sizes(corpus, word_tokenizer):
+    with pytest.raises(UsageError, match="must be positive"):
+        build_calibration_set(corpus, word_tokenizer, num_samples=0, seq_len=16)
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="shared assets not present")
+def test_bert_tokenizer_uses_sep_and_no_length_warning(capfd):
+    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    long_doc = "the quick brown fox jumps over the lazy dog " * 100  # > 512 tokens
+    calib = build_calibration_set([long_doc, long_doc], tokenizer, num_samples=1, seq_len=1800)
+    assert calib.num_tokens == 2 * 900 + 1
+    # Either window position covers the [SEP] between the two documents.
+    assert tokenizer.sep_token_id in calib.input_ids[0].tolist()
+    assert "longer than the specified maximum" not in capfd.readouterr().err
