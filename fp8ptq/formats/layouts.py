@@ -71,7 +71,7 @@ def _ieee_like_layout(spec) -> Layout:
         e_lo, steps = e_min - 1, [e_min] + [e - M for e in range(e_min, e_hi + 1)]
     quiet_nan = ((1 << E) - 1) << M | (1 << max(M - 1, 0))  # what ml_dtypes/torch write for NaN
     return _finish(spec, values, e_lo=e_lo, e_hi=e_hi, step_log2=steps, min_normal=2.0**e_min,
-                   nan_code=quiet_nan if spec.specials == "ieee" else None)
+                   nan_code=quiet_nan if spec.specials == "ieee" and M > 0 else None)
 
 
 def _hif8_values() -> list[float]:

@@ -42,17 +42,17 @@ def get_format(name: str | FormatSpec) -> FormatSpec:
     ``fnuz`` suffix picks the special-value convention, IEEE inf/NaN otherwise)."""
     if isinstance(name, FormatSpec):
         return name
-    key = name.strip().lower().replace("-", "").replace("_", "")
+    key = re.sub(r"(?<!b)-", "", name.strip().lower().replace("_", ""))  # keep a bias's sign
     if key in _BY_NAME:
         return _BY_NAME[key]
     m = _GENERIC.match(key)
     if m:
         e, mant = int(m.group(1)), int(m.group(2))
-        bias = int(m.group(3)) if m.group(3) is not None else (1 << (e - 1)) - 1
         specials = m.group(4) or "ieee"
         if e < 1 or 1 + e + mant > 8 or (specials == "ieee" and e < 2):
             raise UsageError(f"format {name!r}: need 1 + E + M <= 8 bits and E >= 1 (E >= 2 "
                              "with IEEE inf/NaN)")
+        bias = int(m.group(3)) if m.group(3) is not None else (1 << (e - 1)) - 1
         return FormatSpec(key, e, mant, bias, specials)
     raise UsageError(f"unknown format {name!r}; valid: {', '.join(preset_names())} "
                      "(aliases: e4m3fn, fp8) or a generic name like e3m4, e4m3b11fnuz, "

@@ -1,0 +1,68 @@
+"""The thin layer over lm-eval shared by every task: one HFLM, one evaluate call, flat metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lm_eval import evaluator, simple_evaluate
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+
+@dataclass
+class TaskOutcome:
+    """What one task produced: flat ``metric -> value``, how it was measured, per-sample records."""
+
+    metrics: dict[str, float]
+    protocol: dict[str, Any]
+    samples: list[dict] = field(default_factory=list, repr=False)
+
+
+def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None) -> HFLM:
+    """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config."""
+    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size)
+
+
+def evaluate(
+    lm: HFLM,
+    task: str | dict,
+    *,
+    limit: int | None = None,
+    task_manager: TaskManager | None = None,
+) -> tuple[dict, dict[str, list[dict]]]:
+    """Run one task (a registered name or an inline config dict); returns (results, samples).
+
+    ``results`` is lm-eval's ``results["results"]`` (task name -> {"metric,filter": value}).
+    Inline configs (which set their own ``num_fewshot``) skip ``simple_evaluate``'s task defaults
+    and its environment report (a ``collect_env`` subprocess, ~1 s).
+    """
+    task_manager = task_manager or TaskManager(include_defaults=False)
+    # no stderr: bootstrapping costs more than the run itself on small tasks
+    if isinstance(task, dict):
+        out = evaluator.evaluate(
+            lm, task_manager.load([task]), limit=limit, bootstrap_iters=0, log_samples=True
+        )
+    else:
+        out = simple_evaluate(
+            model=lm, tasks=[task], limit=limit, task_manager=task_manager,
+            bootstrap_iters=0, log_samples=True,
+        )
+    return out["results"], out.get("samples", {})
+
+
+def flatten_metrics(task_results: dict[str, Any]) -> dict[str, float]:
+    """``{"word_perplexity,none": 21.4, "acc_stderr,none": ...}`` -> ``{"word_perplexity": 21.4}``.
+
+    Stderr entries are dropped; a filter other than ``none`` is kept as ``metric[filter]``.
+    """
+    flat = {}
+    for key, value in task_results.items():
+        if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        metric, filter_name = key.split(",", 1)
+        if metric.endswith("_stderr"):
+            continue
+        flat[metric if filter_name == "none" else f"{metric}[{filter_name}]"] = float(value)
+    return flat
+

@@ -1,0 +1,194 @@
+"""Comparing variants of one model: deltas to the baseline, table, markdown, JSON, plot, CI gates.
+
+A variant is ``{"name": str, "metrics": {"task.metric": float}, "seconds": float, "recipe": dict}``;
+the first variant is the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from fp8ptq.errors import UsageError
+
+SCHEMA_VERSION = 1
+
+_LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "bpb", "loss", "error")
+_HIGHER_IS_BETTER = ("exact_match", "f1", "acc", "mcc", "bleu", "rouge", "pass@")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Direction of ``metric`` ("task.metric" or bare), from its name."""
+    name = metric.rsplit(".", 1)[-1].lower()
+    if any(word in name for word in _LOWER_IS_BETTER):
+        return False
+    if any(word in name for word in _HIGHER_IS_BETTER):
+        return True
+    raise UsageError(f"don't know whether higher or lower is better for metric {metric!r}")
+
+
+def metric_names(variants: list[dict]) -> list[str]:
+    """Every metric of any variant, in first-seen order."""
+    return list(dict.fromkeys(name for v in variants for name in v["metrics"]))
+
+
+def deltas(variants: list[dict]) -> list[dict[str, float]]:
+    """Per variant, ``metric -> value - baseline value`` for the metrics the baseline has."""
+    baseline = variants[0]["metrics"]
+    return [
+        {name: value - baseline[name] for name, value in v["metrics"].items() if name in baseline}
+        for v in variants
+    ]
+
+
+def relative_deltas(variants: list[dict]) -> list[dict[str, float]]:
+    """Like :func:`deltas`, as a fraction of the baseline value (nan where the baseline is 0)."""
+    baseline = variants[0]["metrics"]
+    return [
+        {name: d / abs(baseline[name]) if baseline[name] else math.nan for name, d in row.items()}
+        for row in deltas(variants)
+    ]
+
+
+def _number(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _cells(variants: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows shared by the rich table and the markdown: "21.43 (+0.35)"."""
+    names = metric_names(variants)
+    rows = []
+    for i, (variant, delta) in enumerate(zip(variants, deltas(variants))):
+        row = [variant["name"]]
+        for name in names:
+            if name not in variant["metrics"]:
+                row.append("-")
+            elif i == 0 or name not in delta:
+                row.append(_number(variant["metrics"][name]))
+            else:
+                row.append(f"{_number(variant['metrics'][name])} ({delta[name]:+.3g})")
+        row.append(f"{variant.get('seconds', math.nan):.1f}")
+        rows.append(row)
+    return ["variant", *names, "seconds"], rows
+
+
+def render_table(variants: list[dict]) -> Table:
+    header, rows = _cells(variants)
+    table = Table(title="evaluation (delta to baseline)")
+    for i, column in enumerate(header):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def to_markdown(variants: list[dict]) -> str:
+    header, rows = _cells(variants)
+    lines = [header, ["---", *["---:"] * (len(header) - 1)], *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # strict JSON has no nan/inf
+
+
+def to_json(variants: list[dict], protocol: dict, recipe: dict | None = None) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "protocol": protocol,
+        "recipe": recipe,
+        "variants": [
+            {
+                "name": variant["name"],
+                "metrics": {k: _finite_or_none(v) for k, v in variant["metrics"].items()},
+                "deltas": {k: _finite_or_none(v) for k, v in delta.items()},
+                "seconds": variant.get("seconds"),
+                "recipe": variant.get("recipe"),
+            }
+            for variant, delta in zip(variants, deltas(variants))
+        ],
+    }
+
+
+def plot_deltas(variants: list[dict], path: str | Path) -> Path:
+    """Bar chart (PNG) of each quantized variant's change vs the baseline, in percent per metric."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = metric_names(variants[:1])
+    quantized = list(zip(variants[1:], relative_deltas(variants)[1:]))
+    width = 0.8 / max(len(quantized), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(names) + 2), 4))
+    for k, (variant, rel) in enumerate(quantized):
+        xs = [i + (k - (len(quantized) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [100 * rel.get(name, math.nan) for name in names], width, label=variant["name"])
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(names)))
+    arrows = {True: " (higher better)", False: " (lower better)"}
+    labels = [name + arrows.get(_direction_or(name), "") for name in names]
+    ax.set_xticklabels(labels, rotation=20, ha="right")
+    ax.set_ylabel("change vs baseline (%)")
+    ax.set_title(f"vs {variants[0]['name']}")
+    if quantized:
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _direction_or(name: str) -> bool | None:
+    try:
+        return higher_is_better(name)
+    except UsageError:
+        return None
+
+
+# --- CI gates -----------------------------------------------------------------------------------
+
+
+def parse_gate(gate: str, known: list[str]) -> tuple[str, float, bool]:
+    """``"METRIC=VALUE"`` / ``"METRIC=VALUE%"`` -> (metric key, allowed worsening, is_percent).
+
+    METRIC is a "task.metric" key or a bare metric name that only one task has.
+    """
+    metric, sep, amount = gate.partition("=")
+    metric, amount = metric.strip(), amount.strip()
+    percent = amount.endswith("%")
+    try:
+        allowed = float(amount.removesuffix("%"))
+    except ValueError:
+        allowed = math.nan
+    if not sep or not metric or not allowed >= 0:
+        raise UsageError(f"bad gate {gate!r}: expected METRIC=VALUE or METRIC=VALUE% (VALUE >= 0)")
+    matches = [k for k in known if k == metric] or [k for k in known if k.endswith("." + metric)]
+    if len(matches) != 1:
+        why = "is ambiguous" if matches else "is not among the evaluated metrics"
+        raise UsageError(f"bad gate {gate!r}: metric {metric!r} {why} ({', '.join(known)})")
+    higher_is_better(matches[0])  # a metric without a direction cannot gate
+    return matches[0], allowed, percent
+
+
+def check_gates(variants: list[dict], gates: list[str]) -> list[str]:
+    """One line per (quantized variant, gate) that got worse than the baseline by more than allowed."""
+    baseline = variants[0]["metrics"]
+    failures = []
+    for gate in gates:
+        metric, allowed, percent = parse_gate(gate, list(baseline))
+        reference = baseline[metric]
+        limit = allowed / 100 * abs(reference) if percent else allowed
+        sign = -1.0 if higher_is_better(metric) else 1.0
+        for variant in variants[1:]:
+            value = variant["metrics"].get(metric, math.nan)
+            worsening = sign * (value - reference)
+            if not worsening <= limit:  # nan fails too
+                failures.append(
+                    f"{variant['name']}: {metric} {_number(value)} vs baseline {_number(reference)} "
+                    f"({value - reference:+.3g}) exceeds gate {gate} (allowed {limit:.3g} worse)"
+                )
+    return failures

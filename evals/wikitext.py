@@ -1,0 +1,107 @@
+"""WikiText perplexity through lm-eval's ``loglikelihood_rolling`` (rolling windows in HFLM).
+
+The task is lm-eval's built-in ``wikitext`` (same detokenizer, same word/byte metrics) plus a
+token-level perplexity; it reads a local raw file (split into articles like the hub's
+document-level copy) or, without a file, the hub data set.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import datasets
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks.wikitext.preprocess_wikitext import process_results as wikitext_scores
+from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+from fp8ptq.errors import DataError
+
+from .harness import TaskOutcome, evaluate, flatten_metrics
+
+TASK = "wikitext"
+SPLIT_RULE = "articles on ' = X = ' headings"
+HUB_DATASET = ("EleutherAI/wikitext_document_level", "wikitext-2-raw-v1")
+
+# A level-1 heading is a whole line " = Title = "; " = = Section = = " lines stay in the article.
+_ARTICLE_START = re.compile(r"(?m)^(?= = [^=].* = $)")
+
+# metric -> lm-eval aggregation; all four are lower-is-better
+_METRICS = {
+    "word_perplexity": "weighted_perplexity",
+    "byte_perplexity": "weighted_perplexity",
+    "bits_per_byte": "bits_per_byte",
+    "token_perplexity": "weighted_perplexity",
+}
+
+
+def split_articles(text: str) -> list[str]:
+    """Cut raw WikiText into articles at level-1 headings; the articles concatenate to ``text``
+    (less any whitespace-only preamble)."""
+    return [piece for piece in _ARTICLE_START.split(text) if piece.strip()]
+
+
+def read_articles(path: str | Path) -> list[dict[str, str]]:
+    """``[{"page": article}, ...]`` from a raw WikiText file (CRLF read as LF)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"wikitext data file not found: {path}")
+    articles = split_articles(path.read_text(encoding="utf-8"))
+    if not articles:
+        raise DataError(f"wikitext data file has no text: {path}")
+    return [{"page": article} for article in articles]
+
+
+def task_config(lm: HFLM, articles: list[dict[str, str]] | None = None) -> dict:
+    """lm-eval inline task config: the built-in ``wikitext`` task plus ``token_perplexity``.
+
+    ``articles`` None reads the hub's document-level WikiText-2 test split instead.
+    """
+
+    def process_results(doc, results):
+        scores = wikitext_scores(doc, results)
+        (loglikelihood,) = results
+        # HFLM predicts every token of tok_encode(target) once, the first after the prefix token
+        scores["token_perplexity"] = (loglikelihood, len(lm.tok_encode(wikitext_detokenizer(doc))))
+        return scores
+
+    config = {
+        "task": TASK,
+        "output_type": "loglikelihood_rolling",
+        "test_split": "test",
+        "num_fewshot": 0,
+        "doc_to_text": "",
+        "doc_to_target": wikitext_detokenizer,
+        "process_results": process_results,
+        "metric_list": [
+            {"metric": name, "aggregation": aggregation, "higher_is_better": False}
+            for name, aggregation in _METRICS.items()
+        ],
+        "metadata": {"version": 2.0},
+    }
+    if articles is None:
+        config["dataset_path"], config["dataset_name"] = HUB_DATASET
+    else:
+        test_split = datasets.DatasetDict({"test": datasets.Dataset.from_list(articles)})
+        config["custom_dataset"] = lambda **_: test_split
+    return config
+
+
+def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | None = None) -> TaskOutcome:
+    """Perplexities of the first ``limit`` articles of ``data`` (a raw WikiText file; None: hub)."""
+    articles = read_articles(data) if data is not None else None
+    results, samples = evaluate(lm, task_config(lm, articles), limit=limit)
+    docs = samples[TASK]
+    bos_id = lm.tokenizer.bos_token_id
+    protocol = {
+        "context_length": lm.max_length,
+        # context_len=1 rolling windows: disjoint, each conditioned on the last token of the previous
+        "stride": lm.max_length,
+        "bos": bos_id is not None and lm.prefix_token_id == bos_id,
+        "prefix_token_id": lm.prefix_token_id,
+        "documents": len(docs),
+        "split": SPLIT_RULE,
+        "tokens": sum(doc["token_perplexity"][1] for doc in docs),
+        "source": str(data) if data is not None else "/".join(HUB_DATASET) + ":test",
+    }
+    return TaskOutcome(flatten_metrics(results[TASK]), protocol, docs)

@@ -1,0 +1,226 @@
+"""Load a checkpoint written by ``save_quantized`` back into a model with ``QuantGemm`` modules.
+
+Works for both layouts: the architecture is rebuilt from config.json (its
+``quantization_config`` removed), the plain tensors are loaded, and every module listed in
+``fp8ptq.json`` is wrapped in a ``QuantGemm`` built from the stored codes and scales, so the
+reloaded model computes exactly what the in-memory quantized model did.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import Fp8ptqError, UsageError
+from ..formats import FormatSpec, get_format
+from ..granularity import weight_granularity
+from ..model.gemm import kind as gemm_kind
+from ..model.gemm import set_submodule, weight_2d
+from ..qmodules import QuantGemm
+from .writer import INDEX_NAME, LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME
+
+_SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")
+
+
+def read_metadata(path) -> dict:
+    """The parsed ``fp8ptq.json`` of checkpoint folder ``path``."""
+    p = Path(path).expanduser()
+    meta_file = p / META_NAME
+    if not meta_file.is_file():
+        raise UsageError(f"{path} is not an fp8ptq checkpoint (no {META_NAME})")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"cannot parse {meta_file}: {e}") from None
+    if meta.get("tool") != "fp8ptq" or meta.get("layout") not in (LAYOUT_CT, LAYOUT_NATIVE):
+        raise UsageError(f"{meta_file} is not an fp8ptq checkpoint description")
+    return meta
+
+
+def format_from_facts(facts: dict | None) -> FormatSpec | None:
+    """The ``FormatSpec`` an fp8ptq.json format entry describes (registry first, so presets keep
+    their names and aliases; rebuilt from the stored fields if the registry disagrees)."""
+    if facts is None:
+        return None
+    try:
+        spec = get_format(facts["name"])
+    except UsageError:
+        spec = None
+    if spec is not None and all(getattr(spec, k) == facts[k] for k in _SPEC_FIELDS if k in facts):
+        return spec
+    return FormatSpec(facts["name"], **{k: facts[k] for k in _SPEC_FIELDS},
+                      torch_dtype=facts.get("torch_dtype"))
+
+
+def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (p / WEIGHTS_NAME).is_file():
+        return load_file(str(p / WEIGHTS_NAME))
+    if (p / INDEX_NAME).is_file():
+        index = json.loads((p / INDEX_NAME).read_text())
+        tensors = {}
+        for fname in sorted(set(index["weight_map"].values())):
+            tensors.update(load_file(str(p / fname)))
+        return tensors
+    raise UsageError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
+
+
+def _config(p: Path):
+    from transformers import CONFIG_MAPPING
+
+    cfg = json.loads((p / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    model_type = cfg.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"{p}/config.json: unknown model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type].from_dict(cfg)
+
+
+def _model_class(config):
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+    from ..loading import model_class
+
+    return model_class(config)
+
+
+def _build(config, dtype: torch.dtype) -> nn.Module:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        no_init_weights = nullcontext
+    cls = _model_class(config)
+    with no_init_weights():  # every tensor is loaded afterwards; skip the random init
+        if hasattr(cls, "_from_config"):
+            return cls._from_config(config, dtype=dtype)
+        return cls.from_config(config, dtype=dtype)
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise UsageError(f"unknown dtype {dtype!r}")
+    return value
+
+
+def load_quantized(path, *, device="cpu", dtype=None):
+    """Rebuild the quantized model stored in ``path``.
+
+    ``dtype`` (default: the dtype it was saved in) is the dtype of the non-quantized tensors and
+    of the dequantized GEMM weights. Returns ``fp8ptq.loading.LoadedModel`` (model in eval mode,
+    tokenizer or None, kind "fp8ptq"); ``read_metadata(path)`` gives the fp8ptq.json contents.
+    """
+    p = Path(path).expanduser()
+    meta = read_metadata(p)
+    layout = meta["layout"]
+    dtype = _as_dtype(dtype or meta.get("dtype") or "float32")
+    config = _config(p)
+    tensors = _load_tensors(p)
+
+    quant: dict[str, tuple] = {}
+    for name, entry in meta["modules"].items():
+        try:
+            if layout == LAYOUT_CT:
+                w = tensors.pop(f"{name}.weight")
+                want = torch.float8_e4m3fn if entry["weight_format"].get("bits") == 8 and \
+                    entry["weight_format"].get("exponent_bits") else torch.int8
+                if w.dtype != want:
+                    raise Fp8ptqError(f"{name}.weight is {w.dtype}, expected {want}")
+                codes = w.view(torch.uint8)
+            else:
+                codes = tensors.pop(f"{name}.weight_codes")
+            scale = tensors.pop(f"{name}.weight_scale")
+        except KeyError as e:
+            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
+        quant[name] = (entry, codes, scale, tensors.pop(f"{name}.input_scale", None))
+
+    model = _build(config, dtype)
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected:
+        raise Fp8ptqError(f"checkpoint {p} has tensors the model lacks: {sorted(unexpected)[:5]}")
+    _check_missing(model, missing, set(tensors), {f"{n}.weight" for n in quant})
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+    for name, (entry, codes, scale, input_scale) in quant.items():
+        inner = model.get_submodule(name)
+        _check_module(name, inner, entry, codes, scale)
+        act_format = format_from_facts(entry.get("act_format"))
+        q = QuantGemm(
+            inner, weight_format=format_from_facts(entry["weight_format"]), weight_codes=codes,
+            weight_scale=scale.float(),
+            weight_granularity=weight_granularity(entry["weight_granularity"],
+                                                  entry.get("block_size") or 128),
+            act_format=act_format, input_scale=input_scale,
+            act_granularity=entry.get("act_granularity") or "tensor")
+        set_submodule(model, name, q)
+
+    model.to(device)
+    model.eval()
+    return _loaded(model, _tokenizer(p), p)
+
+
+def _check_missing(model, missing, loaded: set[str], quantized: set[str]) -> None:
+    """Allowed missing keys: the quantized GEMM weights (rebuilt from codes) and aliases of a
+    loaded tensor (tied weights, e.g. lm_head.weight = embed_tokens.weight)."""
+    names_of: dict[int, set[str]] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)]:
+        names_of.setdefault(id(t), set()).add(n)
+    alias = {n: names for names in names_of.values() for n in names}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    bad = [k for k in missing if k not in quantized and k not in tied
+           and not (alias.get(k, set()) - {k}) & (loaded | quantized)]
+    if bad:
+        raise Fp8ptqError(f"checkpoint lacks tensors the model needs: {sorted(bad)[:5]}")
+
+
+def _check_module(name, inner, entry, codes, scale) -> None:
+    if not hasattr(inner, "weight") or isinstance(inner, QuantGemm):
+        raise Fp8ptqError(f"{name}: no GEMM module to quantize in the rebuilt model")
+    k = gemm_kind(inner)
+    if k != entry.get("kind", k):
+        raise Fp8ptqError(f"{name}: checkpoint says {entry['kind']}, model has {k}")
+    shape = tuple(weight_2d(inner).shape)
+    if tuple(codes.shape) != shape:
+        raise Fp8ptqError(f"{name}: codes {tuple(codes.shape)} do not match weight {shape}")
+    if list(scale.shape) != list(entry.get("weight_scale_shape", scale.shape)):
+        raise Fp8ptqError(f"{name}: weight_scale shape {list(scale.shape)} differs from "
+                          f"fp8ptq.json {entry['weight_scale_shape']}")
+
+
+def _tokenizer(p: Path):
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                          "vocab.txt", "vocab.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError, TypeError):
+        return None
+    if getattr(tok, "pad_token", None) is None and getattr(tok, "eos_token", None) is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _loaded(model, tokenizer, p: Path):
+    try:
+        from ..loading import LoadedModel
+    except ImportError:  # pragma: no cover - loading.py is part of the package
+        return model, tokenizer
+    return LoadedModel(model=model, tokenizer=tokenizer, source=str(p), kind="fp8ptq",
+                       resolved_path=str(p.resolve()))

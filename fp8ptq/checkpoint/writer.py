@@ -1,0 +1,433 @@
+"""Write a quantized model to disk, atomically.
+
+Two layouts (see ``README.md`` beside this file):
+
+* ``compressed-tensors`` when every quantized module is an ``nn.Linear`` with OCP E4M3 weights
+  (and E4M3 or no activation quantization), or int8 weights (and int8 or no activations): the
+  format transformers (``CompressedTensorsHfQuantizer``) and vLLM read.
+* ``fp8ptq-native`` otherwise: uint8 codes + scales, the formats described in ``fp8ptq.json``.
+
+``fp8ptq.json`` is always written and describes every quantized module.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import NumericsError, UsageError
+from ..formats import get_format
+from ..qmodules import QuantGemm
+from .jsonsafe import dumps, json_safe
+
+LAYOUT_CT = "compressed-tensors"
+LAYOUT_NATIVE = "fp8ptq-native"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+META_NAME = "fp8ptq.json"
+SHARD_BYTES = 2 * 1024**3  # split model.safetensors only above this
+FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
+               "rounding", "max", "torch_dtype")
+
+# compressed-tensors CompressionFormat values
+CT_FLOAT, CT_INT, CT_NAIVE, CT_MIXED = ("float-quantized", "int-quantized", "naive-quantized",
+                                        "mixed-precision")
+
+
+# ---------------------------------------------------------------------------------------------
+# which modules, which layout
+
+
+def quantized_modules(model: nn.Module) -> list[tuple[str, QuantGemm]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantGemm)]
+
+
+def _ct_type(spec) -> str | None:
+    """compressed-tensors ``type`` of a format, or None where compressed-tensors has none."""
+    if spec == get_format("e4m3"):
+        return "float"
+    if spec == get_format("int8"):
+        return "int"
+    return None
+
+
+def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
+    """(layout, reason). compressed-tensors needs one 8-bit type throughout (e4m3 or int8, the
+    activations the same type or unquantized) and ``nn.Linear`` modules: it quantizes only Linear
+    (and Embedding) modules, so e.g. transformers' ``Conv1D`` (GPT-2) would load unquantized,
+    i.e. silently wrong, through transformers' default path."""
+    types = set()
+    for name, q in qmods:
+        wt = _ct_type(q.weight_format)
+        at = _ct_type(q.act_format) if q.act_format is not None else wt
+        if wt is None or at != wt:
+            act = q.act_format.name if q.act_format is not None else "none"
+            return LAYOUT_NATIVE, (f"{name}: weight {q.weight_format.name} / activation {act} "
+                                   "has no compressed-tensors equivalent")
+        if q.kind != "linear":
+            return LAYOUT_NATIVE, (f"{name}: a {q.kind} module; compressed-tensors quantizes "
+                                   "nn.Linear only")
+        types.add(wt)
+    if len(types) != 1:
+        return LAYOUT_NATIVE, "float and int modules mixed"
+    return LAYOUT_CT, f"all quantized modules are nn.Linear with {types.pop()} 8-bit weights"
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+
+
+def _check_scales(name: str, q: QuantGemm) -> None:
+    for what, s in (("weight_scale", q.weight_scale), ("input_scale", q.input_scale)):
+        if s is None:
+            continue
+        s = s.detach().float()
+        if s.numel() == 0 or not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+            raise NumericsError(f"{name}.{what} has a non-finite or non-positive value; refusing "
+                                "to write a checkpoint that would decode to NaN/inf/0")
+
+
+def tied_quantized(model: nn.Module, qmods) -> list[str]:
+    """Quantized modules whose weight tensor is shared with another parameter (e.g. a quantized
+    lm_head tied to the input embeddings)."""
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    return [n for n, q in qmods if owners.get(id(q.inner.weight), 0) > 1]
+
+
+def _plain_state_dict(model: nn.Module, qnames: set[str]) -> dict[str, torch.Tensor]:
+    """State dict without the ``QuantGemm`` internals: ``N.inner.X`` -> ``N.X`` (bias etc.);
+    the dequantized ``N.inner.weight`` and the ``N.weight_codes/_scale/input_scale`` buffers are
+    left out (each layout writes them its own way). Tied aliases are kept once (first name)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    # transformers v5: {tied target: source}, e.g. {"lm_head.weight": "model.embed_tokens.weight"}
+    tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    for key, t in model.state_dict(keep_vars=False).items():
+        mod, _, leaf = key.rpartition(".")
+        if mod in qnames and leaf in ("weight_codes", "weight_scale", "input_scale"):
+            continue
+        if mod.endswith(".inner") or mod == "inner":
+            owner = mod[: -len(".inner")] if mod != "inner" else ""
+            if owner in qnames:
+                if leaf == "weight":
+                    continue
+                key = f"{owner}.{leaf}" if owner else leaf
+        if t is None:
+            continue
+        ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if t.numel() and ident in seen:
+            # a tied alias (e.g. lm_head.weight = embed_tokens.weight): keep the tie source,
+            # like save_pretrained, so transformers' tie_weights restores the target
+            kept = seen[ident]
+            if kept in tie_targets and key not in tie_targets:
+                del out[kept]
+                seen[ident] = key
+                out[key] = t
+            continue
+        seen[ident] = key
+        out[key] = t
+    return out
+
+
+def _quant_tensors(name: str, q: QuantGemm, layout: str) -> dict[str, torch.Tensor]:
+    codes = q.weight_codes.detach()
+    scale = q.weight_scale.detach().float()
+    if layout == LAYOUT_CT:
+        dt = torch.float8_e4m3fn if q.weight_format.is_float else torch.int8
+        t = {f"{name}.weight": codes.view(dt), f"{name}.weight_scale": scale}
+    else:
+        t = {f"{name}.weight_codes": codes, f"{name}.weight_scale": scale}
+    if q.input_scale is not None:
+        t[f"{name}.input_scale"] = q.input_scale.detach().float().reshape(1)
+    return t
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    import safetensors.torch as st  # looked up at call time (tests patch save_file)
+
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    meta = {"format": "pt"}
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    if total <= SHARD_BYTES:
+        st.save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
+        return [WEIGHTS_NAME]
+    shards, cur, size = [], {}, 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if cur and size + n > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += n
+    shards.append(cur)
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        st.save_file(shard, str(directory / fname), metadata=meta)
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    (directory / INDEX_NAME).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names + [INDEX_NAME]
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+
+
+def _weight_args(q: QuantGemm) -> dict:
+    gran = q.weight_granularity.name
+    args = {"num_bits": 8, "type": _ct_type(q.weight_format), "symmetric": True,
+            "group_size": None, "strategy": gran, "dynamic": False}
+    if gran == "block":
+        args["block_structure"] = [q.weight_granularity.size, q.weight_granularity.size]
+    return args
+
+
+def _input_args(q: QuantGemm) -> dict | None:
+    if q.act_format is None:
+        return None
+    token = q.act_granularity == "token"
+    return {"num_bits": 8, "type": _ct_type(q.act_format), "symmetric": True, "group_size": None,
+            "strategy": "token" if token else "tensor", "dynamic": token}
+
+
+def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm]]) -> dict:
+    """``quantization_config`` for config.json, as ``compressed_tensors.QuantizationConfig``
+    dumps it. One config group per distinct scheme. A single group over every quantized Linear
+    targets the class ``Linear`` and ignores the Linear modules left unquantized (lm_head...);
+    several groups name their modules exactly."""
+    groups: dict[str, dict] = {}
+    members: dict[str, list[str]] = {}
+    for name, q in qmods:
+        w, a = _weight_args(q), _input_args(q)
+        key = json.dumps([w, a], sort_keys=True)
+        if key not in groups:
+            fmt = CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
+            groups[key] = {"targets": [], "weights": w, "input_activations": a,
+                           "output_activations": None, "format": fmt}
+            members[key] = []
+        members[key].append(name)
+    qnames = {n for n, _ in qmods}
+    unquantized_linear = [n for n, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and n not in qnames
+                          and not any(n == f"{q}.inner" for q in qnames)]
+    if len(groups) == 1:
+        (key,) = groups
+        groups[key]["targets"] = ["Linear"]
+        ignore = unquantized_linear
+    else:
+        for key in groups:
+            groups[key]["targets"] = list(members[key])
+        ignore = unquantized_linear
+    formats = {g["format"] for g in groups.values()}
+    return {
+        "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": formats.pop() if len(formats) == 1 else CT_MIXED,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "moe_sparsity_config": None,
+    }
+
+
+def native_quantization_config(tool_version: str) -> dict:
+    """A marker transformers does not know: it logs "Unknown quantization type, got fp8ptq" and
+    skips it (no crash; ``AutoConfig`` is unaffected); vLLM refuses it. Load with
+    ``fp8ptq.load``."""
+    return {"quant_method": "fp8ptq", "format": LAYOUT_NATIVE, "version": tool_version,
+            "metadata": META_NAME, "load_with": "fp8ptq.load(path)"}
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _config_dict(model: nn.Module) -> dict:
+    cfg = json.loads(model.config.to_json_string(use_diff=False))
+    cfg.pop("quantization_config", None)
+    if not cfg.get("architectures"):
+        cfg["architectures"] = [type(model).__name__]
+    dtype = str(_model_dtype(model)).removeprefix("torch.")
+    cfg["dtype"] = dtype
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = dtype
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8ptq.json
+
+
+def format_facts(spec) -> dict | None:
+    if spec is None:
+        return None
+    d = spec.describe()
+    return {k: d[k] for k in FORMAT_KEYS}
+
+
+def _module_entry(name: str, q: QuantGemm, report, layout: str) -> dict:
+    gran = q.weight_granularity
+    static = q.act_format is not None and q.act_granularity != "token"
+    entry = {
+        "kind": q.kind,
+        "class": type(q.inner).__name__,
+        "weight_format": format_facts(q.weight_format),
+        "act_format": format_facts(q.act_format),
+        "weight_granularity": gran.name,
+        "block_size": getattr(gran, "size", None) if gran.name == "block" else None,
+        "act_granularity": q.act_granularity if q.act_format is not None else None,
+        "weight_shape": list(q.inner.weight.shape),
+        "weight_codes_shape": list(q.weight_codes.shape),
+        "weight_scale_shape": list(q.weight_scale.shape),
+        "input_scale": float(q.input_scale.reshape(-1)[0]) if static and
+        q.input_scale is not None else None,
+        "weight_sqnr_db": None, "input_sqnr_db": None, "weight_amax": None, "input_amax": None,
+        "stored_as": ({"weight": f"{q.weight_format.torch_dtype or 'int8'} [out, in]"}
+                      if layout == LAYOUT_CT else {"weight_codes": "uint8 [out, in]"}),
+    }
+    if report is not None:
+        entry.update(weight_sqnr_db=report.weight_sqnr_db, input_sqnr_db=report.input_sqnr_db,
+                     weight_amax=report.weight_amax, input_amax=report.input_amax)
+    else:
+        entry["weight_amax"] = float(q.dequantized_weight_2d().abs().max())
+    return entry
+
+
+def _original_bytes(model: nn.Module) -> int:
+    """Estimate of the unquantized model: every (unique) parameter in its dtype; the quantized
+    GEMM weights count at the dtype of the weights they replaced."""
+    total, seen = 0, set()
+    for p in model.parameters():
+        if p.data_ptr() in seen and p.numel():
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | None = None,
+                   calib: dict | None = None, force: bool = False,
+                   tool_version: str | None = None) -> dict:
+    """Write ``result.model`` (its ``QuantGemm`` modules) to ``out_dir`` and return size facts.
+
+    Everything is written into a temporary sibling directory first and renamed into place only
+    when complete; an existing ``out_dir`` is refused unless ``force`` (then it is replaced only
+    after the new checkpoint is complete). Nothing partial is ever left behind.
+    """
+    if tool_version is None:
+        from .. import __version__ as tool_version
+    model = result.model
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise UsageError(f"output directory {out} already exists (use --force to replace it)")
+        if not out.is_dir() or out.is_symlink():
+            raise UsageError(f"{out} exists and is not a directory; refusing to replace it")
+    qmods = quantized_modules(model)
+    if not qmods:
+        raise UsageError("the model has no quantized (QuantGemm) module to save")
+    for name, q in qmods:
+        _check_scales(name, q)
+    layout, reason = choose_layout(qmods)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
+                       calib, tool_version)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    facts["path"] = str(out)
+    return facts
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-old-"))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)  # put the previous checkpoint back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, source, calib,
+           tool_version) -> dict:
+    qnames = {n for n, _ in qmods}
+    tensors = _plain_state_dict(model, qnames)
+    for name, q in qmods:
+        tensors.update(_quant_tensors(name, q, layout))
+    files = _save_tensors(tensors, tmp)
+
+    cfg = _config_dict(model)
+    tied = tied_quantized(model, qmods)
+    if tied and cfg.get("tie_word_embeddings"):
+        # The shared tensor now holds the dequantized weight and the quantized module keeps its
+        # own codes: stored separately, loaded untied (same numbers, no re-tying to the codes).
+        cfg["tie_word_embeddings"] = False
+    cfg["quantization_config"] = (compressed_tensors_config(model, qmods) if layout == LAYOUT_CT
+                                  else native_quantization_config(tool_version))
+    (tmp / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            gen.save_pretrained(str(tmp))
+        except Exception:  # an invalid generation config must not sink the checkpoint
+            pass
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+
+    weight_bytes = sum((tmp / f).stat().st_size for f in files if f.endswith(".safetensors"))
+    original = _original_bytes(model)
+    reports = {r.name: r for r in getattr(result, "modules", []) or []}
+    sizes = {"checkpoint_bytes": weight_bytes, "original_bytes": original,
+             "compression_ratio": (original / weight_bytes) if weight_bytes else None}
+    meta = {
+        "tool": "fp8ptq",
+        "version": tool_version,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "layout": layout,
+        "layout_reason": reason,
+        "files": files,
+        "dtype": cfg["dtype"],
+        "architectures": cfg.get("architectures"),
+        "source": source or {},
+        "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
+        "calibration": calib,
+        "modules": {n: _module_entry(n, q, reports.get(n), layout) for n, q in qmods},
+        "skipped": list(getattr(result, "skipped", []) or []),
+        "untied": tied,
+        "warnings": list(getattr(result, "warnings", []) or []),
+        "sizes": sizes,
+    }
+    (tmp / META_NAME).write_text(dumps(meta, indent=2) + "\n")
+    return json_safe({"layout": layout, "files": files, **sizes})

@@ -1,0 +1,503 @@
+"""Activation taps beyond the GEMM inputs: the attention batched matmuls and the residual adds.
+
+Seed 000 (sec 4.2-4.3) quantizes the inputs of *every* GEMM at inference, the two attention
+batched matmuls included (Q, K for ``Q K^T``; the softmax probabilities P and V for ``P V``), and in
+one study the inputs of the residual additions too. ``QuantGemm`` only covers the weight GEMMs, so
+these taps add the rest, with static per-tensor scales calibrated in the same single pass:
+
+    taps = ActivationTaps(model, recipe)      # switches attention to "fp8ptq_eager"
+    with taps.observing():                    # one calibration pass: TensorStats per tap
+        for batch in batches: model(**batch)
+    report = taps.freeze(recipe)              # scales; from now on the taps fake-quantize
+    taps.kv_scales()                          # {attn module: {"k_scale", "v_scale"}}
+    taps.remove()                             # original attention implementation, no hooks
+
+Attention (``--quantize-attention``)
+    An attention function ``fp8ptq_eager`` is registered with transformers' ``AttentionInterface``
+    (and the eager mask builder under the same key in ``AttentionMaskInterface``, so the model
+    builds the same additive masks as for ``"eager"``); the model is switched to it with
+    ``model.set_attn_implementation``. The function calls the model's *own*
+    ``eager_attention_forward`` (from the attention class's ``modeling_*`` module; a generic
+    Llama-style one if there is none) on fake-quantized query / key / value, and quantizes the
+    probabilities where they enter ``P V``: while the eager function runs, a ``TorchFunctionMode``
+    replaces the first operand of its second batched matmul (``matmul`` / ``bmm`` / ``baddbmm``).
+    Taps, per attention module ``A`` (the ``module`` argument, named via ``named_modules``):
+    ``A:q``, ``A:k``, ``A:v`` (as the model hands them over: after RoPE, K/V before
+    ``repeat_kv``, i.e. exactly the KV-cache contents) and ``A:p`` (after softmax / dropout).
+    With nothing frozen the function is bit-identical to ``"eager"``. The ``attn_weights`` it
+    returns (``output_attentions``) are the unquantized probabilities.
+
+Residual (``--quantize-residual``)
+    Residual adds are inline code in the HF layers, so their inputs are quantized where they
+    are produced: ``L:input``, the hidden states entering each transformer layer ``L`` (forward
+    pre-hook; it is both the first residual addend and the input of the layer's first norm /
+    GEMM), and ``M:output`` for each module ``M`` whose output is added to the stream (forward
+    hook): ``self_attn.o_proj`` + ``mlp.down_proj`` (Llama family), ``attn.c_proj`` +
+    ``mlp.c_proj`` (GPT-2), ``self_attn.out_proj`` + ``fc2`` (OPT), ``attention.output.dense`` +
+    ``output.dense`` (BERT; ``crossattention.*`` too when present). For post-LN layers the
+    stream between the two sub-blocks is a norm output, tapped as such: BERT
+    ``attention.output.LayerNorm``, OPT ``self_attn_layer_norm`` when
+    ``do_layer_norm_before=False``. Not covered: the pre-LN mid-layer stream ``h + attn(h)`` (a
+    local variable, quantized only through its two addends); the final layer's output (it feeds
+    the final norm / head, not a residual add); dropout between a branch and its add is
+    identity at inference. Layers whose branch modules are not in the table raise
+    ``UsageError``.
+
+Scales: ``recipe.act_calib`` (layer-output-aware calibrators, ``best`` / ``pow2-search``, have
+no GEMM to measure here and fall back to ``max``), ``recipe.act_format`` (``recipe.format`` when
+unset or ``"none"``), ``recipe.scale_pow2``; every scale goes through ``amax_to_scale`` (finite,
+> 0). Hooks resolve modules by name when installed, so residual taps keep working after the
+pipeline has swapped a branch projection for its ``QuantGemm``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .errors import Fp8ptqError, UsageError
+from .formats import fake_quantize, get_format
+from .observers import TensorStats
+from .scales import amax_to_scale, histogram_sqnr_db
+
+ATTN_IMPLEMENTATION = "fp8ptq_eager"
+ATTENTION_ROLES = ("q", "k", "v", "p")
+_LAYER_AWARE = ("best", "pow2-search")
+
+# Residual branches per layer type: the first entry whose ``required`` submodules all exist in
+# a layer wins; ``optional`` ones are tapped when present; ``mid`` are post-LN norm outputs that
+# carry the stream between the sub-blocks.
+RESIDUAL_SPECS = (
+    {"arch": "sandwich-norm (Gemma 2/3 style)",
+     "required": ("post_attention_layernorm", "post_feedforward_layernorm"), "optional": ()},
+    {"arch": "llama-family", "required": ("self_attn.o_proj", "mlp.down_proj"), "optional": ()},
+    {"arch": "gpt2", "required": ("attn.c_proj", "mlp.c_proj"),
+     "optional": ("crossattention.c_proj",)},
+    {"arch": "opt", "required": ("self_attn.out_proj", "fc2"), "optional": ()},
+    {"arch": "bert", "required": ("attention.output.dense", "output.dense"),
+     "optional": ("crossattention.output.dense",),
+     "mid": ("attention.output.LayerNorm", "crossattention.output.LayerNorm")},
+)
+
+# attention module -> (taps, name) of the ActivationTaps that owns it
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_EAGER_CACHE: dict[type, object] = {}
+_IS_ATTENTION_CACHE: dict[type, bool] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------------------------
+
+def _generic_eager_attention(module, query, key, value, attention_mask, scaling=None,
+                             dropout=0.0, **kwargs):
+    """Llama-style eager attention, for attention classes whose module defines none."""
+    groups = getattr(module, "num_key_value_groups", 1) or 1
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).transpose(1, 2).contiguous()
+    return out, weights
+
+
+def model_eager_attention(module: nn.Module):
+    """The ``eager_attention_forward`` of ``module``'s modeling file (or of a base class's)."""
+    cls = type(module)
+    if cls not in _EAGER_CACHE:
+        fn = None
+        for klass in cls.__mro__:
+            mod = sys.modules.get(klass.__module__)
+            fn = getattr(mod, "eager_attention_forward", None) if mod is not None else None
+            if callable(fn):
+                break
+        _EAGER_CACHE[cls] = fn if callable(fn) else _generic_eager_attention
+    fn = _EAGER_CACHE[cls]
+    # GPT-2's eager path has a second variant (upcast + reordered QK^T with baddbmm)
+    if getattr(module, "reorder_and_upcast_attn", False) and hasattr(
+            module, "_upcast_and_reordered_attn"):
+        return lambda m, q, k, v, mask, *a, **kw: m._upcast_and_reordered_attn(q, k, v, mask)
+    return fn
+
+
+def fp8ptq_eager_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """The registered ``fp8ptq_eager`` attention: the model's eager attention with taps."""
+    eager = model_eager_attention(module)
+    owner = _OWNERS.get(module)
+    if owner is None:
+        return eager(module, query, key, value, attention_mask, *args, **kwargs)
+    taps, name = owner
+    return taps._attention(name, eager, module, query, key, value, attention_mask, *args,
+                           **kwargs)
+
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm}
+
+
+class _ProbabilityTap(TorchFunctionMode):
+    """Counts the batched matmuls run under it; the first operand of the second one (``P`` in
+    ``P V``; for ``baddbmm`` the second positional operand) goes through ``fn``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn, self.calls = fn, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMULS:
+            self.calls += 1
+            if self.calls == 2 and args:
+                i = 1 if func in (torch.baddbmm, torch.Tensor.baddbmm) else 0
+                args = (*args[:i], self.fn(args[i]), *args[i + 1:])
+        return func(*args, **kwargs)
+
+
+_REGISTERED = False
+
+
+def register_attention_function() -> None:
+    """Register ``fp8ptq_eager`` (attention function + eager mask builder) with transformers."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise UsageError(f"--quantize-attention needs transformers' AttentionInterface ({e})")
+    AttentionInterface.register(ATTN_IMPLEMENTATION, fp8ptq_eager_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    _REGISTERED = True
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """Does ``module``'s forward dispatch through transformers' ``ALL_ATTENTION_FUNCTIONS``?"""
+    cls = type(module)
+    if cls not in _IS_ATTENTION_CACHE:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _IS_ATTENTION_CACHE[cls] = "ALL_ATTENTION_FUNCTIONS" in src and hasattr(module, "config")
+    return _IS_ATTENTION_CACHE[cls]
+
+
+def _configs(model: nn.Module) -> list:
+    """Every transformers config object reachable from ``model``'s modules (and sub-configs)."""
+    seen, out = set(), []
+    todo = [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        todo += [getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", {}) or {}]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual layout
+# ---------------------------------------------------------------------------------------------
+
+def find_layer_lists(model: nn.Module, attention: list[str]) -> list[tuple[str, nn.ModuleList]]:
+    """``ModuleList``s of transformer layers: every element contains an attention module."""
+    out = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if any(name.startswith(p + ".") for p, _ in out):
+            continue
+        prefix = f"{name}." if name else ""
+        if all(any(a.startswith(f"{prefix}{i}.") for a in attention) for i in range(len(mod))):
+            out.append((name, mod))
+    return out
+
+
+def residual_branches(layer: nn.Module) -> tuple[str, list[str]]:
+    """(architecture, relative names of the modules whose outputs feed the residual stream)."""
+    names = {n for n, _ in layer.named_modules()}
+    for spec in RESIDUAL_SPECS:
+        if all(r in names for r in spec["required"]):
+            branch = list(spec["required"]) + [o for o in spec["optional"] if o in names]
+            mid = [m for m in spec.get("mid", ()) if m in names]
+            if spec["arch"] == "opt" and getattr(layer, "do_layer_norm_before", True) is False:
+                mid.append("self_attn_layer_norm")
+            return spec["arch"], branch + mid
+    raise UsageError(f"--quantize-residual: don't know the residual branches of "
+                     f"{type(layer).__name__} (known: "
+                     f"{', '.join(s['arch'] for s in RESIDUAL_SPECS)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# ActivationTaps
+# ---------------------------------------------------------------------------------------------
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) and x and torch.is_tensor(x[0]) else x
+
+
+class ActivationTaps:
+    """Observe, then fake-quantize, the attention matmul inputs and / or the residual-add inputs
+    of ``model`` with static per-tensor scales (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, recipe=None, *, attention: bool | None = None,
+                 residual: bool | None = None):
+        self.model = model
+        self.attention = bool(recipe.quantize_attention if attention is None and recipe
+                              else attention)
+        self.residual = bool(recipe.quantize_residual if residual is None and recipe
+                             else residual)
+        if not (self.attention or self.residual):
+            raise UsageError("ActivationTaps: neither attention nor residual taps requested")
+        self.mode = "pass"  # "pass" | "observe" | "quantize"
+        self.stats: dict[str, TensorStats] = {}
+        self.kinds: dict[str, str] = {}
+        self.report: dict[str, dict] | None = None
+        self.warnings: list[str] = []
+        self._scales: dict[str, torch.Tensor] = {}
+        self._scale_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._fmt = None
+        self._handles: list = []
+        self._saved_impl: list[tuple] = []
+        self._owned: list[nn.Module] = []
+        self._structure_warned: set[str] = set()
+        self.calls: dict[str, int] = {}  # attention module -> fp8ptq_eager calls seen
+
+        candidates = [(n, m) for n, m in model.named_modules() if is_attention_module(m)]
+        self.attention_modules = [n for n, _ in candidates]
+        # residual layout: layer module names -> branch module names
+        self.layers: list[str] = []
+        self.residual_arch: dict[str, str] = {}
+        self.branch_modules: list[str] = []
+        if self.residual:
+            lists = find_layer_lists(model, self.attention_modules)
+            if not lists:
+                raise UsageError("--quantize-residual: found no transformer layers (a ModuleList "
+                                 "of blocks that use transformers' attention interface)")
+            for list_name, layers in lists:
+                for i, layer in enumerate(layers):
+                    lname = f"{list_name}.{i}" if list_name else str(i)
+                    arch, rel = residual_branches(layer)
+                    self.layers.append(lname)
+                    self.residual_arch[lname] = arch
+                    self._add_tap(f"{lname}:input", "residual")
+                    for r in rel:
+                        self.branch_modules.append(f"{lname}.{r}")
+                        self._add_tap(f"{lname}.{r}:output", "residual")
+        if self.attention:
+            if not candidates:
+                raise UsageError("--quantize-attention: no attention module of this model goes "
+                                 "through transformers' attention interface")
+            self._install_attention(candidates)
+
+    # -- setup / teardown ---------------------------------------------------------------------
+
+    def _add_tap(self, name: str, kind: str) -> None:
+        self.stats[name] = TensorStats()
+        self.kinds[name] = kind
+
+    def _install_attention(self, candidates) -> None:
+        register_attention_function()
+        for name, mod in candidates:
+            if mod in _OWNERS:
+                raise UsageError(f"{name} already has activation taps (remove() them first)")
+        for cfg in _configs(self.model):
+            self._saved_impl.append((cfg, cfg.__dict__.get("_attn_implementation_internal")))
+        try:
+            if hasattr(self.model, "set_attn_implementation"):
+                self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            for _, mod in candidates:  # anything set_attn_implementation did not reach
+                if mod.config._attn_implementation != ATTN_IMPLEMENTATION:
+                    mod.config._attn_implementation_internal = ATTN_IMPLEMENTATION
+        except Exception:
+            self._restore_attention()
+            raise
+        for name, mod in candidates:
+            _OWNERS[mod] = (self, name)
+            self._owned.append(mod)
+            self.calls[name] = 0
+            for role in ATTENTION_ROLES:
+                self._add_tap(f"{name}:{role}", "attention")
+
+    def _restore_attention(self) -> None:
+        for cfg, value in reversed(self._saved_impl):
+            cfg._attn_implementation_internal = value
+        self._saved_impl = []
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def remove(self) -> None:
+        """Undo everything: hooks off, the original attention implementation back."""
+        self._remove_hooks()
+        for mod in self._owned:
+            if _OWNERS.get(mod, (None,))[0] is self:
+                del _OWNERS[mod]
+        self._owned = []
+        self._restore_attention()
+        self.mode = "pass"
+
+    def _install_residual_hooks(self) -> None:
+        self._remove_hooks()
+        if not self.residual:
+            return
+        for lname in self.layers:
+            layer = self.model.get_submodule(lname)
+            self._handles.append(layer.register_forward_pre_hook(
+                self._input_hook(f"{lname}:input"), with_kwargs=True))
+        for bname in self.branch_modules:
+            mod = self.model.get_submodule(bname)  # a QuantGemm by now, possibly
+            self._handles.append(mod.register_forward_hook(self._output_hook(f"{bname}:output")))
+
+    # -- the taps -----------------------------------------------------------------------------
+
+    def _tap(self, name: str, x):
+        if not torch.is_tensor(x) or not x.is_floating_point() or self.mode == "pass":
+            return x
+        if self.mode == "observe":
+            st = self.stats[name]
+            # P's last dim (key length) varies between batches: no per-channel amax for it
+            st.update(x.reshape(-1, 1) if name.endswith(":p") else x)
+            return x
+        key = (name, x.device)
+        scale = self._scale_cache.get(key)
+        if scale is None:
+            scale = self._scale_cache[key] = self._scales[name].to(x.device)
+        return fake_quantize(x, scale, self._fmt)
+
+    def _input_hook(self, name):
+        def hook(_module, args, kwargs):
+            if args and torch.is_tensor(args[0]):
+                return (self._tap(name, args[0]), *args[1:]), kwargs
+            if torch.is_tensor(kwargs.get("hidden_states")):
+                return args, {**kwargs, "hidden_states": self._tap(name, kwargs["hidden_states"])}
+            return None
+
+        return hook
+
+    def _output_hook(self, name):
+        def hook(_module, _args, output):
+            if torch.is_tensor(output):
+                return self._tap(name, output)
+            if isinstance(output, tuple) and output and torch.is_tensor(output[0]):
+                return (self._tap(name, output[0]), *output[1:])
+            return None
+
+        return hook
+
+    def _attention(self, name, eager, module, query, key, value, attention_mask, *args,
+                   **kwargs):
+        if self.mode == "pass":
+            return eager(module, query, key, value, attention_mask, *args, **kwargs)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        query = self._tap(f"{name}:q", query)
+        key = self._tap(f"{name}:k", key)
+        value = self._tap(f"{name}:v", value)
+        mode = _ProbabilityTap(lambda p: self._tap(f"{name}:p", p))
+        with mode:
+            out = eager(module, query, key, value, attention_mask, *args, **kwargs)
+        if mode.calls != 2 and name not in self._structure_warned:
+            self._structure_warned.add(name)
+            self.warnings.append(f"{name}: eager attention ran {mode.calls} batched matmuls, "
+                                 "expected 2 (Q K^T, P V); the P tap may be wrong")
+        return out
+
+    # -- phases -------------------------------------------------------------------------------
+
+    @contextmanager
+    def observing(self):
+        """Collect ``TensorStats`` of every tap while the block runs the calibration data."""
+        previous = self.mode
+        self.mode = "observe"
+        self._install_residual_hooks()
+        try:
+            yield self
+        finally:
+            self._remove_hooks()
+            self.mode = previous
+            if previous == "quantize":
+                self._install_residual_hooks()
+
+    def freeze(self, recipe) -> dict[str, dict]:
+        """Scales from the collected statistics; the taps quantize from now on.
+
+        Returns ``{tap: {"kind", "amax", "scale", "format", "calib", "sqnr_db", "count",
+        "warnings"}}``."""
+        from .calibrators import activation_calibrator
+
+        fmt_name = recipe.act_format if recipe.act_format not in (None, "none") else recipe.format
+        self._fmt = fmt = get_format(fmt_name)
+        calib_name = "max" if recipe.act_calib in _LAYER_AWARE else recipe.act_calib
+        calib = activation_calibrator(calib_name, percentile=recipe.percentile)
+        report = {}
+        self._scales, self._scale_cache = {}, {}
+        for name, st in self.stats.items():
+            warnings: list[str] = []
+            if not st.seen:
+                warnings.append("saw no calibration data")
+                amax = 0.0
+            else:
+                if st.nonfinite:
+                    warnings.append(f"{st.nonfinite} non-finite values ignored")
+                amax = float(calib.amax(st, fmt))
+            scale = amax_to_scale(amax, fmt, pow2=recipe.scale_pow2, what=name,
+                                  warnings=warnings).reshape(())
+            self._scales[name] = scale
+            report[name] = {
+                "kind": self.kinds[name], "amax": amax, "scale": float(scale),
+                "format": fmt.name, "calib": calib_name,
+                "sqnr_db": histogram_sqnr_db(st, float(scale), fmt) if st.seen else None,
+                "count": st.count, "warnings": warnings,
+            }
+            self.warnings += [f"{name}: {w}" for w in warnings]
+        self.report = report
+        self.mode = "quantize"
+        self._install_residual_hooks()
+        return report
+
+    # -- export -------------------------------------------------------------------------------
+
+    def attention_scales(self) -> dict[str, dict[str, float]]:
+        """``{attention module: {"q_scale", "k_scale", "v_scale", "p_scale"}}`` (after freeze)."""
+        if self.report is None:
+            raise Fp8ptqError("ActivationTaps: call freeze() before asking for scales")
+        return attention_scales_from_report(self.report)
+
+    def kv_scales(self) -> dict[str, dict[str, float]]:
+        """``{attention module: {"k_scale", "v_scale"}}``, the compressed-tensors KV-cache
+        scales (written as ``<module>.k_scale`` / ``<module>.v_scale``)."""
+        return {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
+                for a, s in self.attention_scales().items()}
+
+
+def attention_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
+    """Per attention module ``{"q_scale", "k_scale", "v_scale", "p_scale"}`` from a ``freeze``
+    report (e.g. ``QuantizeResult.extras["taps"]``, where the taps object itself is not kept)."""
+    out: dict[str, dict[str, float]] = {}
+    for tap, entry in report.items():
+        module, _, role = tap.rpartition(":")
+        if entry.get("kind") == "attention" and role in ATTENTION_ROLES:
+            out.setdefault(module, {})[f"{role}_scale"] = float(entry["scale"])
+    return out
+
+
+def kv_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
+    """``{attention module: {"k_scale", "v_scale"}}`` from a ``freeze`` report."""
+    return {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
+            for a, s in attention_scales_from_report(report).items()}

@@ -1,0 +1,201 @@
+"""fp8ptq.evals on a tiny random Llama: WikiText perplexity, generative SQuAD, run_tasks checks."""
+
+import json
+import math
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from fp8ptq.errors import DataError, UsageError
+from fp8ptq.evals.harness import make_lm
+from fp8ptq.evals.runner import run_tasks
+from fp8ptq.evals.wikitext import SPLIT_RULE, evaluate_wikitext, read_articles, split_articles
+
+ARTICLES = [
+    " = Alpha Station = \n"
+    " Alpha Station is a railway station in the north of the town . It opened in 1901 . \n"
+    " = = History = = \n"
+    " The station was built by the Northern Railway , and rebuilt in 1950 after a fire . \n",
+    " = The Blue River = \n"
+    " The Blue River flows 120 km from the hills to the sea . Its water is cold and clear . \n"
+    " Fishing is popular along its banks in the summer months . \n",
+    " = Gamma ( album ) = \n"
+    " Gamma is the third album by the band . It was recorded in 2004 and sold well . \n"
+    " = = Track listing = = \n"
+    " The album has ten songs , and the title song was a single . \n",
+]
+
+SQUAD = {
+    "version": "1.1",
+    "data": [
+        {
+            "title": "Blue_River",
+            "paragraphs": [
+                {
+                    "context": "The Blue River flows 120 km from the hills to the sea.",
+                    "qas": [
+                        {"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": 0}]}
+                        for i, (q, a) in enumerate(
+                            [("How long is the river?", "120 km"), ("Where does it flow to?", "the sea"),
+                             ("Where does it start?", "the hills"), ("What flows?", "The Blue River")]
+                        )
+                    ],
+                }
+            ],
+        }
+    ],
+}
+
+
+@pytest.fixture(autouse=True)
+def offline_hf(monkeypatch, tmp_path):
+    for name in ("HF_HOME", "HF_DATASETS_CACHE"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(ARTICLES, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def wiki_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wikitext") / "wiki.test.raw"
+    path.write_bytes("".join(ARTICLES).replace("\n", "\r\n").encode())  # CRLF like the real file
+    return path
+
+
+@pytest.fixture(scope="module")
+def squad_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("squad") / "dev.json"
+    path.write_text(json.dumps(SQUAD))
+    return path
+
+
+def test_split_articles_on_level_one_headings():
+    text = "".join(ARTICLES)
+    assert split_articles(text) == ARTICLES
+    assert "".join(split_articles(text)) == text
+
+
+def test_read_articles_crlf_and_missing(wiki_file, tmp_path):
+    assert [a["page"] for a in read_articles(wiki_file)] == ARTICLES
+    with pytest.raises(DataError):
+        read_articles(tmp_path / "missing.raw")
+
+
+def _direct_loglikelihood(model, tokenizer, text):
+    """sum log p(token | BOS, previous tokens): one window, what lm-eval must reproduce."""
+    ids = tokenizer(text)["input_ids"]
+    inputs = torch.tensor([[tokenizer.bos_token_id, *ids[:-1]]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(inputs).logits.float(), dim=-1)[0]
+    return logprobs[torch.arange(len(ids)), torch.tensor(ids)].sum().item(), len(ids)
+
+
+def test_wikitext_matches_hand_computation(model, tokenizer, wiki_file):
+    lm = make_lm(model, tokenizer, batch_size=4, seq_len=512)  # every article fits one window
+    outcome = evaluate_wikitext(lm, wiki_file)
+    protocol = outcome.protocol
+    assert protocol["context_length"] == 512 and protocol["stride"] == 512
+    assert protocol["bos"] is True and protocol["split"] == SPLIT_RULE
+    assert protocol["documents"] == len(ARTICLES) == len(outcome.samples)
+
+    loglikelihoods = [s["word_perplexity"][0] for s in outcome.samples]
+    words = sum(len(re.split(r"\s+", s["doc"]["page"])) for s in outcome.samples)
+    assert outcome.metrics["word_perplexity"] == pytest.approx(math.exp(-sum(loglikelihoods) / words))
+    nbytes = sum(len(s["doc"]["page"].encode()) for s in outcome.samples)
+    assert outcome.metrics["bits_per_byte"] == pytest.approx(-sum(loglikelihoods) / nbytes / math.log(2))
+
+    direct = [_direct_loglikelihood(model, tokenizer, s["target"]) for s in outcome.samples]
+    assert loglikelihoods == pytest.approx([ll for ll, _ in direct], rel=1e-4)
+    assert protocol["tokens"] == sum(n for _, n in direct)
+    expected_token_ppl = math.exp(-sum(ll for ll, _ in direct) / protocol["tokens"])
+    assert outcome.metrics["token_perplexity"] == pytest.approx(expected_token_ppl, rel=1e-4)
+
+
+def test_wikitext_rolling_windows_and_limit(model, tokenizer, wiki_file):
+    lm = make_lm(model, tokenizer, batch_size=4, seq_len=16)  # several windows per article
+    outcome = evaluate_wikitext(lm, wiki_file, limit=2)
+    assert outcome.protocol["documents"] == 2 and outcome.protocol["context_length"] == 16
+    assert [s["doc"]["page"] for s in outcome.samples] == ARTICLES[:2]
+    assert set(outcome.metrics) == {"word_perplexity", "byte_perplexity", "bits_per_byte", "token_perplexity"}
+    assert all(math.isfinite(v) and v > 0 for v in outcome.metrics.values())
+
+
+def test_run_tasks_wikitext_and_generative_squad(model, tokenizer, wiki_file, squad_file):
+    result = run_tasks(
+        model, tokenizer, ["wikitext", "squad"],
+        data={"wikitext": str(wiki_file), "squad": str(squad_file)}, limit=3, seq_len=256,
+    )
+    assert set(result.metrics) == {
+        "wikitext.word_perplexity", "wikitext.byte_perplexity", "wikitext.bits_per_byte",
+        "wikitext.token_perplexity", "squad.exact_match", "squad.f1",
+    }
+    assert math.isfinite(result.metrics["wikitext.token_perplexity"])
+    assert 0 <= result.metrics["squad.exact_match"] <= result.metrics["squad.f1"] <= 100
+    assert result.protocol["squad"]["questions"] == 3
+    assert result.protocol["squad"]["mode"] == "generative"
+    assert result.protocol["wikitext"]["documents"] == 3
+    assert set(result.seconds) == {"wikitext", "squad"}
+
+
+def test_run_tasks_rejects_bad_requests(model, tokenizer, wiki_file, tmp_path):
+    with pytest.raises(UsageError, match="unknown task"):
+        run_tasks(model, tokenizer, ["no_such_task_xyz"], include_path=str(tmp_path))
+    with pytest.raises(DataError, match="not found"):
+        run_tasks(model, tokenizer, ["wikitext"], data={"wikitext": str(tmp_path / "nope.raw")})
+    with pytest.raises(UsageError):
+        run_tasks(model, tokenizer, ["wikitext"], data={"hellaswag": str(wiki_file)})
+    with pytest.raises(UsageError):
+        run_tasks(model, tokenizer, [])
+
+
+def test_run_tasks_passes_other_names_to_lm_eval(model, tokenizer, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": article}) + "\n" for article in ARTICLES))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_rolling.yaml").write_text(
+        "task: tiny_rolling\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs: {{data_files: {{test: {docs}}}, cache_dir: {tmp_path / 'cache'}}}\n"
+        "output_type: loglikelihood_rolling\n"
+        "test_split: test\n"
+        'doc_to_text: ""\n'
+        'doc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
+    result = run_tasks(model, tokenizer, ["tiny_rolling"], include_path=str(tasks), limit=2, seq_len=64)
+    assert list(result.metrics) == ["tiny_rolling.word_perplexity"]
+    assert math.isfinite(result.metrics["tiny_rolling.word_perplexity"])
+    assert result.protocol["tiny_rolling"]["samples"] == {"tiny_rolling": 2}
