@@ -11,7 +11,15 @@ from rich.table import Table
 
 from fp8ptq.formats import PRESETS, decode, get_format
 
+from .tables import Column, fitted_table
+
 import torch
+
+
+def _pow2(v: float) -> str:
+    """``2^-9`` for an exact power of two (every format's smallest normal/subnormal is one)."""
+    m, e = math.frexp(v)
+    return f"2^{e - 1}" if m == 0.5 else f"{v:.4g}"
 
 
 def _json_number(v: float):
@@ -39,17 +47,28 @@ def formats(name, codes, as_json):
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title="fp8ptq number formats")
-    for col in ("name", "E", "M", "bias", "max finite", "min normal", "min subnormal", "inf",
-                "NaN", "-0", "binades", "rounding"):
-        table.add_column(col, justify="right" if col not in ("name", "rounding") else "left")
-    for d in rows:
-        yes = lambda b: "yes" if b else "no"  # noqa: E731
-        table.add_row(d["name"], str(d["exponent_bits"]), str(d["mantissa_bits"]), str(d["bias"]),
-                      f"{d['max']:g}", f"{d['min_normal']:.4g}", f"{d['min_subnormal']:.4g}",
-                      yes(d["has_inf"]), yes(d["has_nan"]), yes(d["has_negative_zero"]),
-                      str(d["binades"]), d["rounding"])
-    Console().print(table)
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
+    cells = lambda f: [f(d) for d in rows]  # noqa: E731
+    # drop: at 80 columns the special-value flags and binades give way (--json has them all)
+    columns = [
+        Column("name", cells(lambda d: d["name"]), "left"),
+        Column("E", cells(lambda d: str(d["exponent_bits"]))),
+        Column("M", cells(lambda d: str(d["mantissa_bits"]))),
+        Column("bias", cells(lambda d: str(d["bias"]))),
+        Column("max finite", cells(lambda d: f"{d['max']:g}")),
+        Column("min normal", cells(lambda d: _pow2(d["min_normal"]))),
+        Column("min subnormal", cells(lambda d: _pow2(d["min_subnormal"]))),
+        Column("inf", cells(lambda d: yes(d["has_inf"])), drop=3),
+        Column("NaN", cells(lambda d: yes(d["has_nan"])), drop=4),
+        Column("-0", cells(lambda d: yes(d["has_negative_zero"])), drop=5),
+        Column("binades", cells(lambda d: str(d["binades"])), drop=2),
+        Column("rounding", cells(lambda d: d["rounding"]), "left", drop=1),
+    ]
+    console = Console()
+    table, hidden = fitted_table(console, columns, title="fp8ptq number formats")
+    if hidden:
+        table.caption = f"not shown at this width: {', '.join(hidden)} (see --json)"
+    console.print(table)
 
 
 def _print_codes(spec, as_json):

@@ -11,13 +11,18 @@ from fp8ptq.errors import Fp8ptqError
 
 
 class Fp8ptqGroup(click.Group):
-    """Turns an ``Fp8ptqError`` anywhere below into one ``error:`` line and its exit code."""
+    """Turns an ``Fp8ptqError`` or a click usage error anywhere below into one ``error:`` line
+    and its exit code (2 for usage errors)."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except Fp8ptqError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            command = f"{e.ctx.command_path}: " if e.ctx is not None else ""
+            click.echo(f"error: {command}{e.format_message()} (see --help)", err=True)
             sys.exit(e.exit_code)
 
 
@@ -31,7 +36,7 @@ def _register():
     from . import formats_cmd
 
     main.add_command(formats_cmd.formats)
-    for module in ("quantize_cmd", "eval_cmd"):
+    for module in ("quantize_cmd", "eval_cmd", "sensitivity_cmd"):
         try:
             mod = __import__(f"{__package__}.{module}", fromlist=["command"])
         except ModuleNotFoundError as e:

@@ -9,56 +9,95 @@ from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from fp8ptq.recipe import Recipe
 
-RECIPE_OPTIONS = [
-    click.option("--recipe", "recipe_path", type=click.Path(),
-                 help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a run)."),
-    click.option("--calib-data", help="Calibration text: .txt/.json/.jsonl/.parquet file or hub "
-                 "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub)."),
-    click.option("--text-field", help="Text field of .json/.jsonl/.parquet calibration data."),
-    click.option("--num-samples", type=int, help="Calibration sequences [128]."),
-    click.option("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
-    click.option("--seed", type=int, help="Seed for sampling calibration windows [0]."),
-    click.option("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
-    click.option("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
-                 help="Weight scales per tensor, output channel or 2-D block [channel]."),
-    click.option("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
-    click.option("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
-                 help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
-    click.option("--weight-calib", help="Weight calibrator: max|mse|cast [max]."),
-    click.option("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
-    click.option("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
-    click.option("--rounding", type=click.Choice(ROUNDINGS),
-                 help="Rounding of weights (default: the format's own)."),
-    click.option("--scale-pow2", is_flag=True, default=None,
-                 help="Round every scale up to a power of two (an exponent-bias shift)."),
-    click.option("--skip", multiple=True, help="Glob of module names to keep in high precision "
-                 "(repeatable). lm_head is skipped unless --quantize-lm-head."),
-    click.option("--quantize-lm-head", is_flag=True, default=None, help="Quantize lm_head too."),
-    click.option("--override", "overrides", multiple=True,
-                 help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
-    click.option("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
-                 "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
-    click.option("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
-                 "pow2-search [-4,5]."),
-    click.option("--bn-retune", is_flag=True, default=None,
-                 help="Re-estimate BatchNorm statistics with quantization active (CNNs)."),
-    click.option("--keep-depthwise", is_flag=True, default=None,
-                 help="Keep depthwise convolutions in high precision."),
-    click.option("--keep-first-last", is_flag=True, default=None,
-                 help="Keep the first and the last GEMM in high precision (CNNs)."),
-    click.option("--quantize-attention", is_flag=True, default=None,
-                 help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
-    click.option("--quantize-residual", is_flag=True, default=None,
-                 help="Also quantize the inputs of residual additions."),
-    click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-                 help="Dtype the model is loaded and run in [bfloat16]."),
+
+def _opt(*decls: str, **attrs):
+    """The arguments of one ``click.option``; built later so a command can rename the flag."""
+    return decls, attrs
+
+
+_SPECS = [
+    _opt("--recipe", "recipe_path", type=click.Path(),
+         help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a run)."),
+    _opt("--calib-data", help="Calibration text: .txt/.json/.jsonl/.parquet file or hub "
+         "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub); for "
+                 "CNNs an image tensor file (.pt/.npz) or 'digits'."),
+    _opt("--text-field", help="Text field of .json/.jsonl/.parquet calibration data."),
+    _opt("--num-samples", type=int, help="Calibration sequences [128]."),
+    _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
+    _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
+    _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
+    _opt("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
+         help="Weight scales per tensor, output channel or 2-D block [channel]."),
+    _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
+    _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
+         help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
+    _opt("--weight-calib", help="Weight calibrator: max|mse|cast [max]."),
+    _opt("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
+    _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
+    _opt("--rounding", type=click.Choice(ROUNDINGS),
+         help="Rounding of weights (default: the format's own)."),
+    _opt("--scale-pow2", is_flag=True, default=None,
+         help="Round every scale up to a power of two (an exponent-bias shift)."),
+    _opt("--skip", multiple=True, help="Glob of module names to keep in high precision "
+         "(repeatable). lm_head is skipped unless --quantize-lm-head."),
+    _opt("--quantize-lm-head", is_flag=True, default=None, help="Quantize lm_head too."),
+    _opt("--override", "overrides", multiple=True,
+         help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
+    _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
+         "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    _opt("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
+         "pow2-search [-4,5]."),
+    _opt("--bn-retune", is_flag=True, default=None,
+         help="Re-estimate BatchNorm statistics with quantization active (CNNs)."),
+    _opt("--keep-depthwise", is_flag=True, default=None,
+         help="Keep depthwise convolutions in high precision."),
+    _opt("--keep-first-last", is_flag=True, default=None,
+         help="Keep the first and the last GEMM in high precision (CNNs)."),
+    _opt("--quantize-attention", is_flag=True, default=None,
+         help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
+    _opt("--quantize-residual", is_flag=True, default=None,
+         help="Also quantize the inputs of residual additions."),
+    _opt("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+         help="Dtype the model is loaded and run in [bfloat16]."),
 ]
 
 
-def recipe_options(f):
-    for option in reversed(RECIPE_OPTIONS):
-        f = option(f)
-    return f
+def _param_name(decls) -> str:
+    named = [d for d in decls if not d.startswith("-")]
+    return named[0] if named else decls[0].lstrip("-").replace("-", "_")
+
+
+def recipe_option_list(flag_names: dict[str, str] | None = None) -> list:
+    """The recipe flags as click options; ``flag_names`` maps a parameter name to the flag a
+    command shows instead (``eval`` has its own --seq-len/--batch-size), the parameter name
+    (what ``build_recipe`` reads) stays."""
+    flag_names = flag_names or {}
+    unknown = set(flag_names) - {_param_name(decls) for decls, _ in _SPECS}
+    if unknown:
+        raise ValueError(f"no recipe flag with parameter {sorted(unknown)}")
+    out = []
+    for decls, attrs in _SPECS:
+        param = _param_name(decls)
+        if param in flag_names:
+            decls = (flag_names[param], param)
+        out.append(click.option(*decls, **attrs))
+    return out
+
+
+RECIPE_OPTIONS = recipe_option_list()
+
+
+def recipe_options(f=None, *, flag_names: dict[str, str] | None = None):
+    """Decorator adding every recipe flag: ``@recipe_options`` or
+    ``@recipe_options(flag_names={"calib_seq_len": "--calib-seq-len"})``."""
+
+    def decorate(f):
+        options = recipe_option_list(flag_names) if flag_names else RECIPE_OPTIONS
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate(f) if f is not None else decorate
 
 
 def parse_overrides(items) -> dict[str, str] | None:
@@ -66,10 +105,10 @@ def parse_overrides(items) -> dict[str, str] | None:
         return None
     out = {}
     for item in items:
-        pattern, sep, fmt = item.partition("=")
+        pattern, sep, fmt = (part.strip() for part in item.partition("="))
         if not sep or not pattern or not fmt:
             raise UsageError(f"--override expects PATTERN=FORMAT, got {item!r}")
-        out[pattern.strip()] = fmt.strip()
+        out[pattern] = fmt
     return out
 
 

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.markup import escape
 
 from fp8ptq import __version__, job
+from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 
 from .options import build_recipe, recipe_options
 from .progress import progress_bars
+from .tables import Column, fitted_table
 
 
 @click.command("quantize")
@@ -26,20 +33,32 @@ from .progress import progress_bars
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the report.")
 @recipe_options
 def command(model, fmt, output, force, device, device_map, as_json, **flags):
-    """Calibrate MODEL (hub id, local folder, .gguf) and write an FP8 checkpoint to OUTPUT."""
+    """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
+    checkpoint to OUTPUT."""
     from fp8ptq.checkpoint import save_quantized
 
-    recipe = build_recipe(flags, format=get_format(fmt).name if fmt else None)
+    recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
+    # Everything that can be checked without the model fails here, before a long load.
+    check_output(output, force)
+    job.resolve_device(device)
     timings = job.JobTimings()
     with progress_bars(enabled=not as_json) as bars:
-        with bars.step(f"loading {model}"), timings.timed("load"):
-            loaded = job.load(model, recipe, device=device, device_map=device_map)
-        calib = None
+        texts = None
         if job.needs_calibration(recipe):
-            with bars.step("tokenizing calibration data"), timings.timed("calibration data"):
-                calib = job.calibration_set(loaded, recipe)
+            with bars.step("reading calibration data"), timings.timed("calibration data"):
+                texts = job.calibration_texts(recipe, model)
+        with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
+            loaded = job.load(model, recipe, device=device, device_map=device_map)
+        calib, data_warnings = None, []
+        if texts is not None:
+            with bars.step("preparing calibration data"), timings.timed("calibration data"), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                calib = job.calibration_set(loaded, recipe, texts)
+            data_warnings = [str(w.message) for w in caught]  # e.g. overlapping windows
         result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                      progress=bars.counter("calibrating"))
+        result.warnings[:0] = data_warnings
         with bars.step(f"writing {output}"), timings.timed("write"):
             sizes = save_quantized(
                 result, recipe, output, tokenizer=loaded.tokenizer, force=force,
@@ -50,6 +69,34 @@ def command(model, fmt, output, force, device, device_map, as_json, **flags):
         click.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
+
+
+def check_output(output, force: bool) -> None:
+    out = Path(output).expanduser()
+    if (out.exists() or out.is_symlink()) and not force:
+        raise UsageError(f"output directory {out.absolute()} already exists (use --force to "
+                         "replace it)")
+
+
+def absolute_calib_path(recipe):
+    """A local calibration file is recorded by absolute path, so that ``--recipe OUTPUT``
+    reproduces the run from any working directory."""
+    path = Path(recipe.calib_data).expanduser() if recipe.calib_data else None
+    return recipe.merged(calib_data=str(path.absolute())) if path and path.is_file() else recipe
+
+
+@contextmanager
+def _no_transformers_bars():
+    """transformers' own tqdm "Loading weights" bar would duplicate ours on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def calib_facts(calib) -> dict | None:
@@ -76,30 +123,84 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
     }
 
 
-def print_report(report: dict) -> None:
-    console = Console()
-    table = Table(title=f"quantized {len(report['modules'])} modules "
-                        f"(skipped {len(report['skipped'])})")
-    for col in ("module", "W fmt", "W scale", "W amax", "W SQNR dB", "A fmt", "A scale",
-                "A amax", "A SQNR dB"):
-        table.add_column(col, justify="left" if col == "module" else "right")
-    fmt = lambda v, spec="{:.3g}": "-" if v is None else spec.format(v)  # noqa: E731
-    for m in report["modules"]:
-        w_scale = fmt(m["weight_scale_max"]) if m["weight_scale_min"] == m["weight_scale_max"] \
-            else f"{m['weight_scale_min']:.2g}..{m['weight_scale_max']:.2g}"
-        table.add_row(m["name"], m["weight_format"], w_scale, fmt(m["weight_amax"]),
-                      fmt(m["weight_sqnr_db"], "{:.1f}"), m["act_format"] or "-",
-                      fmt(m["input_scale"]), fmt(m["input_amax"]),
-                      fmt(m["input_sqnr_db"], "{:.1f}"))
-    for name in report["skipped"]:
-        table.add_row(f"[dim]{name}[/dim]", "skipped", *["" for _ in range(7)])
+def print_report(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    modules = report["modules"]
+    names = [m["name"] for m in modules]
+    title = f"quantized {len(modules)} modules"
+    table, hidden = fitted_table(console, report_columns(modules, names), title=title)
+    prefix, short = layer_prefix(names)
+    if hidden and prefix:  # too narrow for full names: cut the layer-stack prefix instead
+        title += f"; N.name = {prefix}N.name"
+        table, hidden = fitted_table(console, report_columns(modules, short), title=title)
+    if hidden:
+        table.caption = f"not shown at this width: {', '.join(hidden)} (see --json)"
     console.print(table)
+    if report["skipped"]:
+        console.print(f"kept in high precision: {', '.join(report['skipped'])}")
     for w in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
     s = report["sizes"]
     if s.get("checkpoint_bytes") and s.get("original_bytes"):
-        console.print(f"checkpoint {s['checkpoint_bytes'] / 2**20:.1f} MiB vs original "
-                      f"{s['original_bytes'] / 2**20:.1f} MiB "
+        console.print(f"checkpoint {_bytes(s['checkpoint_bytes'])} vs original "
+                      f"{_bytes(s['original_bytes'])} "
                       f"({s['checkpoint_bytes'] / s['original_bytes']:.2f}x)")
-    secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items())
+    # calibrate+quantize is the sum of the pipeline stages listed beside it
+    secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items()
+                     if k != "calibrate+quantize" and (v >= 0.05 or k in ("load", "write")))
     console.print(f"time: {secs}; peak RSS {report['peak_rss_mb']:.0f} MiB -> {report['output']}")
+
+
+def report_columns(modules: list[dict], names: list[str]) -> list[Column]:
+    def cells(f):
+        return [f(m) for m in modules]
+
+    def w_scale(m):
+        lo, hi = m["weight_scale_min"], m["weight_scale_max"]
+        return _num(hi) if lo == hi else f"{_num(lo, 2)}..{_num(hi, 2)}"
+
+    def a_scale(m):
+        return "dynamic" if m["act_format"] and m["input_scale"] is None else _num(m["input_scale"])
+
+    columns = [
+        Column("module", names, "left"),
+        Column("W fmt", cells(lambda m: m["weight_format"])),
+        Column("W scale", cells(w_scale), drop=1),
+        Column("W amax", cells(lambda m: _num(m["weight_amax"])), drop=2),
+        Column("W SQNR dB", cells(lambda m: _db(m["weight_sqnr_db"]))),
+        Column("A fmt", cells(lambda m: m["act_format"] or "-")),
+        Column("A scale", cells(a_scale)),
+        Column("A amax", cells(lambda m: _num(m["input_amax"])), drop=3),
+        Column("A SQNR dB", cells(lambda m: _db(m["input_sqnr_db"]))),
+    ]
+    if len({m.get("act_calib") for m in modules}) > 1:  # e.g. what best-of picked per module
+        columns.append(Column("A calib", cells(lambda m: m.get("act_calib") or "-"), drop=4))
+    return columns
+
+
+def layer_prefix(names: list[str]) -> tuple[str, list[str]]:
+    """The layer stack's prefix (``model.layers.``, ``transformer.h.``) and the names with it
+    cut, so ``model.layers.1.mlp.down_proj`` reads ``1.mlp.down_proj``. ("", names) when no
+    stack or when a cut name could be mistaken for another (names that start with a digit)."""
+    found = Counter(m.group(1) for n in names if (m := re.match(r"(.+?\.)\d+\.", n)))
+    if not found or any(n[:1].isdigit() for n in names):
+        return "", names
+    prefix = found.most_common(1)[0][0]
+    return prefix, [n.removeprefix(prefix) for n in names]
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _db(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _num(v, digits: int = 3) -> str:
+    """The shorter of fixed and exponent notation, exponent unpadded: ``7.46e-4``."""
+    if v is None:
+        return "-"
+    fixed, sci = (re.sub(r"e\+?(-?)0*(?=\d)", r"e\1", t)
+                  for t in (f"{v:.{digits}g}", f"{v:.{digits - 1}e}"))
+    return fixed if len(fixed) <= len(sci) else sci

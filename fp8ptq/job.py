@@ -11,11 +11,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 
 from .data import build_calibration_set, load_texts, resolve_calib_spec
-from .errors import UsageError
+from .errors import DataError, UsageError
 from .pipeline import QuantizeResult, calibration_passes, quantize_model, token_batches
 from .recipe import Recipe
+from .loading import is_torch_module_file
+from .vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,6 +44,10 @@ class JobTimings:
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but no CUDA device is available")
     return device
@@ -57,9 +64,26 @@ def needs_calibration(recipe: Recipe) -> bool:
     return recipe.act_granularity == "tensor" and (recipe.act_format or recipe.format) != "none"
 
 
-def calibration_set(loaded, recipe: Recipe):
+def calibration_texts(recipe: Recipe, model_spec: str | None = None
+                      ) -> list[str] | ImageCalibrationSet:
+    """The calibration documents; readable before the model loads, so that missing or empty
+    data fails in seconds rather than after a long model load. For image data (CNNs), the
+    calibration images themselves; a ``.pt`` ``model_spec`` (a CNN) requires image data."""
+    if is_image_spec(recipe.calib_data) or is_torch_module_file(model_spec):
+        return _image_set(recipe)
+    return load_texts(resolve_calib_spec(recipe.calib_data), text_field=recipe.text_field)
+
+
+def calibration_set(loaded, recipe: Recipe, texts=None):
+    """Token windows for a transformers model; images for any other module (a CNN).
+    ``texts``: what ``calibration_texts`` returned, if it was called already."""
+    if not isinstance(loaded.model, PreTrainedModel):
+        return texts if isinstance(texts, ImageCalibrationSet) else _image_set(recipe)
     spec = resolve_calib_spec(recipe.calib_data)
-    texts = load_texts(spec, text_field=recipe.text_field)
+    if is_image_spec(spec):
+        raise DataError(f"calibration data {spec!r} is images, but {loaded.source!r} is a "
+                        "text model")
+    texts = calibration_texts(recipe) if texts is None else texts
     return build_calibration_set(texts, loaded.tokenizer, num_samples=recipe.num_samples,
                                  seq_len=recipe.seq_len, seed=recipe.seed, source=spec)
 
@@ -70,9 +94,8 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
     timings = timings or JobTimings()
     batches, tick = None, None
     if calib is not None:
-        device = next(loaded.model.parameters()).device
-        batches = token_batches(calib.input_ids, recipe.batch_size, device)
-        n = -(-calib.input_ids.shape[0] // recipe.batch_size) * calibration_passes(recipe)
+        batches = _batches(loaded.model, calib, recipe.batch_size)
+        n = len(batches) * calibration_passes(recipe)
         tick = progress(n) if progress else None
     with timings.timed("calibrate+quantize"):
         result = quantize_model(loaded.model, recipe, batches, progress=tick)
@@ -80,9 +103,21 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
     return result
 
 
+def _image_set(recipe: Recipe) -> ImageCalibrationSet:
+    return build_image_calibration_set(recipe.calib_data, num_samples=recipe.num_samples,
+                                       seed=recipe.seed)
+
+
+def _batches(model, calib, batch_size: int) -> list:
+    param = next(model.parameters())
+    if isinstance(calib, ImageCalibrationSet):
+        return image_batches(calib.images.to(param.device, param.dtype), batch_size)
+    return list(token_batches(calib.input_ids, batch_size, param.device))
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-__all__ = ["JobTimings", "load", "calibration_set", "quantize_loaded", "needs_calibration",
+__all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded", "needs_calibration",
            "peak_rss_mb", "resolve_device", "DTYPES"]

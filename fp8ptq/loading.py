@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -38,7 +39,7 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     source: str  # what the user passed
-    kind: str  # "hub" | "local" | "gguf" ("fp8ptq" from fp8ptq.checkpoint.load_quantized)
+    kind: str  # "hub" | "local" | "gguf" | "torch" ("fp8ptq" from checkpoint.load_quantized)
     resolved_path: str  # local folder, hub id, or for a .gguf its dequantized copy in the cache
 
 
@@ -50,9 +51,9 @@ def load_model(
     device_map: Any = None,
     task: str | None = None,
 ) -> LoadedModel:
-    """Load ``spec`` (local folder, ``.gguf`` file or hub id) in eval mode, with a tokenizer
-    that has a pad token. ``task`` ("causal-lm", "qa", "seq-cls", "base") overrides the model
-    class that ``config.architectures`` implies."""
+    """Load ``spec`` (local folder, ``.gguf`` file, ``.pt`` module or hub id) in eval mode, with
+    a tokenizer that has a pad token (none for a ``.pt`` module). ``task`` ("causal-lm", "qa",
+    "seq-cls", "base") overrides the model class that ``config.architectures`` implies."""
     if task is not None and task not in TASK_CLASSES:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASK_CLASSES)}")
     path = Path(spec).expanduser()
@@ -60,6 +61,8 @@ def load_model(
 
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _load_gguf(spec, path.resolve(), **load_kwargs)
+    if path.is_file() and is_torch_module_file(spec):
+        return _load_torch_module(spec, path.resolve(), dtype=dtype, device=device)
     if path.is_dir():
         if (path / "fp8ptq.json").is_file():
             from .checkpoint import load_quantized
@@ -69,7 +72,8 @@ def load_model(
             raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
         return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
     if path.exists():
-        raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json or a .gguf file")
+        raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json, a .gguf "
+                         "file or a .pt module")
     if _looks_like_path(spec):
         raise UsageError(f"cannot load model {spec!r}: no such file or folder")
     return _load_from_hub(spec, **load_kwargs)
@@ -81,7 +85,7 @@ def _looks_like_path(spec: str) -> bool:
         spec.startswith((os.sep, ".", "~"))
         or spec.count(os.sep) > 1
         or (os.sep != "/" and os.sep in spec)
-        or spec.endswith(".gguf")
+        or spec.endswith((".gguf", *TORCH_SUFFIXES))
     )
 
 
@@ -125,6 +129,43 @@ def _with_pad_token(tokenizer):
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+# --- torch-saved modules (CNNs) ----------------------------------------------------------
+
+TORCH_SUFFIXES = (".pt", ".pth")
+
+
+def is_torch_module_file(spec: str | None) -> bool:
+    return spec is not None and Path(spec).suffix.lower() in TORCH_SUFFIXES
+
+
+def _load_torch_module(source, path: Path, *, dtype, device) -> LoadedModel:
+    """A ``torch.save``-d ``nn.Module``, or a state dict of the built-in ``digits-cnn``.
+
+    Trust: a whole pickled module can only be read with ``weights_only=False``, and unpickling
+    runs code named in the file, so only pass module files you trust. State dicts are read with
+    ``weights_only=True`` first (safe); only what that refuses falls back to full unpickling."""
+    from torch import nn
+
+    from .vision import TinyMobileNet
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # weights_only refuses anything but tensors and containers
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # unpickling raises anything, e.g. a class that no longer exists
+            raise UsageError(f"cannot load model {source!r}: {_first_line(e)}") from None
+    except Exception as e:
+        raise UsageError(f"cannot load model {source!r}: {_first_line(e)}") from None
+    if isinstance(obj, dict) and obj and all(torch.is_tensor(v) for v in obj.values()):
+        obj = TinyMobileNet.from_state_dict(obj)
+    if not isinstance(obj, nn.Module):
+        raise UsageError(f"cannot load model {source!r}: expected a torch.save-d nn.Module or a "
+                         f"digits-cnn state dict, got {type(obj).__name__}")
+    obj.to(device=device, dtype=dtype).eval()
+    return LoadedModel(obj, None, source, "torch", str(path))
 
 
 # --- hub ---------------------------------------------------------------------------------

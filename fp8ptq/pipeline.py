@@ -130,9 +130,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     if recipe.smoothquant is not None:
         from .smoothquant import apply_smoothquant
 
-        pre = collect_stats(model, targets, batches, progress, sample_batches=SAMPLE_BATCHES)
+        search = recipe.smoothquant == "auto"
+        pre = collect_stats(model, targets, batches, progress,
+                            sample_batches=SAMPLE_BATCHES if search else 0)
         extras["smoothquant"] = apply_smoothquant(model, targets, pre.stats,
-                                                  pre.row_samples(), recipe)
+                                                  pre.row_samples() if search else {}, recipe,
+                                                  example=batches[0])
     times["smoothquant"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -53,6 +53,7 @@ class Recipe:
         self.validate()
 
     def validate(self) -> None:
+        self._check_types()
         for name in (self.format, self.weight_format):
             if name is not None:
                 get_format(name)
@@ -60,7 +61,10 @@ class Recipe:
             get_format(self.act_format)
         for pattern, fmt in self.overrides.items():
             if fmt != "none":
-                get_format(fmt)
+                try:
+                    get_format(fmt)
+                except UsageError as e:
+                    raise UsageError(f"override {pattern}={fmt}: {e}") from None
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -82,11 +86,35 @@ class Recipe:
                                  f"{self.smoothquant!r}") from None
             if not 0 <= self.smoothquant <= 1:
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
-        self.pow2_range = tuple(int(v) for v in self.pow2_range)
         if len(self.pow2_range) != 2 or self.pow2_range[0] > self.pow2_range[1]:
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
+
+    def _check_types(self) -> None:
+        """Recipe files are hand-written YAML: catch wrong types with a clear message (a bare
+        string for ``skip`` would otherwise be split into one-character globs)."""
+        for key in INT_FIELDS:
+            _typed(key, getattr(self, key), int)
+        for key in BOOL_FIELDS:
+            _typed(key, getattr(self, key), bool)
+        _typed("percentile", self.percentile, (int, float))
+        self.percentile = float(self.percentile)
+        if isinstance(self.skip, str):
+            self.skip = [self.skip]
+        if not isinstance(self.skip, (list, tuple)) or not all(isinstance(p, str)
+                                                              for p in self.skip):
+            raise UsageError(f"skip must be a list of module-name globs, got {self.skip!r}")
+        self.skip = list(self.skip)
+        if not isinstance(self.overrides, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.overrides.items()):
+            raise UsageError("overrides must map module-name globs to format names or 'none', "
+                             f"got {self.overrides!r}")
+        try:
+            self.pow2_range = tuple(int(v) for v in self.pow2_range)
+        except (TypeError, ValueError):
+            raise UsageError(f"pow2_range must be two integers LOW, HIGH, got "
+                             f"{self.pow2_range!r}") from None
 
     @property
     def skip_patterns(self) -> list[str]:
@@ -132,6 +160,18 @@ def load_recipe_dict(path: str | Path) -> dict:
     if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json
         data = data["recipe"]
     return data
+
+
+INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed")
+BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
+               "quantize_attention", "quantize_residual")
+
+
+def _typed(key, value, types) -> None:
+    # bool is an int subclass: ``num_samples: true`` must not pass as 1
+    if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+        what = {int: "an integer", bool: "true or false"}.get(types, "a number")
+        raise UsageError(f"{key} must be {what}, got {value!r}")
 
 
 def _choice(key, value, valid):

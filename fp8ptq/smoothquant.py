@@ -29,14 +29,20 @@ gate/up_proj``, GPT-2 ``ln_1 -> attn.c_attn`` and ``ln_2 -> mlp.c_fc``, OPT (pre
 ``self_attn_layer_norm -> q/k/v_proj`` and ``final_layer_norm -> fc1``. Final norms feed the
 (unquantized, often tied) ``lm_head`` and are skipped; BERT's pairings (``embeddings.LayerNorm ->
 layer.0 query/key/value``, ``attention.output.LayerNorm -> intermediate.dense``,
-``output.LayerNorm -> next layer's query/key/value``) are found and skipped as post-LN.
+``output.LayerNorm -> next layer's query/key/value``) are found and skipped as post-LN; only
+the last layer's ``output.LayerNorm -> qa_outputs`` (or another head Linear) is exact and
+smoothed.
 
-``alpha="auto"`` searches ``ALPHA_GRID`` per group for the smallest output error of the group's
-GEMMs quantized in their target formats, on the row samples of the statistics pass:
+``alpha="auto"`` searches alpha per group for the smallest output error of the group's GEMMs
+quantized in their target formats, on the row samples of the statistics pass:
 ``sum_c || Qa(X / s) Qw(W_c * s)^T - X W_c^T ||^2`` (per-tensor activation scale from the amax of
-X / s over all calibration data, or per-token; the recipe's weight granularity and calibrator). At
-most ``MAX_SEARCH_ROWS`` input rows and ``MAX_SEARCH_OUT`` output channels per GEMM (whole blocks
-for block scales) are used, so the search stays affordable on CPU.
+X / s over all calibration data, i.e. max calibration, or per-token; the recipe's weight
+granularity and calibrator). Coarse to fine: ``ALPHA_GRID`` (steps of 0.1, 0.5 included), then
+the two neighbours at +-``ALPHA_REFINE`` of the best. No smoothing (s = 1) is a candidate too: a
+group where it wins is left as it is (``alpha`` null in the report), so "auto" never raises this
+error above that of the unsmoothed model. At most ``MAX_SEARCH_ROWS`` input rows and
+``MAX_SEARCH_OUT`` output channels per GEMM (whole blocks for block scales) are used, so the
+search costs about one calibration pass on CPU.
 """
 
 from __future__ import annotations
@@ -55,10 +61,11 @@ from .granularity import PerBlock, PerTensor, weight_granularity
 from .model.gemm import Conv1D, find_gemms, weight_2d, weight_from_2d
 from .scales import TINY, amax_to_scale
 
-ALPHA_GRID = tuple(round(0.05 * i, 2) for i in range(21))  # 0.0, 0.05, ..., 1.0
+ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0, 0.1, ..., 1.0
+ALPHA_REFINE = 0.05  # second stage of the search: best grid alpha +- this
 FACTOR_MIN, FACTOR_MAX = 1e-5, 1e5
 MAX_SEARCH_ROWS = 512  # input rows (tokens) used by the alpha search
-MAX_SEARCH_OUT = 1024  # output channels per GEMM used by the alpha search
+MAX_SEARCH_OUT = 256  # output channels per GEMM used by the alpha search
 SMOOTHABLE = (nn.Linear,) + ((Conv1D,) if Conv1D else ())
 
 
@@ -90,9 +97,14 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
     ``stats``: name -> ``TensorStats`` (per-channel input amax) of the targets; ``row_samples``:
     name -> float32 ``[rows, in_features]`` input rows (used by ``alpha="auto"``); ``example``: a
     batch to trace the model with (its first row is used; default: the model's ``dummy_inputs``).
+
+    Report (plain JSON types): ``alpha`` (the recipe's), ``groups`` {norm: {consumers, channels,
+    alpha (null: auto left it unsmoothed), factor_min, factor_max, search (auto)}}, ``skipped``
+    {producer: why}, ``unmatched`` (quantized GEMMs whose input is no module's output, e.g.
+    ``o_proj``, ``down_proj``: nothing to fold into), ``smoothed`` (groups changed).
     """
     alpha_opt = recipe.smoothquant
-    report = {"alpha": alpha_opt, "groups": {}, "skipped": {}, "unmatched": []}
+    report = {"alpha": alpha_opt, "groups": {}, "skipped": {}, "unmatched": [], "smoothed": 0}
     by_name = {t.name: t for t in targets}
     example = _trace_input(model, example)
     if example is None:
@@ -128,6 +140,11 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
                 alpha, search = _search_alpha(g, x, act_amax, w_amax, by_name, recipe, gran,
                                               w_calib)
                 entry["search"] = search
+                if alpha is None:
+                    entry.update(alpha=None, note="no alpha beat the unsmoothed output error; "
+                                 "left unsmoothed")
+                    report["groups"][g.norm_name] = entry
+                    continue
         else:
             alpha = float(alpha_opt)
         s = smoothing_factors(act_amax, w_amax, alpha)
@@ -139,7 +156,7 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
         if g.style != "scale":
             entry["fold"] = g.style
         report["groups"][g.norm_name] = entry
-    report["smoothed"] = len(report["groups"])
+    report["smoothed"] = sum(e["alpha"] is not None for e in report["groups"].values())
     return report
 
 
@@ -405,7 +422,8 @@ def _fold(g: Group, s: torch.Tensor) -> str | None:
 
 @torch.no_grad()
 def _search_alpha(g: Group, x, act_amax, w_amax, by_name, recipe, gran, w_calib):
-    """The grid alpha with the smallest quantized output error of the group's GEMMs."""
+    """The alpha with the smallest quantized output error of the group's GEMMs (None: no
+    smoothing is better still) and the search's record."""
     device = g.modules[0].weight.device
     x = x.float()
     if x.shape[0] > MAX_SEARCH_ROWS:
@@ -438,11 +456,21 @@ def _search_alpha(g: Group, x, act_amax, w_amax, by_name, recipe, gran, w_calib)
             total += float((xq_cache[key] @ wq.T - ref).double().pow(2).sum()) * weight
         return total
 
-    errors = [error(smoothing_factors(act_amax, w_amax, a).to(device)) for a in ALPHA_GRID]
-    best = min(range(len(ALPHA_GRID)), key=lambda i: (errors[i], i))
+    tried: dict[float, float] = {}
+
+    def best_of(alphas) -> float:
+        for a in alphas:
+            if a not in tried:
+                tried[a] = error(smoothing_factors(act_amax, w_amax, a).to(device))
+        return min(tried, key=lambda a: (tried[a], a))
+
+    best = best_of(ALPHA_GRID)
+    best = best_of([a for a in (round(best - ALPHA_REFINE, 4), round(best + ALPHA_REFINE, 4))
+                    if 0 <= a <= 1])
     baseline = error(torch.ones_like(act_amax_d))
-    return ALPHA_GRID[best], {"alphas": list(ALPHA_GRID), "errors": errors,
-                              "error": errors[best], "error_unsmoothed": baseline}
+    search = {"tried": [[a, tried[a]] for a in sorted(tried)], "error": tried[best],
+              "error_unsmoothed": baseline}
+    return (None if baseline <= tried[best] else best), search
 
 
 def _output_rows(out: int, gran) -> torch.Tensor | None:

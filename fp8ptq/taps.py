@@ -10,6 +10,7 @@ these taps add the rest, with static per-tensor scales calibrated in the same si
         for batch in batches: model(**batch)
     report = taps.freeze(recipe)              # scales; from now on the taps fake-quantize
     taps.kv_scales()                          # {attn module: {"k_scale", "v_scale"}}
+    taps.restore(report)                      # (a fresh taps object) same scales, no pass
     taps.remove()                             # original attention implementation, no hooks
 
 Attention (``--quantize-attention``)
@@ -61,7 +62,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .errors import Fp8ptqError, UsageError
+from .errors import Fp8ptqError, NumericsError, UsageError
 from .formats import fake_quantize, get_format
 from .observers import TensorStats
 from .scales import amax_to_scale, histogram_sqnr_db
@@ -470,6 +471,26 @@ class ActivationTaps:
         self.mode = "quantize"
         self._install_residual_hooks()
         return report
+
+    def restore(self, report: dict[str, dict]) -> None:
+        """Quantize with the scales of an earlier ``freeze`` report (e.g. the one a checkpoint's
+        fp8ptq.json holds) instead of calibrating: the same taps compute the same numbers."""
+        missing, extra = set(self.stats) - set(report), set(report) - set(self.stats)
+        if missing or extra:
+            raise Fp8ptqError(f"activation taps of the model and of the report differ: missing "
+                              f"{sorted(missing)[:3]}, unknown {sorted(extra)[:3]}")
+        formats = {e["format"] for e in report.values()}
+        if len(formats) != 1:
+            raise Fp8ptqError(f"activation taps use one format, the report has {sorted(formats)}")
+        scales = {n: torch.tensor(float(e["scale"]), dtype=torch.float32)
+                  for n, e in report.items()}
+        bad = [n for n, s in scales.items() if not (bool(torch.isfinite(s)) and float(s) > 0)]
+        if bad:
+            raise NumericsError(f"activation tap scale of {bad[0]} is not finite and > 0")
+        self._fmt, self._scales, self._scale_cache = get_format(formats.pop()), scales, {}
+        self.report = report
+        self.mode = "quantize"
+        self._install_residual_hooks()
 
     # -- export -------------------------------------------------------------------------------
 

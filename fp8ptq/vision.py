@@ -8,6 +8,9 @@ seconds on a CPU.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,9 @@ from torch import nn
 from .errors import DataError, UsageError
 
 TEST_FRACTION = 0.2
+BUILTIN_ARCHITECTURE = "digits-cnn"  # TinyMobileNet
+DIGITS_SPEC = "digits"  # --calib-data keyword: the digits train split
+IMAGE_SUFFIXES = (".pt", ".npz")
 
 
 def load_digits_data(split: str = "train", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +107,46 @@ def image_batches(images: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     return list(images.split(batch_size))
 
 
+def is_image_spec(spec: str | None) -> bool:
+    """Whether ``--calib-data`` names images (``digits``, ``.pt``, ``.npz``) rather than text."""
+    return spec is not None and (spec == DIGITS_SPEC or
+                                 Path(spec).suffix.lower() in IMAGE_SUFFIXES)
+
+
+@dataclass
+class ImageCalibrationSet:
+    """Calibration images; the text-only facts of ``fp8ptq.data.CalibrationSet`` are None."""
+
+    images: torch.Tensor  # float32 [num_samples, C, H, W]
+    source: str
+    sha256: str  # of the images as little-endian float32
+    num_samples: int
+    seed: int
+    seq_len: None = None
+    num_tokens: None = None
+
+
+def build_image_calibration_set(spec: str | None, *, num_samples: int,
+                                seed: int = 0) -> ImageCalibrationSet:
+    """``num_samples`` images (a seeded random subset when there are more) from a ``.pt`` /
+    ``.npz`` file (see ``load_image_tensors``) or ``digits`` (the train split of seed 0,
+    standardised as in training). Images from files are used as they are: preprocess them as the
+    model expects."""
+    if spec is None:
+        raise UsageError(f"an image model needs --calib-data: a .pt / .npz image file or "
+                         f"'{DIGITS_SPEC}'")
+    if not is_image_spec(spec):
+        raise DataError(f"calibration data {spec!r} is not images: pass a .pt / .npz image file "
+                        f"or '{DIGITS_SPEC}'")
+    images = load_digits_data("train")[0] if spec == DIGITS_SPEC else load_image_tensors(spec)
+    if images.shape[0] > num_samples:
+        gen = torch.Generator().manual_seed(seed)
+        images = images[torch.randperm(images.shape[0], generator=gen)[:num_samples].sort().values]
+    images = images.contiguous()
+    digest = hashlib.sha256(images.numpy().astype("<f4").tobytes()).hexdigest()
+    return ImageCalibrationSet(images, spec, digest, images.shape[0], seed)
+
+
 def _conv_bn(cin: int, cout: int, kernel: int = 1, stride: int = 1, groups: int = 1,
              act: type[nn.Module] | None = nn.ReLU6) -> list[nn.Module]:
     layers = [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
@@ -127,8 +173,13 @@ class InvertedResidual(nn.Module):
 
 
 class TinyMobileNet(nn.Module):
+    """The built-in ``digits-cnn`` architecture (``BUILTIN_ARCHITECTURE``)."""
+
     def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 16):
         super().__init__()
+        # enough to rebuild the architecture without pickling it (checkpoints, state dicts)
+        self.arch_kwargs = {"num_classes": num_classes, "in_channels": in_channels,
+                            "width": width}
         self.features = nn.Sequential(
             *_conv_bn(in_channels, width, 3, act=nn.ReLU),
             InvertedResidual(width, 24, stride=2),
@@ -140,6 +191,20 @@ class TinyMobileNet(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.pool(self.features(x)).flatten(1))
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "TinyMobileNet":
+        """The network a ``state_dict()`` of this class describes (sizes read off the shapes)."""
+        try:
+            stem, head = state["features.0.weight"], state["classifier.weight"]
+            model = cls(num_classes=head.shape[0], in_channels=stem.shape[1],
+                        width=stem.shape[0])
+            model.load_state_dict(state)
+        except (KeyError, AttributeError, IndexError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"the state dict does not fit the built-in {BUILTIN_ARCHITECTURE} "
+                             f"architecture: {first}") from None
+        return model.eval()
 
 
 def train_digits_cnn(epochs: int = 20, seed: int = 0, batch_size: int = 64,
@@ -183,3 +248,16 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> fl
 def relative_output_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
     """E||Z - Z_ref||^2 / E||Z_ref||^2: the quantization error at the model output."""
     return float((logits - reference).pow(2).mean() / reference.pow(2).mean())
+
+
+def quantize_and_score(model: nn.Module, recipe, batches, images: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[float, float, object]:
+    """Quantize a copy of ``model`` per ``recipe`` (calibrating on ``batches``) and score it on
+    ``images``: (top-1 accuracy, ``relative_output_error`` against ``model``, QuantizeResult)."""
+    from .pipeline import quantize_model
+
+    quantized = copy.deepcopy(model)
+    result = quantize_model(quantized, recipe, batches)
+    logits = predict(quantized, images)
+    return (float((logits.argmax(-1) == labels).float().mean()),
+            relative_output_error(logits, predict(model, images)), result)

@@ -21,6 +21,8 @@ from ..granularity import weight_granularity
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
 from ..qmodules import QuantGemm
+from .skeleton import MODULE_KEY, build_module
+from .taps_io import install_taps, pop_kv_tensors
 from .writer import INDEX_NAME, LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME
 
 _SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")
@@ -70,10 +72,16 @@ def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
     raise UsageError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
 
 
-def _config(p: Path):
+def _build_model(p: Path, dtype: torch.dtype) -> nn.Module:
+    raw = json.loads((p / "config.json").read_text())
+    if MODULE_KEY in raw:  # not a transformers model (see skeleton.py)
+        return build_module(p, raw[MODULE_KEY], dtype)
+    return _build(_config(raw, p), dtype)
+
+
+def _config(cfg: dict, p: Path):
     from transformers import CONFIG_MAPPING
 
-    cfg = json.loads((p / "config.json").read_text())
     cfg.pop("quantization_config", None)
     model_type = cfg.get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -126,7 +134,6 @@ def load_quantized(path, *, device="cpu", dtype=None):
     meta = read_metadata(p)
     layout = meta["layout"]
     dtype = _as_dtype(dtype or meta.get("dtype") or "float32")
-    config = _config(p)
     tensors = _load_tensors(p)
 
     quant: dict[str, tuple] = {}
@@ -146,7 +153,8 @@ def load_quantized(path, *, device="cpu", dtype=None):
             raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
         quant[name] = (entry, codes, scale, tensors.pop(f"{name}.input_scale", None))
 
-    model = _build(config, dtype)
+    pop_kv_tensors(tensors, meta.get("taps"), p)
+    model = _build_model(p, dtype)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected:
@@ -167,6 +175,7 @@ def load_quantized(path, *, device="cpu", dtype=None):
             act_format=act_format, input_scale=input_scale,
             act_granularity=entry.get("act_granularity") or "tensor")
         set_submodule(model, name, q)
+    install_taps(model, meta.get("taps"))  # after the QuantGemms: residual hooks find them
 
     model.to(device)
     model.eval()

@@ -26,6 +26,8 @@ from ..errors import NumericsError, UsageError
 from ..formats import get_format
 from ..qmodules import QuantGemm
 from .jsonsafe import dumps, json_safe
+from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
+from .taps_io import kv_cache_export, taps_report
 
 LAYOUT_CT = "compressed-tensors"
 LAYOUT_NATIVE = "fp8ptq-native"
@@ -201,7 +203,8 @@ def _input_args(q: QuantGemm) -> dict | None:
             "strategy": "token" if token else "tensor", "dynamic": token}
 
 
-def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm]]) -> dict:
+def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm]],
+                              kv_cache_scheme: dict | None = None) -> dict:
     """``quantization_config`` for config.json, as ``compressed_tensors.QuantizationConfig``
     dumps it. One config group per distinct scheme. A single group over every quantized Linear
     targets the class ``Linear`` and ignores the Linear modules left unquantized (lm_head...);
@@ -233,7 +236,7 @@ def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm
     return {
         "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
         "quant_method": "compressed-tensors",
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_scheme,
         "format": formats.pop() if len(formats) == 1 else CT_MIXED,
         "quantization_status": "compressed",
         "global_compression_ratio": None,
@@ -257,9 +260,12 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def _config_dict(model: nn.Module) -> dict:
-    cfg = json.loads(model.config.to_json_string(use_diff=False))
-    cfg.pop("quantization_config", None)
+def _config_dict(model: nn.Module, qnames: set[str], directory: Path) -> dict:
+    if has_hf_config(model):
+        cfg = json.loads(model.config.to_json_string(use_diff=False))
+        cfg.pop("quantization_config", None)
+    else:  # e.g. a CNN from a .pt file
+        cfg = {MODULE_KEY: module_config(model, sorted(qnames), directory)}
     if not cfg.get("architectures"):
         cfg["architectures"] = [type(model).__name__]
     dtype = str(_model_dtype(model)).removeprefix("torch.")
@@ -386,15 +392,20 @@ def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, s
     tensors = _plain_state_dict(model, qnames)
     for name, q in qmods:
         tensors.update(_quant_tensors(name, q, layout))
-    files = _save_tensors(tensors, tmp)
+    taps = taps_report(result)
+    kv_tensors, kv_scheme, kv_note = kv_cache_export(model, taps, layout)
+    files = _save_tensors({**tensors, **kv_tensors}, tmp)
 
-    cfg = _config_dict(model)
+    cfg = _config_dict(model, qnames, tmp)
+    if (tmp / SKELETON_NAME).is_file():
+        files.append(SKELETON_NAME)
     tied = tied_quantized(model, qmods)
     if tied and cfg.get("tie_word_embeddings"):
         # The shared tensor now holds the dequantized weight and the quantized module keeps its
         # own codes: stored separately, loaded untied (same numbers, no re-tying to the codes).
         cfg["tie_word_embeddings"] = False
-    cfg["quantization_config"] = (compressed_tensors_config(model, qmods) if layout == LAYOUT_CT
+    cfg["quantization_config"] = (compressed_tensors_config(model, qmods, kv_scheme)
+                                  if layout == LAYOUT_CT
                                   else native_quantization_config(tool_version))
     (tmp / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = getattr(model, "generation_config", None)
@@ -428,6 +439,10 @@ def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, s
         "untied": tied,
         "warnings": list(getattr(result, "warnings", []) or []),
         "sizes": sizes,
+        "taps": taps,
+        "kv_cache_scales": kv_note,
+        "extras": {k: v for k, v in (getattr(result, "extras", None) or {}).items()
+                   if k != "taps"},
     }
     (tmp / META_NAME).write_text(dumps(meta, indent=2) + "\n")
     return json_safe({"layout": layout, "files": files, **sizes})

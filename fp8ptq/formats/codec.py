@@ -98,6 +98,8 @@ def _simplified_sr(frac, src):
 
 def _quantize_int(x, spec, rounding, generator):
     qmax = spec.layout.max
+    if rounding == "nearest_even":  # torch.round rounds half to even: one pass instead of ten
+        return torch.round(x).clamp_(-qmax, qmax).nan_to_num_(0.0)
     whole = torch.floor(x.abs())
     frac = x.abs() - whole
     q = torch.copysign(whole + _round_up(whole, frac, rounding, x, whole, generator), x)
@@ -106,8 +108,11 @@ def _quantize_int(x, spec, rounding, generator):
 
 def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
     """Quantize ``x`` (already divided by its scale) and return the codes as uint8."""
-    q = quantize_values(x, spec, **kwargs)
     lay = spec.layout
+    if _native_fast_path(spec, kwargs):
+        codes = _native_round(x, spec, keep_dtype=True).view(torch.uint8)
+        return torch.where(torch.isnan(x), lay.nan_code, codes) if lay.has_nan else codes
+    q = quantize_values(x, spec, **kwargs)
     if not spec.is_float:
         return q.to(torch.int8).view(torch.uint8) if spec.bits == 8 else (
             q.to(torch.int64) & (spec.num_codes - 1)).to(torch.uint8)
@@ -134,10 +139,51 @@ def decode(codes: torch.Tensor, spec: FormatSpec, dtype=torch.float32) -> torch.
 def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, **kwargs) -> torch.Tensor:
     """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``."""
     if _native_fast_path(spec, kwargs):
-        q = _native_round(x.float() / scale, spec)
+        def rounder(y):
+            return _native_round(y, spec)
     else:
-        q = quantize_values(x.float() / scale, spec, **kwargs)
-    return (q * scale).to(x.dtype)
+        def rounder(y):
+            return quantize_values(y, spec, **kwargs)
+    rows = _row_scales(x, scale)
+    if rows is None or x.numel() < 2 * CHUNK_ELEMENTS or kwargs.get("rounding") == "stochastic":
+        return (rounder(x.float() / scale) * scale).to(x.dtype)
+    return _chunked_fake_quantize(x, rows, rounder)
+
+
+# Activations are fake-quantized in row chunks of about this many elements: the fp32
+# temporaries then stay in cache and come from the allocator's free list; on CPU, whole-tensor
+# temporaries of a few MB cost more in page faults than the arithmetic (10x at 1400 x 1536).
+CHUNK_ELEMENTS = 1 << 16
+
+
+def _row_scales(x: torch.Tensor, scale) -> torch.Tensor | None:
+    """``scale`` as a tensor that broadcasts against ``x`` viewed as [rows, C] (one value, one
+    per row, or one per column), or None when it does not."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if x.dim() == 0:
+        return None
+    cols = x.shape[-1]
+    if s.numel() == 1:
+        return s.reshape(1, 1)
+    if s.dim() >= 1 and s.shape[-1] == 1 and s.numel() * cols == x.numel() and \
+            tuple(s.shape[:-1]) == tuple(x.shape[:-1]):
+        return s.reshape(-1, 1)
+    if s.numel() == cols and s.shape[-1] == cols:
+        return s.reshape(1, cols)
+    return None
+
+
+def _chunked_fake_quantize(x: torch.Tensor, scale: torch.Tensor, rounder) -> torch.Tensor:
+    """``fake_quantize`` computed chunk by chunk of rows: bit-identical, several times faster."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty_like(x2)
+    step = max(1, CHUNK_ELEMENTS // x2.shape[1])
+    per_row = scale.shape[0] > 1
+    for start in range(0, x2.shape[0], step):
+        s = scale[start:start + step] if per_row else scale
+        y = x2[start:start + step].to(torch.float32, copy=True).div_(s)
+        out[start:start + step] = rounder(y).mul_(s)
+    return out.reshape(x.shape)
 
 
 def _native_fast_path(spec, kwargs) -> bool:
@@ -146,11 +192,12 @@ def _native_fast_path(spec, kwargs) -> bool:
             and not kwargs.get("nan_to_zero", False))
 
 
-def _native_round(y: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+def _native_round(y: torch.Tensor, spec: FormatSpec, keep_dtype: bool = False) -> torch.Tensor:
     """Round-to-nearest-even saturating cast through torch's float8 dtype (same bits as
     ``quantize_values``, several times faster). Clamps first: only e4m3fn saturates on cast."""
     m = spec.layout.max
-    return y.clamp(-m, m).to(torch_dtype(spec)).float()
+    q = y.float().clamp(-m, m).to(torch_dtype(spec))
+    return q if keep_dtype else q.float()
 
 
 def to_torch_float8(x: torch.Tensor, spec: FormatSpec) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""Checkpoints of models without a transformers config (CNNs loaded from a ``.pt`` file).
+
+``config.json`` then says how to rebuild the architecture under ``fp8ptq_module``: the built-in
+``digits-cnn`` by its constructor arguments, any other module as a weightless pickled skeleton
+(``module_skeleton.pt``: the unquantized module tree with its state-dict tensors on the meta
+device; non-persistent buffers, which no state dict holds, keep their values). The state-dict
+tensors live in ``model.safetensors`` like in every other checkpoint.
+
+Trust: the skeleton is a pickle, and unpickling runs code named in the file (and needs the
+module's classes importable), exactly like the ``.pt`` file it came from. Load only checkpoints
+you trust; the built-in architecture needs no pickle.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import Fp8ptqError
+from ..model.gemm import set_submodule
+
+MODULE_KEY = "fp8ptq_module"
+SKELETON_NAME = "module_skeleton.pt"
+
+
+def has_hf_config(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "to_json_string")
+
+
+def module_config(model: nn.Module, quantized: list[str], directory: Path) -> dict:
+    """Describe ``model``'s architecture for ``config.json``, writing the skeleton file into
+    ``directory`` when the architecture is not built in."""
+    from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
+
+    if type(model) is TinyMobileNet:
+        return {"builtin": BUILTIN_ARCHITECTURE, "kwargs": dict(model.arch_kwargs)}
+    skeleton = copy.deepcopy(model)
+    for name in quantized:  # back to the plain GEMM modules that QuantGemm wraps
+        set_submodule(skeleton, name, skeleton.get_submodule(name).inner)
+    kept = _non_persistent_buffers(skeleton)
+    skeleton.to("meta")
+    _set_tensors(skeleton, kept)
+    torch.save(skeleton, directory / SKELETON_NAME)
+    cls = type(model)
+    return {"skeleton": SKELETON_NAME, "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def build_module(directory: Path, spec: dict, dtype: torch.dtype) -> nn.Module:
+    """The unquantized architecture ``spec`` describes, with uninitialised tensors."""
+    from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
+
+    if spec.get("builtin") == BUILTIN_ARCHITECTURE:
+        return TinyMobileNet(**spec.get("kwargs", {})).to(dtype)
+    if "skeleton" not in spec:
+        raise Fp8ptqError(f"{directory}/config.json: {MODULE_KEY} names neither a built-in "
+                          "architecture nor a skeleton file")
+    path = directory / spec["skeleton"]
+    try:
+        skeleton = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # missing file, or a class that is no longer importable
+        raise Fp8ptqError(f"cannot rebuild {spec.get('class', 'the module')} from {path}: "
+                          f"{e}") from None
+    if not isinstance(skeleton, nn.Module):
+        raise Fp8ptqError(f"{path} holds a {type(skeleton).__name__}, not an nn.Module")
+    kept = {n: b for n, b in skeleton.named_buffers() if not b.is_meta}
+    skeleton.to_empty(device="cpu")
+    _set_tensors(skeleton, kept)
+    return skeleton.to(dtype)
+
+
+def _non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    persistent = model.state_dict(keep_vars=True).keys()
+    return {n: b.clone() for n, b in model.named_buffers() if n not in persistent}
+
+
+def _set_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, t in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, t)
