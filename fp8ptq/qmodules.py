@@ -7,6 +7,8 @@ tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -50,7 +52,11 @@ class QuantGemm(nn.Module):
         return self.inner.bias
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quantize(x, self._act_scale(x), self.act_format)
+        key = _SharedInput.key_of(self, x)
+        hit = _SHARED_INPUT.get(x, key)
+        if hit is not None:
+            return hit
+        return _SHARED_INPUT.put(x, key, fake_quantize(x, self._act_scale(x), self.act_format))
 
     def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_granularity == "token":
@@ -98,3 +104,32 @@ class QuantGemm(nn.Module):
             f"{self.act_format.name}/{self.act_granularity}")
         return (f"kind={self.kind}, weight={self.weight_format.name}/"
                 f"{self.weight_granularity.name}, act={act}")
+
+
+
+class _SharedInput(threading.local):
+    """The last fake-quantized input (per thread), so GEMMs fed the same tensor with the same
+    format and scale (q/k/v, gate/up) quantize it once. Keyed by identity and version counter,
+    so an in-place change of the input is never served stale; inference tensors (no version
+    counter) and GPU tensors (reading the scale would sync) are not cached."""
+
+    x: torch.Tensor | None = None
+    key: tuple | None = None
+    out: torch.Tensor | None = None
+
+    @staticmethod
+    def key_of(q: QuantGemm, x: torch.Tensor) -> tuple | None:
+        if x.is_inference() or x.device.type != "cpu":
+            return None
+        scale = "token" if q.act_granularity == "token" else float(q.input_scale)
+        return (x._version, q.act_format.name, scale)
+
+    def get(self, x: torch.Tensor, key) -> torch.Tensor | None:
+        return self.out if key is not None and self.x is x and self.key == key else None
+
+    def put(self, x: torch.Tensor, key, out: torch.Tensor) -> torch.Tensor:
+        self.x, self.key, self.out = (x, key, out) if key is not None else (None, None, None)
+        return out
+
+
+_SHARED_INPUT = _SharedInput()

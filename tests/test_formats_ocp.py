@@ -472,3 +472,21 @@ def test_torch_float8_unavailable_raises(name):
         codes_as_torch_float8(torch.zeros(3, dtype=torch.uint8), spec)
     # without a torch dtype fake_quantize takes the generic path
     assert not codec._native_fast_path(spec, {})
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"])
+def test_bitwise_round_equals_the_float8_cast_bit_for_bit(name):
+    from fp8ptq.formats.codec import _bitwise_round, _native_round
+
+    spec = get_format(name)
+    grid = spec.layout.values.float()
+    grid = grid[torch.isfinite(grid)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    z = torch.cat([torch.randn(20000, generator=g) * 10.0 ** e for e in range(-12, 7)] + [
+        grid, mids, torch.nextafter(mids, torch.tensor(1e9)),
+        torch.nextafter(mids, torch.tensor(-1e9)),
+        torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-45])]).float()
+    fast = _bitwise_round(z, spec)
+    assert torch.equal(fast.view(torch.int32), _native_round(z, spec).view(torch.int32))
+    assert torch.isnan(_bitwise_round(torch.tensor([float("nan")]), spec)).all()

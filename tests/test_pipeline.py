@@ -155,3 +155,26 @@ def test_pow2_search_leaves_fp_weights_untouched_before_quantization():
     assert torch.equal(weight_2d(q.inner).float(), expected)
     assert torch.equal(expected, fake_quantize(w, scale, get_format("hif8")))
     assert result.modules
+
+
+def test_shared_inputs_are_fake_quantized_once_and_never_served_stale(monkeypatch):
+    from fp8ptq import qmodules
+
+    model = tiny("llama")
+    quantize_model(model, Recipe(format="e4m3", dtype="float32"), token_batches(IDS, 4))
+    calls = []
+    real = qmodules.fake_quantize
+    monkeypatch.setattr(qmodules, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        cached = run(model, IDS)
+    # per layer: q/k/v share one input and gate/up another (max calibration gives them one scale)
+    assert len(calls) == 2 * 4
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 64)
+    before = attn.q_proj(x)
+    x.mul_(3.0)  # same object, new version: must be re-quantized
+    assert not torch.equal(attn.k_proj.quantize_input(x), attn.q_proj.quantize_input(x / 3.0))
+    assert torch.equal(attn.q_proj(x / 3.0), before)
+    monkeypatch.setattr(qmodules._SharedInput, "key_of", staticmethod(lambda q, x: None))
+    with torch.no_grad():
+        assert torch.equal(run(model, IDS), cached)

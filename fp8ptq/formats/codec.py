@@ -140,7 +140,7 @@ def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, **kwargs) -> torch.T
     """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``."""
     if _native_fast_path(spec, kwargs):
         def rounder(y):
-            return _native_round(y, spec)
+            return _bitwise_round(y, spec)
     else:
         def rounder(y):
             return quantize_values(y, spec, **kwargs)
@@ -215,3 +215,19 @@ def codes_as_torch_float8(codes: torch.Tensor, spec: FormatSpec) -> torch.Tensor
     if dt is None:
         raise ValueError(f"torch has no dtype for format {spec.name!r}")
     return codes.view(dt)
+
+
+def _bitwise_round(y: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """float32 ``y`` rounded like ``_native_round`` (nearest even, saturating) with integer ops
+    on the float bits: about twice as fast on CPU as a float8 cast and back. Normal range:
+    round the fp32 mantissa to M bits; subnormal range: a fixed step of 2^(e_min - M)."""
+    M, lay = spec.mantissa_bits, spec.layout
+    y = y.clamp(-lay.max, lay.max)
+    bits = y.view(torch.int32)
+    drop = 23 - M
+    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+    step = lay.min_normal * 2.0 ** -M
+    # NaN fails the comparison and takes the subnormal branch, which keeps it NaN
+    q = torch.where(y.abs() >= lay.min_normal, bits.view(torch.float32),
+                    torch.round(y / step) * step)
+    return q if lay.has_negative_zero else q + 0.0  # -0 + 0 = +0
