@@ -1,0 +1,223 @@
+"""``fp8ptq sensitivity MODEL``: which modules (or blocks) to keep in higher precision."""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from fp8ptq import job
+from fp8ptq import sensitivity as sens
+from fp8ptq.data import FILE_SUFFIXES, load_texts
+from fp8ptq.errors import DataError, UsageError
+from fp8ptq.formats import get_format
+from fp8ptq.pipeline import token_batches
+
+from .options import build_recipe, recipe_options
+from .progress import progress_bars, stderr_console
+from .quantize_cmd import calib_facts
+
+
+def _format_list(text: str, flag: str) -> list[str]:
+    names = [get_format(n).name for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"{flag} needs at least one format name")
+    return names
+
+
+def _output_path(path: str | None, suffix: str | None = None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise UsageError(f"folder of {path} does not exist")
+    if suffix and p.suffix.lower() != suffix:
+        raise UsageError(f"--plot writes a PNG; give a path ending in {suffix}, got {path}")
+    return path
+
+
+def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
+    """The perplexity slice's documents, read before the (long) model load."""
+    if tokens < 2 or seq_len < 2:
+        raise UsageError(f"--eval-tokens and --eval-seq-len must be >= 2, got {tokens}, "
+                         f"{seq_len}")
+    local = Path(spec).expanduser()
+    if not local.exists() and (local.suffix.lower() in FILE_SUFFIXES
+                               or spec.startswith(("/", ".", "~"))):
+        raise DataError(f"--eval-data file not found: {spec}")
+    return load_texts(spec)
+
+
+@click.command("sensitivity")
+@click.argument("model")
+@click.option("--format", "fmt", default="e4m3", show_default=True,
+              help="Format(s) measured with the metric, comma-separated; the first is the "
+                   "base format of the suggestion.")
+@click.option("--formats", "stat_formats", default=",".join(sens.DEFAULT_STAT_FORMATS),
+              show_default=True, help="Formats whose per-module statistics (scales, weight / "
+                                      "input / output SQNR) are reported.")
+@click.option("--granularity-level", "level", type=click.Choice(sens.LEVELS), default="module",
+              show_default=True, help="module: one GEMM at a time; block: all GEMMs of one "
+                                      "decoder layer.")
+@click.option("--metric", type=click.Choice(sens.METRICS), default="ppl", show_default=True,
+              help="ppl: perplexity of a short eval slice (one pass per unit); sqnr: output "
+                   "SQNR per GEMM on calibration rows (no pass per unit; for big models).")
+@click.option("--eval-data", help="Text for the perplexity slice (.txt/.raw/.json/.jsonl/"
+              f".parquet or hub dataset) [{sens.DEFAULT_EVAL_DATA}].")
+@click.option("--eval-tokens", type=int, default=2048, show_default=True,
+              help="Tokens in the perplexity slice.")
+@click.option("--eval-seq-len", type=int, default=512, show_default=True,
+              help="Length of each perplexity window.")
+@click.option("--eval-batch-size", type=int, default=4, show_default=True)
+@click.option("--target-delta", default="1%", show_default=True,
+              help="Allowed total delta for the suggestion: VALUE (perplexity points) or VALUE% "
+                   "(of the baseline perplexity); with --metric sqnr the logits' noise / signal "
+                   "ratio (1% = 20 dB).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows in the table.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write every module, format and measurement here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="PNG: SQNR heatmap (module x format) and the sensitivity ranking.")
+@click.option("--no-verify", is_flag=True,
+              help="Skip the two check runs (every unit quantized; suggestion applied).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
+@recipe_options
+def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eval_seq_len,
+            eval_batch_size, target_delta, top, json_path, plot_path, no_verify, device,
+            **flags):
+    """Quantize one module (or block) of MODEL at a time and rank the modules by the damage."""
+    formats = _format_list(fmt, "--format")
+    stat_formats = _format_list(stat_formats, "--formats")
+    recipe = build_recipe(flags, format=formats[0])
+    sens.check_recipe(recipe)
+    sens.parse_target(target_delta)
+    for name, value in (("--top", top), ("--eval-batch-size", eval_batch_size)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    json_path, plot_path = _output_path(json_path), _output_path(plot_path, ".png")
+    eval_spec = eval_data or sens.DEFAULT_EVAL_DATA
+    eval_texts = _eval_texts(eval_spec, eval_tokens, eval_seq_len) if metric == "ppl" else None
+    if eval_texts is not None and recipe.calib_data and \
+            Path(eval_spec).resolve() == Path(recipe.calib_data).resolve():
+        stderr_console.print("[yellow]warning:[/yellow] --eval-data is the calibration file")
+    console = Console()
+    if not console.is_terminal:  # a file or pipe: keep module names whole on one line
+        console = Console(width=160)
+
+    with progress_bars() as bars:
+        with bars.step(f"loading {model}"):
+            loaded = job.load(model, recipe, device=device)
+        with bars.step("tokenizing"):
+            calib = job.calibration_set(loaded, recipe)
+            windows = None if eval_texts is None else sens.eval_windows(
+                eval_texts, loaded.tokenizer, tokens=eval_tokens, seq_len=eval_seq_len,
+                seed=recipe.seed, source=eval_spec)
+        device_ = next(loaded.model.parameters()).device
+        batches = list(token_batches(calib.input_ids, recipe.batch_size, device_))
+        result = sens.analyze(
+            loaded.model, recipe, batches, formats=formats, stat_formats=stat_formats,
+            level=level, metric=metric, eval_ids=None if windows is None else windows.input_ids,
+            eval_batch_size=eval_batch_size, target=target_delta, verify=not no_verify,
+            progress=lambda description, total: bars.counter(description)(total))
+    if windows is not None:
+        result.eval.update(source=eval_spec, sha256=windows.sha256)
+    flags_ = sens.quantize_flags(recipe, result.suggestion)
+    command_line = shlex.join(["fp8ptq", "quantize", model, *flags_, "--output", "OUT"])
+    if json_path:
+        data = result.to_dict(model=model, recipe=recipe.to_dict(),
+                              calibration=calib_facts(calib), quantize_command=command_line)
+        text = json.dumps(data, indent=2, allow_nan=False)
+        sens.write_atomic(json_path, lambda tmp: tmp.write_text(text))
+    if plot_path:
+        sens.plot(result, plot_path)
+    print_report(console, result, top, command_line)
+    for path in (json_path, plot_path):
+        if path:
+            console.print(f"wrote {path}")
+
+
+def _agg(values, how):
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return how(values) if values else None
+
+
+def _num(v, spec="{:.3g}"):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return spec.format(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+
+
+def _delta_text(result, delta: float) -> str:
+    if result.metric == "ppl":
+        return f"{delta:+.4g} ({100 * delta / result.baseline:+.2f}%)"
+    return f"logits NSR {100 * delta:.3g}%"
+
+
+def print_report(console: Console, result, top: int, command_line: str) -> None:
+    primary = result.formats[0]
+    mods = {m.name: m for m in result.modules}
+    what = "blocks" if result.level == "block" else "modules"
+    console.print(f"[bold]sensitivity of {len(result.units)} {what}[/bold] ({result.note})")
+    if result.baseline is not None:
+        console.print(f"baseline perplexity {result.baseline:.4f}")
+    table = Table(title=f"most sensitive {what} (top {min(top, len(result.units))})")
+    table.add_column("#", justify="right")
+    table.add_column("unit", overflow="fold")
+    columns = [f"{f} ppl" if result.metric == "ppl" else f"{f} out dB" for f in result.formats]
+    columns = [c for col in columns for c in (col, "delta")]
+    for col in (*columns, "W SQNR", "I SQNR", "out SQNR", "I amax", "I crest", "I kurt",
+                "W crest"):
+        table.add_column(col, justify="right", overflow="fold")
+    for rank, unit in enumerate(result.units[:top], 1):
+        ms = [mods[n] for n in unit.modules]
+        st = [m.formats.get(primary) for m in ms]
+        cells = []
+        for f in result.formats:
+            m = unit.results[f]
+            cells += [_num(m.value, "{:.4f}" if result.metric == "ppl" else "{:.1f}"),
+                      _num(m.delta, "{:+.4g}") if result.metric == "ppl"
+                      else _num(100 * m.delta, "{:.3g}%")]
+        cells += [
+            _num(_agg([s.weight_sqnr_db for s in st if s], min), "{:.1f}"),
+            _num(_agg([s.input_sqnr_db for s in st if s], min), "{:.1f}"),
+            _num(_agg([s.output_sqnr_db for s in st if s], min), "{:.1f}"),
+            _num(_agg([m.input.amax for m in ms if m.input], max)),
+            _num(_agg([m.input.outlier_ratio for m in ms if m.input], max), "{:.1f}"),
+            _num(_agg([m.input.kurtosis for m in ms if m.input], max), "{:.1f}"),
+            _num(_agg([m.weight.outlier_ratio for m in ms], max), "{:.1f}"),
+        ]
+        table.add_row(str(rank), unit.name, *cells)
+    console.print(table)
+    console.print(escape(f"SQNR columns: {primary}, worst module of the unit; crest = amax / "
+                         "rms; kurt = E[x^4]/E[x^2]^2"), style="dim")
+    s = result.suggestion
+    all_q = result.checks.get("all_quantized")
+    line = f"every {what[:-1]} in {primary}: estimated {_delta_text(result, s.estimated_delta_all)}"
+    if all_q:
+        line += f"; measured {_check_text(result, all_q)}"
+    console.print(line)
+    kept = f"{len(s.skip)} kept in high precision" + (
+        f", {len(s.overrides)} moved to another format" if s.overrides else "")
+    line = (f"suggestion for --target-delta {s.target} (<= {_num(s.target_delta, '{:.4g}')}): "
+            f"{kept}; estimated {_delta_text(result, s.estimated_delta)}")
+    if result.checks.get("suggested"):
+        line += f"; measured {_check_text(result, result.checks['suggested'])}"
+    console.print(line)
+    console.print(command_line, soft_wrap=True, markup=False, highlight=False)
+    for w in result.warnings[:20]:
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
+    secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
+    console.print(f"time: {secs}")
+
+
+def _check_text(result, check: dict) -> str:
+    if "perplexity" in check:
+        return f"ppl {check['perplexity']:.4f} ({_delta_text(result, check['delta'])})"
+    return (f"logits SQNR {_num(check['logits_sqnr_db'], '{:.1f}')} dB (NSR "
+            f"{100 * check['nsr']:.3g}%)")
