@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from lm_eval import evaluator, simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
@@ -22,6 +24,25 @@ class TaskOutcome:
 def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None) -> HFLM:
     """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config."""
     return HFLM(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size)
+
+
+@contextmanager
+def float32_logits(model):
+    """Hand lm-eval float32 logits. HFLM takes log_softmax and sums log-likelihoods in the
+    model's dtype: in bf16 a 1,500-token document's sum (~ -4000) is rounded to a multiple of 16,
+    which quantizes perplexity in ~1% steps and makes different models score identically."""
+
+    def hook(_module, _args, output):
+        logits = getattr(output, "logits", None)
+        if logits is not None and logits.dtype != torch.float32:
+            output.logits = logits.float()
+        return output
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def evaluate(

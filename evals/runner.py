@@ -13,7 +13,7 @@ from fp8ptq.errors import DataError, UsageError
 
 from . import squad, wikitext
 from .extractive_qa import SpanSettings, is_extractive_qa, predict_answers
-from .harness import TaskOutcome, evaluate, flatten_metrics, make_lm
+from .harness import TaskOutcome, evaluate, flatten_metrics, float32_logits, make_lm
 
 BUILT_IN = (wikitext.TASK, squad.TASK)
 
@@ -54,12 +54,9 @@ def run_tasks(
     for task in tasks:
         started = time.perf_counter()
         try:
-            if task == wikitext.TASK:
-                outcome = wikitext.evaluate_wikitext(lm, data.get(task), limit=limit)
-            elif task == squad.TASK:
-                outcome = _squad(model, tokenizer, lm, data.get(task), limit, batch_size, seq_len)
-            else:
-                outcome = _lm_eval_task(lm, task, limit, task_manager)
+            with float32_logits(model):
+                outcome = _run_one(task, model, tokenizer, lm, data, limit, batch_size, seq_len,
+                                   task_manager)
         except ConnectionError as exc:  # a hub data set while offline
             hint = f"; give a local file for {task}" if task in BUILT_IN else ""
             raise DataError(f"{task}: {exc}{hint}") from exc
@@ -67,6 +64,14 @@ def run_tasks(
         result.protocol[task] = outcome.protocol
         result.metrics.update({_key(task, metric): v for metric, v in outcome.metrics.items()})
     return result
+
+
+def _run_one(task, model, tokenizer, lm, data, limit, batch_size, seq_len, task_manager):
+    if task == wikitext.TASK:
+        return wikitext.evaluate_wikitext(lm, data.get(task), limit=limit)
+    if task == squad.TASK:
+        return _squad(model, tokenizer, lm, data.get(task), limit, batch_size, seq_len)
+    return _lm_eval_task(lm, task, limit, task_manager)
 
 
 def _key(task: str, metric: str) -> str:

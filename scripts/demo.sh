@@ -11,5 +11,5 @@ OUT=${FP8PTQ_OUT:-out}
 python3 -m pip install -q -c constraints.txt -e .
 fp8ptq quantize "$MODEL" --format e4m3 --calib-data "$CALIB" --output "$OUT/smollm2-e4m3" --force
 fp8ptq eval "$MODEL" --tasks wikitext --data "wikitext=$ASSETS/wikitext-2-raw/wiki.test.raw" \
-  --limit 2 --compare "int8,$OUT/smollm2-e4m3" --calib-data "$CALIB" \
+  --limit 2 --seq-len 2048 --compare "int8,$OUT/smollm2-e4m3" --calib-data "$CALIB" \
   --json "$OUT/smollm2-eval.json" --markdown "$OUT/smollm2-eval.md" "$@"

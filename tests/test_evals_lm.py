@@ -199,3 +199,23 @@ def test_run_tasks_passes_other_names_to_lm_eval(model, tokenizer, tmp_path):
     assert list(result.metrics) == ["tiny_rolling.word_perplexity"]
     assert math.isfinite(result.metrics["tiny_rolling.word_perplexity"])
     assert result.protocol["tiny_rolling"]["samples"] == {"tiny_rolling": 2}
+
+
+def test_bf16_models_are_scored_from_float32_logits(model, tokenizer, wiki_file):
+    import copy
+
+    from fp8ptq.evals.harness import float32_logits
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    lm = make_lm(bf16, tokenizer, batch_size=4, seq_len=512)
+    with float32_logits(bf16):
+        outcome = evaluate_wikitext(lm, wiki_file)
+    loglikelihoods = [s["word_perplexity"][0] for s in outcome.samples]
+    direct = [_direct_loglikelihood(bf16, tokenizer, s["target"])[0] for s in outcome.samples]
+    assert loglikelihoods == pytest.approx(direct, rel=1e-5)
+    # without it lm-eval sums bf16 log-probabilities: visibly rounded
+    plain = [s["word_perplexity"][0] for s in evaluate_wikitext(lm, wiki_file).samples]
+    assert plain != pytest.approx(direct, rel=1e-5)
+    metrics = run_tasks(bf16, tokenizer, ["wikitext"], data={"wikitext": str(wiki_file)},
+                        seq_len=512).metrics
+    assert metrics["wikitext.word_perplexity"] == pytest.approx(outcome.metrics["word_perplexity"])
