@@ -206,12 +206,20 @@ def sensitivity_section(exp, s, figs: Path) -> str:
     if not exp.result:
         return head + f"\n\n_not run yet_ (`{command(exp, s)}`)\n\n"
     out = [head, f"\n\n```bash\n{command(exp, s)}\n```\n\n"]
-    mods = exp.result.get("modules") or exp.result.get("units") or []
-    key = next((k for k in ("delta", "metric_delta", "sensitivity") if mods and k in mods[0]),
-               None)
-    if key:
-        worst = sorted(mods, key=lambda m: -(m.get(key) or 0))[:8]
-        out.append(md_table(["module", key], [[m.get("name"), m.get(key)] for m in worst]))
+    r = exp.result
+    fmt = (r.get("suggestion") or {}).get("format", "e4m3")
+    units = sorted(r.get("units") or [], key=lambda u: -u["results"][fmt]["delta"])[:8]
+    out.append(f"Baseline perplexity on the slice: {r['baseline']:.3f}.\n\n")
+    out.append(md_table(["block", f"{fmt} perplexity", "delta"], [
+        [u["name"], u["results"][fmt]["value"], f"{u['results'][fmt]['delta']:+.3f}"]
+        for u in units]))
+    checks, sug = r.get("checks") or {}, r.get("suggestion") or {}
+    if checks:
+        out.append(f"\nEverything quantized: {checks['all_quantized']['perplexity']:.3f} "
+                   f"({checks['all_quantized']['delta']:+.3f}); suggestion for a "
+                   f"{sug.get('target')} target (`--skip {' --skip '.join(sug.get('skip', []))}`)"
+                   f": {checks['suggested']['perplexity']:.3f} "
+                   f"({checks['suggested']['delta']:+.3f}).\n")
     for png in sorted(s.out.glob("sensitivity*.png")):
         target = figs / png.name
         target.write_bytes(png.read_bytes())
@@ -231,7 +239,9 @@ Evaluation slices (this CPU runs SmolLM2-135M at a few hundred tokens/s): WikiTe
 3 articles (8,272 words, ~11k tokens) for the main tables, first article for the bias sweep,
 context 2048; SQuAD v1.1 held-out split, first 1,000 questions. Calibration: 32 x 512 tokens of
 `calib/wiki-paragraphs.txt` (disjoint from both evaluation sets). Unless a row says otherwise:
-per-channel weight scales, static per-tensor activation scales, bf16 model.
+per-channel weight scales, static per-tensor activation scales, bf16 model. The `quantize s` and
+`eval s` columns are wall times as recorded; the two Table 5 runs overlapped with other jobs on
+the 2 cores and their times are inflated (the format sweep and the calibrator runs ran alone).
 
 """
 TABLE5_TEXT = ("Baseline vs int8 vs E4M3 with the recipe of seed 000 sec 4.2: per-channel "
@@ -239,15 +249,38 @@ TABLE5_TEXT = ("Baseline vs int8 vs E4M3 with the recipe of seed 000 sec 4.2: pe
                "max / percentile / MSE by that layer's output error (`--act-calib best`).")
 SQUAD_TEXT = ("The same recipe on the extractive-QA MiniLM (fp16 weights, run in bf16; its "
               "README gives EM 54.8 / F1 67.6 on the full held-out split in fp32).")
-SWEEP_TEXT = "Every format under the same recipe (max calibration)."
+SWEEP_TEXT = ("Every format under the same recipe (max calibration). What it shows: the 3-bit "
+              "mantissa formats (e4m3, e4m3fnuz, hfp8, hif8 in its 3-bit range) cost about 3% word "
+              "perplexity, the 2-bit e5m2 ~17%, and static per-tensor int8 nearly triples "
+              "perplexity: SmolLM2's activation outliers (amax ~3000 against a median channel "
+              "amax of a few units) leave int8 too few levels for the bulk of each tensor, while "
+              "a float format's relative precision does not care. e5m2 and e5m2fnuz differ only "
+              "below 2^-14 of the scaled range (same max, same normal grid), hence nearly "
+              "identical numbers; e4m3fnuz (max 240 = 1.875 x 2^7) lands the amax on a "
+              "different mantissa than e4m3 (448 = 1.75 x 2^8).")
 CALIB_TEXT = ("What each activation calibrator buys on SmolLM2-135M, whose activations have "
-              "large outliers (max |x| ~3000 at `layers.11.mlp.down_proj`).")
+              "large outliers. For FP8 the outliers must be kept: percentile clipping (99.99) "
+              "triples perplexity, MSE chooses the max scale, and best-of (which judges by the "
+              "layer output) is the only method that beats max for e4m3. For int8 the order "
+              "reverses: MSE and best-of clip and help a lot, SmoothQuant helps, the power-of-two "
+              "search (whose grid is too coarse for int8) hurts. SmoothQuant (alpha 0.5) does "
+              "not help the FP8 formats here; seed 003's gains were on models whose outliers "
+              "exceed the format range, which does not happen with per-tensor scales. Costs: "
+              "the calibrate+quantize column (same 32 x 512 tokens; max ~14 s).")
 TABLE8_TEXT = ("HiF8 direct cast (scale 1 for weights and activations, no calibration), against "
-               "the calibrated rows of the table above (`pow2-search` = seed 003 Algorithm 1, "
-               "`smoothquant`).")
+               "the calibrated rows of the calibrator table (`max`, `pow2-search` = seed 003 "
+               "Algorithm 1, `smoothquant`). As in seed 003, HiF8's wide range makes the direct "
+               "cast usable without any calibration (+4.9% here), and the per-tensor "
+               "power-of-two search (Algorithm 1) brings it to +3.2%, slightly better than max "
+               "calibration (+3.4%); SmoothQuant does not help on this model.")
 FIG2_TEXT = ("No calibration (scale 1): E4M3 with its exponent bias shifted, which moves the "
-             "whole representable range by powers of two; GEMM inputs only, then GEMM and "
-             "residual-add inputs (`--quantize-residual`).")
+             "whole representable range by powers of two (bias 3: max 7168; bias 11: max 28); "
+             "GEMM inputs only, then GEMM and residual-add inputs (`--quantize-residual`). First "
+             "article only. Like seed 000 Figure 2, GEMM-only casting works across a range of "
+             "biases and fails when the range is too small (bias 11). Unlike the paper, "
+             "quantizing the residual stream breaks SmolLM2 at every bias: its residual stream "
+             "carries massive activations (thousands) next to small values, and e4m3 cannot "
+             "hold both; the paper's models did not have such outliers.")
 DIGITS_TEXT = ("A MobileNet-style CNN (BatchNorm, depthwise convolutions) trained on "
                "scikit-learn's digits (seconds on CPU), accuracy on the held-out split, mean of 3 "
                "training seeds. direct = quantized; bn = + BatchNorm re-tuning on 512 unlabeled "
@@ -257,6 +290,7 @@ SENS_TEXT = ("Each decoder block quantized alone (e4m3), perplexity change on a 
              "slice, plus per-module SQNR per format.")
 BENCH_TEXT = """## Benchmarks
 
-See `benchmarks/` (`bench_quantize.py`, `bench_eval.py`, `bench_formats.py`); their numbers are
-in the issue closing notes and below when filled in by hand is avoided: rerun them on your machine.
+Timing numbers live in `benchmarks/` scripts (`bench_quantize.py`, `bench_eval.py`,
+`bench_formats.py`), not here: rerun them on your machine. The `eval s` columns above are the
+evaluation wall time of each variant in the same process (simulated FP8 on CPU).
 """
