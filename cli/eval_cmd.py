@@ -97,7 +97,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
         raise UsageError(f"--plot {plot_path}: expected a {', '.join(PLOT_SUFFIXES)} file")
     notes += check_calib_overlap(calibration_files(variants, recipe), data, allow_calib_overlap)
     # built-in names, data files, include path and lm-eval task names, before any model is loaded
-    runner._check_request(task_list, data, include_path, extractive=False)
+    runner.check_request(task_list, data, include_path, extractive=False)
     calibrated = [v for v in variants if v.kind == "quantized" and job.needs_calibration(v.recipe)]
     texts = job.calibration_texts(recipe, calibrated[0].spec) if calibrated else None
 

@@ -45,7 +45,7 @@ def run_tasks(
     """
     data = data or {}
     extractive = is_extractive_qa(model)
-    task_manager = _check_request(tasks, data, include_path, extractive)
+    task_manager = check_request(tasks, data, include_path, extractive)
     if model.device.type != torch.device(device).type:  # "cuda" and "cuda:0" count as the same
         model.to(device)
     lm = None if extractive else make_lm(model, tokenizer, batch_size=batch_size, seq_len=seq_len)
@@ -79,7 +79,7 @@ def _key(task: str, metric: str) -> str:
     return metric if "." in metric else f"{task}.{metric}"
 
 
-def _check_request(tasks, data, include_path, extractive) -> TaskManager | None:
+def check_request(tasks, data, include_path, extractive) -> TaskManager | None:
     """Fail before any model work: unknown tasks, missing files, a task the model can't do."""
     if not tasks:
         raise UsageError("no tasks given")

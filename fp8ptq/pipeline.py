@@ -165,7 +165,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                                                             percentile=recipe.percentile)
     reports, all_warnings = [], []
     for t in targets:
-        report = _quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
+        report = quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
                                   chosen.get(t.name))
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
@@ -182,7 +182,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras)
 
 
-def _quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None):
+def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None):
     """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``)."""
     warnings: list[str] = []
     w2d = weight_2d(t.module).detach().float()

@@ -48,7 +48,7 @@ from .granularity import weight_granularity
 from .lm_probes import LogitsProbe, PerplexityProbe
 from .model.gemm import kind, set_submodule, weight_2d
 from .observers import bin_centers
-from .pipeline import (LAYER_AWARE_CALIBRATORS, SAMPLE_BATCHES, _quantize_target, collect_stats,
+from .pipeline import (LAYER_AWARE_CALIBRATORS, SAMPLE_BATCHES, quantize_target, collect_stats,
                        plan_targets)
 from .recipe import Recipe
 from .scales import sqnr_db
@@ -269,7 +269,7 @@ def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict):
             w = t.module.weight
             saved.append((name, t.module, w.data, w.requires_grad))
             original_2d = weight_2d(t.module).detach()
-            report = _quantize_target(model, t, plan.recipe, plan.granularity,
+            report = quantize_target(model, t, plan.recipe, plan.granularity,
                                       plan.weight_calib, plan.act_calib, stats.get(name),
                                       plan.chosen.get(name))
             swaps.append(Swap(name, report, model.get_submodule(name), original_2d))
