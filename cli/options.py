@@ -57,6 +57,12 @@ _SPECS = [
          help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
     _opt("--quantize-residual", is_flag=True, default=None,
          help="Also quantize the inputs of residual additions."),
+    _opt("--calibrate-all-experts/--routed-experts-only", "calibrate_all_experts", default=None,
+         help="MoE: observe every expert on every calibration token (outputs still combined "
+              "by the router's choice) [on]; off: each expert sees only its routed tokens."),
+    _opt("--quantize-router", is_flag=True, default=None,
+         help="MoE: quantize the router / shared-expert gate GEMMs too (high precision by "
+              "default)."),
     _opt("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
          help="Dtype the model is loaded and run in [bfloat16]."),
 ]
@@ -141,6 +147,8 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),
         quantize_residual=kwargs.pop("quantize_residual"),
+        calibrate_all_experts=kwargs.pop("calibrate_all_experts"),
+        quantize_router=kwargs.pop("quantize_router"),
         skip=list(kwargs.pop("skip")) or None, **extra)
     return base.merged(**flags)
 

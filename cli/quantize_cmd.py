@@ -116,6 +116,8 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "modules": [{k: _finite(v) for k, v in vars(m).items()} for m in result.modules],
         "skipped": result.skipped,
         "warnings": result.warnings,
+        "experts": result.extras.get("experts", {}),
+        "high_precision": result.extras.get("high_precision"),
         "calibration": calib_facts(calib),
         "sizes": sizes,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},
@@ -136,8 +138,19 @@ def print_report(report: dict, console: Console | None = None) -> None:
     if hidden:
         table.caption = f"not shown at this width: {', '.join(hidden)} (see --json)"
     console.print(table)
+    for name, e in (report.get("experts") or {}).items():
+        console.print(f"{name}: {e['num_experts']} experts x {len(e['projections'])} GEMMs, "
+                      f"{e['weight_format']} weights / {e['act_format'] or 'none'} activations, "
+                      f"input scales per expert ({e['act_calib']})", highlight=False)
     if report["skipped"]:
         console.print(f"kept in high precision: {', '.join(report['skipped'])}")
+    hp = report.get("high_precision")
+    if hp and hp["high_precision_parameters"]:
+        top = ", ".join(f"{t['name']} ({t['parameters']:,})"
+                        for t in hp["largest_high_precision"][:3])
+        console.print(f"left in high precision: {100 * hp['high_precision_fraction']:.1f}% of "
+                      f"parameters ({hp['high_precision_parameters']:,}; largest: {top})",
+                      highlight=False)
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
     s = report["sizes"]

@@ -14,9 +14,11 @@ from .calibrators import activation_calibrator, weight_calibrator
 from .errors import NumericsError, UsageError
 from .formats import FormatSpec, encode, get_format
 from .granularity import weight_granularity
+from .model.experts import ExpertsInfo, find_experts, router_names
 from .model.gemm import (find_gemms, input_channel_dim, is_depthwise, kind, matches,
                          set_submodule, weight_2d)
 from .observers import StatsCollector, TensorStats
+from .qexperts import ExpertObserver, QuantExperts, quantize_experts
 from .qmodules import QuantGemm
 from .recipe import Recipe
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
@@ -26,6 +28,17 @@ from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 class Target:
     name: str
     module: nn.Module
+    weight_format: FormatSpec
+    act_format: FormatSpec | None
+
+
+@dataclass
+class ExpertsTarget:
+    """A module of fused 3-D expert weights (see ``fp8ptq.model.experts``)."""
+
+    name: str
+    module: nn.Module
+    info: ExpertsInfo
     weight_format: FormatSpec
     act_format: FormatSpec | None
 
@@ -66,9 +79,10 @@ def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[s
     targets, skipped = [], []
     gemms = list(find_gemms(model))
     edge = {gemms[0][0], gemms[-1][0]} if recipe.keep_first_last and gemms else set()
+    routers = set() if recipe.quantize_router else set(router_names(model))
     for name, module in gemms:
         if (isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns) or name in edge
-                or (recipe.keep_depthwise and is_depthwise(module))):
+                or name in routers or (recipe.keep_depthwise and is_depthwise(module))):
             skipped.append(name)
             continue
         override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
@@ -81,17 +95,38 @@ def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[s
     return targets, skipped
 
 
+def plan_experts(model: nn.Module, recipe: Recipe, skipped: list[str]) -> list[ExpertsTarget]:
+    """The fused-experts modules to quantize (``--skip`` / ``--override`` apply to their module
+    name, e.g. ``model.layers.0.mlp.experts``); skipped ones are appended to ``skipped``."""
+    base_w = get_format(recipe.weight_format or recipe.format)
+    act_name = recipe.act_format or recipe.format
+    base_a = None if act_name == "none" else get_format(act_name)
+    out = []
+    for name, module, info in find_experts(model):
+        override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
+        if matches(name, recipe.skip_patterns) or override == "none":
+            skipped.append(name)
+            continue
+        w_fmt = get_format(override) if override else base_w
+        a_fmt = (get_format(override) if override else base_a) if base_a is not None else None
+        out.append(ExpertsTarget(name, module, info, w_fmt, a_fmt))
+    return out
+
+
 LAYER_AWARE_CALIBRATORS = ("best", "pow2-search")
 SAMPLE_BATCHES = 2  # batches whose input rows are kept for layer-output-aware calibrators
 
 
 def collect_stats(model: nn.Module, targets: list[Target], batches: list, progress=None,
-                  sample_batches: int = 0, taps=None) -> StatsCollector:
-    """Run the calibration data through the model once, observing every target's input."""
+                  sample_batches: int = 0, taps=None, experts: ExpertObserver | None = None
+                  ) -> StatsCollector:
+    """Run the calibration data through the model once, observing every target's input (and,
+    with ``experts``, every expert's GEMM inputs)."""
     modules = {t.name: t.module for t in targets}
     dims = {t.name: input_channel_dim(t.module) for t in targets}
     collector = StatsCollector(modules, dims, sample_batches=sample_batches)
-    with collector.observing(), torch.inference_mode():
+    with collector.observing(), experts.observing() if experts else nullcontext(), \
+            torch.inference_mode():
         for batch in batches:
             run_batch(model, batch)
             collector.next_batch()
@@ -116,9 +151,11 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     targets, skipped = plan_targets(model, recipe)
-    if not targets:
+    experts = plan_experts(model, recipe, skipped)
+    if not targets and not experts:
         raise UsageError("no GEMM module left to quantize (check --skip / --override)")
-    static_acts = recipe.act_granularity == "tensor" and any(t.act_format for t in targets)
+    static_acts = recipe.act_granularity == "tensor" and any(
+        t.act_format for t in [*targets, *experts])
     layer_aware = recipe.act_calib in LAYER_AWARE_CALIBRATORS
     if batches is None and (static_acts or recipe.smoothquant is not None or recipe.bn_retune
                             or recipe.quantize_attention or recipe.quantize_residual):
@@ -145,10 +182,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
 
         taps = ActivationTaps(model, recipe)
     collector = None
+    observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
+                              all_experts=recipe.calibrate_all_experts) if experts else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
-                                      sample_batches=SAMPLE_BATCHES if layer_aware else 0)
+                                      sample_batches=SAMPLE_BATCHES if layer_aware else 0,
+                                      experts=observer)
     times["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -169,6 +209,10 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                                   chosen.get(t.name))
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
+    if experts:
+        extras["experts"] = _quantize_all_experts(model, experts, recipe, gran, w_calib,
+                                                  observer.stats if batches is not None else {},
+                                                  all_warnings)
     if taps is not None:
         extras["taps"] = taps.freeze(recipe)
     times["quantize"] = time.perf_counter() - t0
@@ -179,7 +223,51 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
         t0 = time.perf_counter()
         extras["bn_retune"] = retune_batchnorm(model, batches, progress)
         times["bn_retune"] = time.perf_counter() - t0
+    extras["high_precision"] = high_precision_report(model)
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras)
+
+
+def _quantize_all_experts(model, experts: list[ExpertsTarget], recipe: Recipe, gran, w_calib,
+                          stats: dict, warnings: list[str]) -> dict:
+    """Quantize every fused-experts module. Layer-output-aware activation calibrators (best-of,
+    pow2-search) search with one layer's cached input rows and weight; experts have one of each
+    per expert, so they use ``max`` here (recorded in the report)."""
+    name = recipe.act_calib
+    a_calib = activation_calibrator("max" if name in LAYER_AWARE_CALIBRATORS else name,
+                                    percentile=recipe.percentile)
+    out = {}
+    for e in experts:
+        q, rep = quantize_experts(
+            e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
+            act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
+            stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
+        set_submodule(model, e.name, q)
+        warnings += [f"{e.name}: {w}" for w in rep.warnings]
+        out[e.name] = {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
+                       "act_format": rep.act_format, "act_calib": a_calib.name,
+                       "parameters": rep.parameters, "projections": rep.projections,
+                       "warnings": rep.warnings}
+    return out
+
+
+def high_precision_report(model: nn.Module, top: int = 8) -> dict:
+    """How many parameters stayed in high precision, and the largest such tensors: weights
+    fp8ptq did not quantize are listed, never silently skipped. Quantized weights count with
+    their number of codes."""
+    quantized, replaced = 0, set()
+    for m in model.modules():
+        if isinstance(m, QuantGemm):
+            quantized += m.weight_codes.numel()
+            replaced.add(id(m.inner.weight))  # its dequantized stand-in, not a kept weight
+        elif isinstance(m, QuantExperts):
+            quantized += sum(m.codes(p).numel() for p in m.info.projections)
+    kept = [(n, p.numel()) for n, p in model.named_parameters() if id(p) not in replaced]
+    total = quantized + sum(c for _, c in kept)
+    kept.sort(key=lambda x: -x[1])
+    return {"quantized_parameters": quantized,
+            "high_precision_parameters": sum(c for _, c in kept),
+            "high_precision_fraction": sum(c for _, c in kept) / total if total else 0.0,
+            "largest_high_precision": [{"name": n, "parameters": c} for n, c in kept[:top]]}
 
 
 def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None):

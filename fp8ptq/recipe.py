@@ -41,6 +41,8 @@ class Recipe:
     keep_first_last: bool = False
     quantize_attention: bool = False
     quantize_residual: bool = False
+    calibrate_all_experts: bool = True  # MoE: every token also observed through every expert
+    quantize_router: bool = False  # MoE: router / shared-expert gate GEMMs quantized too
     calib_data: str | None = None
     text_field: str | None = None
     num_samples: int = 128
@@ -164,7 +166,8 @@ def load_recipe_dict(path: str | Path) -> dict:
 
 INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed")
 BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
-               "quantize_attention", "quantize_residual")
+               "quantize_attention", "quantize_residual", "calibrate_all_experts",
+               "quantize_router")
 
 
 def _typed(key, value, types) -> None:

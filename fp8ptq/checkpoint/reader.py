@@ -20,6 +20,8 @@ from ..formats import FormatSpec, get_format
 from ..granularity import weight_granularity
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
+from ..model.experts import experts_info
+from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
 from .skeleton import MODULE_KEY, build_module
 from .taps_io import install_taps, pop_kv_tensors
@@ -153,13 +155,17 @@ def load_quantized(path, *, device="cpu", dtype=None):
             raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
         quant[name] = (entry, codes, scale, tensors.pop(f"{name}.input_scale", None))
 
+    experts = {name: (entry, _pop_experts(tensors, name, entry, p))
+               for name, entry in (meta.get("experts") or {}).items()}
     pop_kv_tensors(tensors, meta.get("taps"), p)
     model = _build_model(p, dtype)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected:
         raise Fp8ptqError(f"checkpoint {p} has tensors the model lacks: {sorted(unexpected)[:5]}")
-    _check_missing(model, missing, set(tensors), {f"{n}.weight" for n in quant})
+    _check_missing(model, missing, set(tensors),
+                   {f"{n}.weight" for n in quant} | {f"{n}.{proj}" for n, (e, _) in experts.items()
+                                                     for proj in e["projections"]})
     if hasattr(model, "tie_weights"):
         model.tie_weights()
 
@@ -175,11 +181,44 @@ def load_quantized(path, *, device="cpu", dtype=None):
             act_format=act_format, input_scale=input_scale,
             act_granularity=entry.get("act_granularity") or "tensor")
         set_submodule(model, name, q)
+    for name, (entry, projections) in experts.items():
+        set_submodule(model, name, _quant_experts(model, name, entry, projections))
     install_taps(model, meta.get("taps"))  # after the QuantGemms: residual hooks find them
 
     model.to(device)
     model.eval()
     return _loaded(model, _tokenizer(p), p)
+
+
+def _pop_experts(tensors: dict, name: str, entry: dict, p: Path) -> dict[str, ProjectionQuant]:
+    out = {}
+    for proj in entry["projections"]:
+        try:
+            codes = tensors.pop(f"{name}.{proj}_codes")
+            scale = tensors.pop(f"{name}.{proj}_scale")
+        except KeyError as e:
+            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
+        if list(codes.shape) != list(entry["codes_shapes"][proj]) or codes.dtype != torch.uint8:
+            raise Fp8ptqError(f"{name}.{proj}_codes: {codes.dtype} {list(codes.shape)} differs "
+                              f"from fp8ptq.json uint8 {entry['codes_shapes'][proj]}")
+        out[proj] = ProjectionQuant(codes, scale.float(),
+                                    tensors.pop(f"{name}.{proj}_input_scale", None))
+    return out
+
+
+def _quant_experts(model, name: str, entry: dict, projections) -> QuantExperts:
+    inner = model.get_submodule(name)
+    info = experts_info(inner)
+    if info is None or info.num_experts != entry["num_experts"] or \
+            list(info.projections) != list(entry["projections"]):
+        raise Fp8ptqError(f"{name}: the rebuilt model has no matching fused-experts module "
+                          f"({entry['num_experts']} experts, {entry['projections']})")
+    return QuantExperts(
+        inner, info, weight_format=format_from_facts(entry["weight_format"]),
+        weight_granularity=weight_granularity(entry["weight_granularity"],
+                                              entry.get("block_size") or 128),
+        act_format=format_from_facts(entry.get("act_format")),
+        act_granularity=entry.get("act_granularity") or "tensor", projections=projections)
 
 
 def _check_missing(model, missing, loaded: set[str], quantized: set[str]) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import NumericsError, UsageError
 from ..formats import get_format
+from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
 from .jsonsafe import dumps, json_safe
 from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
@@ -49,6 +50,10 @@ CT_FLOAT, CT_INT, CT_NAIVE, CT_MIXED = ("float-quantized", "int-quantized", "nai
 
 def quantized_modules(model: nn.Module) -> list[tuple[str, QuantGemm]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantGemm)]
+
+
+def quantized_experts(model: nn.Module) -> list[tuple[str, QuantExperts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantExperts)]
 
 
 def _ct_type(spec) -> str | None:
@@ -86,8 +91,12 @@ def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
 # tensors
 
 
-def _check_scales(name: str, q: QuantGemm) -> None:
-    for what, s in (("weight_scale", q.weight_scale), ("input_scale", q.input_scale)):
+def _check_scales(name: str, q) -> None:
+    pairs = ((("weight_scale", q.weight_scale), ("input_scale", q.input_scale))
+             if isinstance(q, QuantGemm) else
+             [(f"{p}_{k}", getattr(q, f"{p}_{k}")) for p in q.info.projections
+              for k in ("scale", "input_scale")])
+    for what, s in pairs:
         if s is None:
             continue
         s = s.detach().float()
@@ -314,6 +323,27 @@ def _module_entry(name: str, q: QuantGemm, report, layout: str) -> dict:
     return entry
 
 
+def experts_entry(q: QuantExperts) -> dict:
+    """fp8ptq.json facts of a fused-experts module: its tensors are
+    ``NAME.{proj}_codes`` uint8 [E, out, in], ``NAME.{proj}_scale`` float32 [E, ...] and, for
+    static activations, ``NAME.{proj}_input_scale`` float32 [E]."""
+    gran = q.weight_granularity
+    return {
+        "kind": "experts",
+        "class": type(q.inner).__name__,
+        "num_experts": q.num_experts,
+        "projections": list(q.info.projections),
+        "transposed": q.info.transposed,
+        "weight_format": format_facts(q.weight_format),
+        "act_format": format_facts(q.act_format),
+        "weight_granularity": gran.name,
+        "block_size": getattr(gran, "size", None) if gran.name == "block" else None,
+        "act_granularity": q.act_granularity if q.act_format is not None else None,
+        "codes_shapes": {p: list(q.codes(p).shape) for p in q.info.projections},
+        "scale_shapes": {p: list(q.weight_scale(p).shape) for p in q.info.projections},
+    }
+
+
 def _original_bytes(model: nn.Module) -> int:
     """Estimate of the unquantized model: every (unique) parameter in its dtype; the quantized
     GEMM weights count at the dtype of the weights they replaced."""
@@ -323,6 +353,9 @@ def _original_bytes(model: nn.Module) -> int:
             continue
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
+    for _, q in quantized_experts(model):  # the fused weights they replaced, in their dtype
+        size = torch.empty((), dtype=q.dtype).element_size()
+        total += sum(q.codes(p).numel() for p in q.info.projections) * size
     return total
 
 
@@ -349,11 +382,16 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
         if not out.is_dir() or out.is_symlink():
             raise UsageError(f"{out} exists and is not a directory; refusing to replace it")
     qmods = quantized_modules(model)
-    if not qmods:
+    experts = quantized_experts(model)
+    if not qmods and not experts:
         raise UsageError("the model has no quantized (QuantGemm) module to save")
-    for name, q in qmods:
+    for name, q in [*qmods, *experts]:
         _check_scales(name, q)
     layout, reason = choose_layout(qmods)
+    if experts:
+        # Fused 3-D experts are stored as per-layer stacks of codes; fp8ptq.load reads them.
+        layout, reason = LAYOUT_NATIVE, (f"{experts[0][0]}: fused MoE experts are written in the "
+                                         "fp8ptq-native layout")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -388,7 +426,8 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, source, calib,
            tool_version) -> dict:
-    qnames = {n for n, _ in qmods}
+    experts = quantized_experts(model)
+    qnames = {n for n, _ in qmods} | {n for n, _ in experts}
     tensors = _plain_state_dict(model, qnames)
     for name, q in qmods:
         tensors.update(_quant_tensors(name, q, layout))
@@ -435,6 +474,7 @@ def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, s
         "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
         "calibration": calib,
         "modules": {n: _module_entry(n, q, reports.get(n), layout) for n, q in qmods},
+        "experts": {n: experts_entry(q) for n, q in experts},
         "skipped": list(getattr(result, "skipped", []) or []),
         "untied": tied,
         "warnings": list(getattr(result, "warnings", []) or []),

@@ -1,0 +1,196 @@
+"""Mixture-of-Experts models whose experts are fused 3-D parameters (transformers 5): every routed
+expert is quantized with its own scales, simulated exactly, saved and reloaded bit for bit; no
+expert ever ends with a missing, NaN, inf or zero scale; routers stay in high precision."""
+
+import json
+
+import pytest
+import torch
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+import fp8ptq
+from fp8ptq.checkpoint import save_quantized
+from fp8ptq.formats import decode, get_format
+from fp8ptq.model.experts import expert_weight, find_experts, router_names
+from fp8ptq.pipeline import quantize_model, token_batches
+from fp8ptq.qexperts import QuantExperts
+from fp8ptq.recipe import Recipe
+
+VOCAB, E = 128, 8
+IDS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+
+
+def tiny_moe(arch: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2)
+    if arch == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=E,
+                                                **common)).eval()
+    if arch == "qwen2_moe":
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=E, **common)).eval()
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32,
+                                              num_experts=E, **common)).eval()
+
+
+def batches():
+    return list(token_batches(IDS, 2))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_every_expert_quantized_saved_and_reloaded_bit_exact(arch, tmp_path):
+    model = tiny_moe(arch)
+    found = list(find_experts(model))
+    assert len(found) == 2  # one fused experts module per layer
+    originals = {n: {p: expert_weight(m, i, p).detach().clone() for p in i.projections}
+                 for n, m, i in found}
+    ref = logits(model)
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    qexperts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
+    assert set(qexperts) == set(originals)
+    for name, q in qexperts.items():
+        for proj, w in originals[name].items():
+            assert q.codes(proj).shape == (E, *w.shape[1:])
+            assert q.weight_scale(proj).shape == (E, w.shape[1], 1)  # per expert, per channel
+            s = q.input_scale(proj)
+            assert s.shape == (E,) and bool(torch.isfinite(s).all()) and bool((s > 0).all())
+            # each expert's weight round-trips within e4m3 precision of its own scale
+            for e in range(E):
+                deq = q.dequantized_weight(proj, e)
+                assert torch.allclose(deq, w[e].float(), rtol=2**-3, atol=1e-6)
+    out = logits(model)
+    assert not torch.equal(out, ref)  # the experts are really quantized
+    assert torch.allclose(out, ref, atol=0.1)
+    hp = result.extras["high_precision"]
+    assert hp["high_precision_fraction"] < 0.25  # embeddings, lm_head, routers, norms only
+
+    save_quantized(result, Recipe(format="e4m3"), tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
+    assert set(meta["experts"]) == set(originals)
+    loaded = fp8ptq.load(tmp_path / "ck")
+    assert torch.equal(logits(loaded.model), out)
+
+
+def test_routers_stay_high_precision_unless_asked(tmp_path):
+    model = tiny_moe("qwen2_moe")
+    routers = router_names(model)
+    assert "model.layers.0.mlp.shared_expert_gate" in routers
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    names = {m.name for m in result.modules}
+    assert not names & set(routers)
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in names  # shared expert: quantized
+    model = tiny_moe("qwen2_moe")
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2, quantize_router=True),
+                            batches())
+    assert set(routers) <= {m.name for m in result.modules}
+
+
+def _force_router(model, allowed: list[int]):
+    """Route every token only to the experts in ``allowed`` (the others never see a token)."""
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            def forward(hidden_states, module=module):
+                hidden_states = hidden_states.reshape(-1, module.hidden_dim)
+                logits = torch.nn.functional.linear(hidden_states, module.weight)
+                mask = torch.full_like(logits, float("-inf"))
+                mask[:, allowed] = 0
+                probs = torch.softmax(logits + mask, dim=-1, dtype=torch.float)
+                top, idx = torch.topk(probs, module.top_k, dim=-1)
+                return logits, top.to(logits.dtype), idx
+            module.forward = forward
+
+
+def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
+    model = tiny_moe("mixtral")
+    _force_router(model, [0, 1, 2])
+    recipe = Recipe(format="e4m3", batch_size=2, calibrate_all_experts=False)
+    result = quantize_model(model, recipe, batches())
+    layer = result.extras["experts"]["model.layers.0.mlp.experts"]
+    for proj, facts in layer["projections"].items():
+        assert facts["experts_without_tokens"] == [3, 4, 5, 6, 7]
+        scales = facts["input_scales"]
+        assert all(s > 0 and s != float("inf") for s in scales)
+        assert scales[3:] == [max(scales[:3])] * 5
+    assert any("saw no calibration token" in w for w in result.warnings)
+    save_quantized(result, recipe, tmp_path / "ck")
+    meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
+    assert any("expert(s) [3, 4, 5, 6, 7]" in w for w in meta["warnings"])
+    for key, t in fp8ptq.load(tmp_path / "ck").model.state_dict().items():
+        if "scale" in key:
+            assert bool(torch.isfinite(t).all()) and bool((t > 0).all()), key
+
+
+def test_calibrate_all_experts_observes_every_expert():
+    model = tiny_moe("mixtral")
+    _force_router(model, [0, 1])
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    layer = result.extras["experts"]["model.layers.0.mlp.experts"]
+    first, down = layer["projections"]["gate_up_proj"], layer["projections"]["down_proj"]
+    assert first["experts_without_tokens"] == down["experts_without_tokens"] == []
+    # every expert saw every token: one shared input, its own intermediate activations
+    assert len(set(first["input_scales"])) == 1
+    assert len(set(down["input_scales"])) == E
+
+
+@pytest.mark.parametrize("gran,act", [("tensor", "tensor"), ("block", "token"),
+                                      ("channel", "token")])
+def test_granularities_and_dynamic_activations(gran, act, tmp_path):
+    model = tiny_moe("qwen3_moe")
+    recipe = Recipe(format="e4m3", weight_granularity=gran, block_size=16,
+                    act_granularity=act, batch_size=2)
+    result = quantize_model(model, recipe, batches() if act == "tensor" else None)
+    q = model.get_submodule("model.layers.1.mlp.experts")
+    assert isinstance(q, QuantExperts)
+    if act == "token":
+        assert q.input_scale("down_proj") is None
+    codes = q.codes("down_proj")[0]
+    fmt = get_format("e4m3")
+    assert bool(torch.isfinite(decode(codes, fmt)).all())
+    out = logits(model)
+    save_quantized(result, recipe, tmp_path / "ck")
+    assert torch.equal(logits(fp8ptq.load(tmp_path / "ck").model), out)
+
+
+def test_skip_experts_by_glob_lists_them_in_high_precision():
+    model = tiny_moe("mixtral")
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2,
+                                          skip=["*.experts"]), batches())
+    assert "model.layers.0.mlp.experts" in result.skipped
+    hp = result.extras["high_precision"]
+    assert hp["high_precision_fraction"] > 0.5
+    assert hp["largest_high_precision"][0]["name"].endswith("experts.gate_up_proj")
+
+
+def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_tokenizer):
+    from click.testing import CliRunner
+
+    from fp8ptq.cli.main import main
+
+    model_dir = tmp_path / "qwen2moe"
+    tiny_moe("qwen2_moe").save_pretrained(model_dir)
+    word_tokenizer.save_pretrained(model_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog\nhello world and hello again\n")
+    out = tmp_path / "out"
+    args = ["quantize", str(model_dir), "-o", str(out), "--calib-data", str(calib),
+            "--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "model.layers.0.mlp.experts: 8 experts x 2 GEMMs" in res.output
+    assert "left in high precision:" in res.output
+    res = CliRunner().invoke(main, [*args, "--force", "--json", "--routed-experts-only"])
+    report = json.loads(res.stdout)
+    assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    assert report["high_precision"]["high_precision_fraction"] < 0.25
+    meta = json.loads((out / "fp8ptq.json").read_text())
+    assert meta["recipe"]["calibrate_all_experts"] is False
+    loaded = fp8ptq.load(out)
+    assert isinstance(loaded.model.get_submodule("model.layers.1.mlp.experts"), QuantExperts)
