@@ -63,6 +63,9 @@ _SPECS = [
     _opt("--quantize-router", is_flag=True, default=None,
          help="MoE: quantize the router / shared-expert gate GEMMs too (high precision by "
               "default)."),
+    _opt("--unify-fused-scales/--no-unify-fused-scales", "unify_fused_scales", default=None,
+         help="One input scale (and, with per-tensor weights, one weight scale) per group of "
+              "shards a runtime fuses (q/k/v, gate/up) [on for e4m3 / int8]."),
     _opt("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
          help="Dtype the model is loaded and run in [bfloat16]."),
 ]
@@ -149,6 +152,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         quantize_residual=kwargs.pop("quantize_residual"),
         calibrate_all_experts=kwargs.pop("calibrate_all_experts"),
         quantize_router=kwargs.pop("quantize_router"),
+        unify_fused_scales=kwargs.pop("unify_fused_scales"),
         skip=list(kwargs.pop("skip")) or None, **extra)
     return base.merged(**flags)
 

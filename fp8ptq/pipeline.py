@@ -204,11 +204,15 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     a_calib = None if layer_aware else activation_calibrator(recipe.act_calib,
                                                             percentile=recipe.percentile)
     reports, all_warnings = [], []
+    groups = fused_groups([t.name for t in targets]) if unify_fused(recipe, targets) else []
+    unified = unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen)
     for t in targets:
         report = quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
-                                  chosen.get(t.name))
+                                  chosen.get(t.name), weight_scale=unified.get(t.name))
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
+    if groups:
+        extras["fused_groups"] = unify_input_scales(model, groups, reports)
     if experts:
         extras["experts"] = _quantize_all_experts(model, experts, recipe, gran, w_calib,
                                                   observer.stats if batches is not None else {},
@@ -270,13 +274,17 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
             "largest_high_precision": [{"name": n, "parameters": c} for n, c in kept[:top]]}
 
 
-def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None):
-    """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``)."""
+def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
+                    weight_scale: torch.Tensor | None = None):
+    """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``);
+    ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``)."""
     warnings: list[str] = []
     w2d = weight_2d(t.module).detach().float()
     if not bool(torch.isfinite(w2d).all()):
         raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize it")
-    if chosen is not None and chosen.weight_scale is not None:
+    if weight_scale is not None:
+        w_scale = weight_scale
+    elif chosen is not None and chosen.weight_scale is not None:
         w_scale, gran = chosen.weight_scale, chosen.weight_granularity
     else:
         w_amax = w_calib.amax(w2d, gran, t.weight_format)
@@ -316,6 +324,80 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
         input_sqnr_db=input_sqnr, warnings=warnings,
         act_calib=chosen.method if chosen is not None else recipe.act_calib)
+
+
+# Shards that runtimes fuse into one GEMM (vLLM's ``packed_modules_mapping``: qkv_proj,
+# gate_up_proj; BERT's query/key/value): siblings under one parent module.
+FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                ("query", "key", "value"))
+
+
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """Groups of quantized modules that a runtime fuses into one GEMM, by sibling names."""
+    present = set(names)
+    parents = sorted({n.rpartition(".")[0] for n in names})
+    groups = []
+    for parent in parents:
+        for shards in FUSED_SHARDS:
+            members = [f"{parent}.{s}" if parent else s for s in shards]
+            if all(m in present for m in members):
+                groups.append(members)
+    return groups
+
+
+def unify_fused(recipe: Recipe, targets: list[Target]) -> bool:
+    """``--unify-fused-scales``; by default on when the checkpoint can be compressed-tensors
+    (e4m3 or int8 weights), i.e. when a runtime will fuse the shards."""
+    if recipe.unify_fused_scales is not None:
+        return recipe.unify_fused_scales
+    ct = (get_format("e4m3"), get_format("int8"))
+    return bool(targets) and all(t.weight_format in ct for t in targets)
+
+
+def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen) -> dict:
+    """Per-tensor weight scales shared by each group of fused shards: vLLM runs q/k/v (gate/up)
+    as one GEMM with one weight scale and requantizes every shard to the largest one at load
+    time, rounding the weights twice; choosing the shared (largest) scale here, before the
+    weights are rounded, makes what fp8ptq simulates exactly what vLLM serves."""
+    if gran.name != "tensor" or not groups:
+        return {}
+    by_name = {t.name: t for t in targets}
+    out = {}
+    for group in groups:
+        scales = []
+        for name in group:
+            t = by_name[name]
+            c = chosen.get(name)
+            if c is not None and c.weight_scale is not None:
+                scales.append(c.weight_scale.reshape(-1).float())
+                continue
+            w2d = weight_2d(t.module).detach().float()
+            scales.append(amax_to_scale(w_calib.amax(w2d, gran, t.weight_format),
+                                        t.weight_format, pow2=recipe.scale_pow2).reshape(-1))
+        shared = torch.stack(scales).max(dim=0).values
+        out.update({name: shared.clone() for name in group})
+    return out
+
+
+def unify_input_scales(model: nn.Module, groups: list[list[str]], reports) -> list[dict]:
+    """One static input scale per fused group (the largest: what vLLM uses for the fused
+    GEMM). With statistics-based calibrators the shards saw the same input and already agree;
+    layer-output-aware ones may pick differently per shard."""
+    by_name = {r.name: r for r in reports}
+    out = []
+    for group in groups:
+        qs = [model.get_submodule(n) for n in group]
+        scales = [q.input_scale for q in qs if q.input_scale is not None]
+        entry = {"modules": group, "input_scales_agreed": True}
+        if len(scales) == len(qs):
+            shared = torch.stack([s.reshape(()) for s in scales]).max()
+            entry["input_scales_agreed"] = all(bool(s.reshape(()) == shared) for s in scales)
+            for n, q in zip(group, qs):
+                q.input_scale.fill_(shared)
+                by_name[n].input_scale = float(shared)
+        entry["weight_scale"] = [float(q.weight_scale.max()) for q in qs]
+        out.append(entry)
+    return out
 
 
 def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Iterable[dict]:

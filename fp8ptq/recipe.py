@@ -43,6 +43,7 @@ class Recipe:
     quantize_residual: bool = False
     calibrate_all_experts: bool = True  # MoE: every token also observed through every expert
     quantize_router: bool = False  # MoE: router / shared-expert gate GEMMs quantized too
+    unify_fused_scales: bool | None = None  # None: on for e4m3 / int8 (compressed-tensors)
     calib_data: str | None = None
     text_field: str | None = None
     num_samples: int = 128
@@ -100,6 +101,8 @@ class Recipe:
             _typed(key, getattr(self, key), int)
         for key in BOOL_FIELDS:
             _typed(key, getattr(self, key), bool)
+        if self.unify_fused_scales is not None:
+            _typed("unify_fused_scales", self.unify_fused_scales, bool)
         _typed("percentile", self.percentile, (int, float))
         self.percentile = float(self.percentile)
         if isinstance(self.skip, str):
