@@ -18,7 +18,7 @@ from .model.experts import ExpertsInfo, find_experts, router_names
 from .model.gemm import (find_gemms, input_channel_dim, is_depthwise, kind, matches,
                          set_submodule, weight_2d)
 from .observers import StatsCollector, TensorStats
-from .qexperts import ExpertObserver, QuantExperts, quantize_experts
+from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
@@ -240,11 +240,17 @@ def _quantize_all_experts(model, experts: list[ExpertsTarget], recipe: Recipe, g
     a_calib = activation_calibrator("max" if name in LAYER_AWARE_CALIBRATORS else name,
                                     percentile=recipe.percentile)
     out = {}
+    unify = unify_fused(recipe, experts)
     for e in experts:
         q, rep = quantize_experts(
             e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
             act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
             stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
+        if unify:
+            unify_expert_input_scales(q)
+            rep.projections = {p: {**f, "input_scales": None if q.input_scale(p) is None else
+                                   [float(s) for s in q.input_scale(p)]}
+                               for p, f in rep.projections.items()}
         set_submodule(model, e.name, q)
         warnings += [f"{e.name}: {w}" for w in rep.warnings]
         out[e.name] = {"num_experts": rep.num_experts, "weight_format": rep.weight_format,

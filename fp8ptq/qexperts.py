@@ -239,6 +239,15 @@ def quantize_experts(name: str, module: nn.Module, info: ExpertsInfo, *, weight_
     return q, report
 
 
+def unify_expert_input_scales(q: QuantExperts) -> None:
+    """One static input scale per projection for all experts of a layer (vLLM's fused-MoE
+    kernels use the largest): an expert's own scale would be replaced at load time anyway."""
+    for proj in q.info.projections:
+        s = q.input_scale(proj)
+        if s is not None:
+            s.fill_(s.max())
+
+
 def _input_scales(name, proj, info, act_format, a_calib, stats, pow2, report):
     """One static input scale per expert; an expert that saw no token takes the largest scale
     of its siblings in this layer (a scale that covers what the others saw is the safest guess:

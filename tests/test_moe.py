@@ -111,7 +111,8 @@ def _force_router(model, allowed: list[int]):
 def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
     model = tiny_moe("mixtral")
     _force_router(model, [0, 1, 2])
-    recipe = Recipe(format="e4m3", batch_size=2, calibrate_all_experts=False)
+    recipe = Recipe(format="e4m3", batch_size=2, calibrate_all_experts=False,
+                    unify_fused_scales=False)
     result = quantize_model(model, recipe, batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
     for proj, facts in layer["projections"].items():
@@ -131,7 +132,8 @@ def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
 def test_calibrate_all_experts_observes_every_expert():
     model = tiny_moe("mixtral")
     _force_router(model, [0, 1])
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2, unify_fused_scales=False),
+                            batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
     first, down = layer["projections"]["gate_up_proj"], layer["projections"]["down_proj"]
     assert first["experts_without_tokens"] == down["experts_without_tokens"] == []
@@ -194,3 +196,64 @@ def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_to
     assert meta["recipe"]["calibrate_all_experts"] is False
     loaded = fp8ptq.load(out)
     assert isinstance(loaded.model.get_submodule("model.layers.1.mlp.experts"), QuantExperts)
+
+
+def test_unified_expert_input_scales_are_the_layer_maximum():
+    model = tiny_moe("mixtral")
+    own = quantize_model(tiny_moe("mixtral"), Recipe(format="e4m3", batch_size=2,
+                                                     unify_fused_scales=False), batches())
+    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    for name, layer in result.extras["experts"].items():
+        for proj, facts in layer["projections"].items():
+            mine = own.extras["experts"][name]["projections"][proj]["input_scales"]
+            assert facts["input_scales"] == [max(mine)] * E
+
+
+def _ct_layout_case(arch, tmp_path, **recipe):
+    model = tiny_moe(arch)
+    recipe = Recipe(format="e4m3", batch_size=2, **recipe)
+    result = quantize_model(model, recipe,
+                            batches() if recipe.act_granularity == "tensor" else None)
+    out = logits(model)
+    facts = save_quantized(result, recipe, tmp_path / "ck")
+    return model, result, out, facts
+
+
+@pytest.mark.parametrize("arch,key", [
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.5.w3"),
+    ("qwen2_moe", "model.layers.0.mlp.experts.5.up_proj"),
+    ("qwen3_moe", "model.layers.0.mlp.experts.5.up_proj")])
+@pytest.mark.parametrize("scheme", [{"weight_granularity": "tensor"},
+                                    {"act_granularity": "token"}])
+def test_servable_moe_recipes_write_compressed_tensors_transformers_loads(arch, key, scheme,
+                                                                          tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, result, out, facts = _ct_layout_case(arch, tmp_path, **scheme)
+    assert facts["layout"] == "compressed-tensors"
+    tensors = load_file(tmp_path / "ck" / "model.safetensors")
+    assert tensors[f"{key}.weight"].dtype == torch.float8_e4m3fn
+    assert f"{key}.weight_scale" in tensors
+    assert (f"{key}.input_scale" in tensors) == ("act_granularity" not in scheme)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.gate" in cfg["ignore"]  # the router stays unquantized
+    # fp8ptq reloads it bit for bit
+    assert torch.equal(logits(fp8ptq.load(tmp_path / "ck").model), out)
+    # transformers merges the per-expert tensors into its fused experts: the same weights
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    q = model.get_submodule("model.layers.1.mlp.experts")
+    fused = hf.get_submodule("model.layers.1.mlp.experts")
+    for proj in q.info.projections:
+        mine = torch.stack([q.dequantized_weight(proj, e) for e in range(E)])
+        assert torch.equal(getattr(fused, proj).detach().float(), mine)
+
+
+def test_unservable_moe_recipe_is_native_with_a_warning(tmp_path):
+    _, result, out, facts = _ct_layout_case("qwen2_moe", tmp_path)  # channel W + static A
+    assert facts["layout"] == "fp8ptq-native"
+    warning = next(w for w in result.warnings if "vLLM would not serve it" in w)
+    assert "--weight-granularity tensor" in warning and "--act-granularity token" in warning
+    meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
+    assert warning in meta["warnings"]
+    assert torch.equal(logits(fp8ptq.load(tmp_path / "ck").model), out)

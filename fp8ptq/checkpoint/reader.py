@@ -21,6 +21,7 @@ from ..granularity import weight_granularity
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
 from ..model.experts import experts_info
+from .experts_io import pop_ct_tensors
 from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
 from .skeleton import MODULE_KEY, build_module
@@ -191,6 +192,12 @@ def load_quantized(path, *, device="cpu", dtype=None):
 
 
 def _pop_experts(tensors: dict, name: str, entry: dict, p: Path) -> dict[str, ProjectionQuant]:
+    if entry.get("checkpoint_keys"):  # compressed-tensors: per-expert tensors, runtime names
+        try:
+            return {proj: ProjectionQuant(codes, scale.float(), inp) for proj, (codes, scale, inp)
+                    in pop_ct_tensors(tensors, entry).items()}
+        except KeyError as e:
+            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
     out = {}
     for proj in entry["projections"]:
         try:

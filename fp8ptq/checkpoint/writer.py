@@ -26,6 +26,7 @@ from ..errors import NumericsError, UsageError
 from ..formats import get_format
 from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
+from .experts_io import checkpoint_keys, ct_problem, ct_tensors, router_modules
 from .jsonsafe import dumps, json_safe
 from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
 from .taps_io import kv_cache_export, taps_report
@@ -232,7 +233,7 @@ def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm
     qnames = {n for n, _ in qmods}
     unquantized_linear = [n for n, m in model.named_modules()
                           if isinstance(m, nn.Linear) and n not in qnames
-                          and not any(n == f"{q}.inner" for q in qnames)]
+                          and not any(n == f"{q}.inner" for q in qnames)] + router_modules(model)
     if len(groups) == 1:
         (key,) = groups
         groups[key]["targets"] = ["Linear"]
@@ -388,10 +389,12 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
     for name, q in [*qmods, *experts]:
         _check_scales(name, q)
     layout, reason = choose_layout(qmods)
-    if experts:
-        # Fused 3-D experts are stored as per-layer stacks of codes; fp8ptq.load reads them.
-        layout, reason = LAYOUT_NATIVE, (f"{experts[0][0]}: fused MoE experts are written in the "
-                                         "fp8ptq-native layout")
+    expert_keys: dict = {}
+    if experts and layout == LAYOUT_CT:
+        layout, reason, expert_keys = _experts_layout(model, qmods, experts)
+        if layout != LAYOUT_CT and hasattr(result, "warnings"):
+            result.warnings.append(f"written in the fp8ptq-native layout, not compressed-tensors "
+                                   f"(vLLM would not serve it): {reason}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -400,7 +403,7 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
         facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
-                       calib, tool_version)
+                       calib, tool_version, expert_keys)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -424,11 +427,37 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _experts_layout(model, qmods, experts) -> tuple[str, str, dict]:
+    """compressed-tensors for fused experts when vLLM's fused-MoE kernels serve their recipe,
+    the Linear modules share it and transformers' conversion mapping names the experts."""
+    schemes = {(q.weight_granularity.name, q.act_granularity if q.act_format else None)
+               for _, q in [*qmods, *experts]}
+    keys = {}
+    for name, q in experts:
+        problem = ct_problem(name, q)
+        if problem:
+            return LAYOUT_NATIVE, problem, {}
+        keys[name] = checkpoint_keys(model, name, q)
+        if keys[name] is None:
+            return LAYOUT_NATIVE, (f"{name}: transformers has no per-expert checkpoint names for "
+                                   "this architecture"), {}
+    if len(schemes) != 1:
+        return LAYOUT_NATIVE, "experts and Linear modules use different schemes", {}
+    return LAYOUT_CT, (f"nn.Linear and {len(experts)} fused-experts modules with e4m3 weights, "
+                       "experts under transformers' per-expert checkpoint names"), keys
+
+
 def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, source, calib,
-           tool_version) -> dict:
+           tool_version, expert_keys=None) -> dict:
     experts = quantized_experts(model)
     qnames = {n for n, _ in qmods} | {n for n, _ in experts}
     tensors = _plain_state_dict(model, qnames)
+    for name, q in experts:
+        if expert_keys:
+            for proj in q.info.projections:
+                for leaf in ("codes", "scale", "input_scale"):
+                    tensors.pop(f"{name}.{proj}_{leaf}", None)
+            tensors.update(ct_tensors(name, q, expert_keys[name]))
     for name, q in qmods:
         tensors.update(_quant_tensors(name, q, layout))
     taps = taps_report(result)
@@ -474,7 +503,8 @@ def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, s
         "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
         "calibration": calib,
         "modules": {n: _module_entry(n, q, reports.get(n), layout) for n, q in qmods},
-        "experts": {n: experts_entry(q) for n, q in experts},
+        "experts": {n: {**experts_entry(q), "checkpoint_keys": (expert_keys or {}).get(n)}
+                    for n, q in experts},
         "skipped": list(getattr(result, "skipped", []) or []),
         "untied": tied,
         "warnings": list(getattr(result, "warnings", []) or []),

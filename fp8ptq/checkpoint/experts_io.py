@@ -1,0 +1,145 @@
+"""Fused experts in checkpoints: per-expert tensor names runtimes read, and the recipes they serve.
+
+Hub checkpoints of MoE models store one tensor per expert and projection
+(``...block_sparse_moe.experts.3.w1.weight`` for Mixtral, ``...mlp.experts.3.gate_proj.weight``
+for Qwen2/Qwen3-MoE and DeepSeek); transformers 5 merges them into its fused 3-D parameters with
+the conversion mapping it keeps per model type, and vLLM's MoE loaders read exactly those
+per-expert names. So the compressed-tensors layout writes experts under the names transformers'
+own mapping gives (read from ``transformers.conversion_mapping``, not from a table of ours):
+``NAME.weight`` (float8_e4m3fn rows), ``NAME.weight_scale`` and ``NAME.input_scale`` per expert
+and shard. transformers dequantizes and merges them on load; the merged weights equal
+fp8ptq's bit for bit (tested).
+
+vLLM's fused-MoE FP8 kernels accept per-tensor weights with static per-tensor activations, or
+per-channel weights with dynamic per-token activations (CompressedTensorsW8A8Fp8MoEMethod);
+with static activations they use ONE input scale per layer (the largest over the experts). A
+recipe outside that set is written in the fp8ptq-native layout (the numbers the user asked
+for, loadable with ``fp8ptq.load``) with a warning naming the flags that give a servable
+checkpoint; static input scales are unified over the experts of a layer when
+``--unify-fused-scales`` is on, so what fp8ptq simulates is what vLLM serves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..formats import get_format
+from ..qexperts import QuantExperts
+
+SERVABLE = {("tensor", "tensor"), ("channel", "token")}
+
+
+def ct_problem(name: str, q: QuantExperts) -> str | None:
+    """Why these experts cannot be a compressed-tensors (vLLM fused-MoE) checkpoint, or None."""
+    e4m3 = get_format("e4m3")
+    if q.weight_format != e4m3 or (q.act_format is not None and q.act_format != e4m3):
+        return f"{name}: fused-MoE compressed-tensors checkpoints are e4m3 only"
+    if q.act_format is None:
+        return f"{name}: weight-only fused experts have no vLLM FP8 MoE kernel"
+    if (q.weight_granularity.name, q.act_granularity) not in SERVABLE:
+        return (f"{name}: vLLM's fused-MoE FP8 kernels take per-tensor weights with static "
+                "activations or per-channel weights with dynamic per-token activations "
+                "(--weight-granularity tensor, or --act-granularity token), not "
+                f"{q.weight_granularity.name} weights with {q.act_granularity} activations")
+    return None
+
+
+def _mapping(model: nn.Module):
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return get_checkpoint_conversion_mapping(model_type) or [] if model_type else []
+
+
+def _patterns(obj, attr) -> list[str]:
+    value = getattr(obj, attr, None)
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def checkpoint_keys(model: nn.Module, name: str, q: QuantExperts) -> dict | None:
+    """``{proj: [(key with {e}, first row, last row), ...]}``: the per-expert checkpoint keys of
+    each projection's shards, from transformers' conversion mapping; None if it has none."""
+    converters, renamings = [], []
+    for op in _mapping(model):
+        (converters if type(op).__name__ == "WeightConverter" else renamings).append(op)
+    path = name
+    for r in renamings:  # model name -> checkpoint name (the inverse of each renaming)
+        for src, tgt in zip(_patterns(r, "source_patterns"), _patterns(r, "target_patterns")):
+            if re.fullmatch(r"[\w.]+", src) and re.fullmatch(r"[\w.]+", tgt):
+                path = path.replace(tgt, src)
+    out = {}
+    for proj in q.info.projections:
+        rows = q.codes(proj).shape[1]
+        for conv in converters:
+            targets = _patterns(conv, "target_patterns")
+            if not any(f"{name}.{proj}".endswith(t.lstrip(".")) for t in targets):
+                continue
+            sources = _patterns(conv, "source_patterns")
+            if not all(".*." in s for s in sources) or rows % len(sources):
+                return None
+            step = rows // len(sources)
+            keys = []
+            for i, src in enumerate(sources):
+                head, _, tail = src.lstrip(".").partition(".*.")
+                if not path.endswith(head):
+                    return None
+                keys.append((f"{path}.{{e}}.{tail}", i * step, (i + 1) * step))
+            out[proj] = keys
+            break
+        else:
+            return None
+    return out
+
+
+def ct_tensors(name: str, q: QuantExperts, keys: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for proj, shards in keys.items():
+        codes, scale, inp = q.codes(proj), q.weight_scale(proj), q.input_scale(proj)
+        for e in range(q.num_experts):
+            for key, lo, hi in shards:
+                k = key.format(e=e)
+                w_scale = scale[e][lo:hi] if q.weight_granularity.name == "channel" else scale[e]
+                out[k] = codes[e, lo:hi].view(torch.float8_e4m3fn).contiguous()
+                out[k.removesuffix("weight") + "weight_scale"] = w_scale.float().clone()
+                if inp is not None:
+                    out[k.removesuffix("weight") + "input_scale"] = inp[e].reshape(1).clone()
+    return out
+
+
+def pop_ct_tensors(tensors: dict, entry: dict) -> dict[str, tuple]:
+    """Inverse of ``ct_tensors``: ``{proj: (codes [E,out,in], scale, input_scale or None)}``."""
+    out = {}
+    channel = entry["weight_granularity"] == "channel"
+    for proj, shards in entry["checkpoint_keys"].items():
+        codes, scales, inputs = [], [], []
+        for e in range(entry["num_experts"]):
+            parts, part_scales, part_inputs = [], [], []
+            for key, _lo, _hi in shards:
+                k = key.format(e=e)
+                parts.append(tensors.pop(k).view(torch.uint8))
+                part_scales.append(tensors.pop(k.removesuffix("weight") + "weight_scale"))
+                part_inputs.append(tensors.pop(k.removesuffix("weight") + "input_scale", None))
+            codes.append(torch.cat(parts))
+            scales.append(torch.cat(part_scales) if channel else part_scales[0])
+            inputs.append(part_inputs[0])
+        input_scale = None if inputs[0] is None else torch.cat([i.reshape(1) for i in inputs])
+        out[proj] = (torch.stack(codes), torch.stack(scales), input_scale)
+    return out
+
+
+def router_modules(model: nn.Module) -> list[str]:
+    """Non-expert weight holders next to fused experts (routers such as ``mlp.gate``): runtimes
+    build them as linear layers, so compressed-tensors' ``ignore`` must name them."""
+    names = []
+    for mname, module in model.named_modules():
+        if not any(isinstance(c, QuantExperts) for c in module.children()):
+            continue
+        for cname, child in module.named_children():
+            w = getattr(child, "weight", None)
+            if not isinstance(child, QuantExperts) and isinstance(w, torch.Tensor) and \
+                    w.dim() == 2 and not isinstance(child, nn.Linear):
+                names.append(f"{mname}.{cname}" if mname else cname)
+    return names
