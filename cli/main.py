@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from fp8ptq import __version__
+from fp8ptq import __version__, distributed
 from fp8ptq.errors import Fp8ptqError
 
 
@@ -18,7 +18,8 @@ class Fp8ptqGroup(click.Group):
         try:
             return super().invoke(ctx)
         except Fp8ptqError as e:
-            click.echo(f"error: {e}", err=True)
+            if distributed.is_main():  # under torchrun: one line, from rank 0
+                click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
         except click.UsageError as e:
             command = f"{e.ctx.command_path}: " if e.ctx is not None else ""

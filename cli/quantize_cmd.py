@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from fp8ptq import __version__, job
+from fp8ptq import __version__, distributed, job
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 
@@ -34,15 +34,25 @@ from .tables import Column, fitted_table
 @recipe_options
 def command(model, fmt, output, force, device, device_map, as_json, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
-    checkpoint to OUTPUT."""
-    from fp8ptq.checkpoint import save_quantized
-
+    checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)
     job.resolve_device(device)
+    # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
+    distributed.init(job.resolve_device(device))
+    try:
+        _run(model, output, force, device, device_map, as_json, recipe)
+    finally:
+        distributed.shutdown()
+
+
+def _run(model, output, force, device, device_map, as_json, recipe):
+    from fp8ptq.checkpoint import save_quantized
+
+    main_rank = distributed.is_main()
     timings = job.JobTimings()
-    with progress_bars(enabled=not as_json) as bars:
+    with progress_bars(enabled=not as_json and main_rank) as bars:
         texts = None
         if job.needs_calibration(recipe):
             with bars.step("reading calibration data"), timings.timed("calibration data"):
@@ -59,12 +69,23 @@ def command(model, fmt, output, force, device, device_map, as_json, **flags):
         result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                      progress=bars.counter("calibrating"))
         result.warnings[:0] = data_warnings
-        with bars.step(f"writing {output}"), timings.timed("write"):
-            sizes = save_quantized(
-                result, recipe, output, tokenizer=loaded.tokenizer, force=force,
-                source={"model": model, "kind": loaded.kind, "path": loaded.resolved_path},
-                calib=calib_facts(calib), tool_version=__version__)
+        sizes, error = {}, None
+        if main_rank:
+            try:
+                with bars.step(f"writing {output}"), timings.timed("write"):
+                    sizes = save_quantized(
+                        result, recipe, output, tokenizer=loaded.tokenizer, force=force,
+                        source={"model": model, "kind": loaded.kind,
+                                "path": loaded.resolved_path},
+                        calib=calib_facts(calib), tool_version=__version__)
+            except Exception as e:  # noqa: BLE001 - every rank learns it and exits with it
+                error = e
+        distributed.agree(error)
+    if not main_rank:
+        return
     report = report_dict(result, output, sizes, timings, calib)
+    if distributed.active():
+        report["ranks"] = distributed.world()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from . import distributed
 from .data import build_calibration_set, load_texts, resolve_calib_spec
 from .errors import DataError, UsageError
 from .pipeline import QuantizeResult, calibration_passes, quantize_model, token_batches
@@ -95,7 +96,7 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
     batches, tick = None, None
     if calib is not None:
         batches = _batches(loaded.model, calib, recipe.batch_size)
-        n = len(batches) * calibration_passes(recipe)
+        n = len(distributed.shard(batches)) * calibration_passes(recipe)
         tick = progress(n) if progress else None
     with timings.timed("calibrate+quantize"):
         result = quantize_model(loaded.model, recipe, batches, progress=tick)

@@ -114,7 +114,9 @@ class StatsCollector:
         self.channel_dims = channel_dims or {}
         self.stats = {name: TensorStats() for name in modules}
         self.sample_batches, self.row_stride = sample_batches, row_stride
-        self.samples: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        # (global batch index, rows): data-parallel ranks see different batches, and gathering
+        # their samples must restore the order a single process would have kept them in
+        self.samples: dict[str, list[tuple[int, torch.Tensor]]] = {name: [] for name in modules}
         self.batch_index = 0
 
     @contextmanager
@@ -135,7 +137,7 @@ class StatsCollector:
                 self.stats[name].update(args[0], dim)
                 if self.batch_index < self.sample_batches:
                     rows = sample_rows(args[0].detach(), dim, self.row_stride)
-                    self.samples[name].append(rows.float().cpu())
+                    self.samples[name].append((self.batch_index, rows.float().cpu()))
 
         return hook
 
@@ -143,4 +145,5 @@ class StatsCollector:
         self.batch_index += 1
 
     def row_samples(self) -> dict[str, torch.Tensor]:
-        return {n: torch.cat(rows) for n, rows in self.samples.items() if rows}
+        return {n: torch.cat([r for _, r in sorted(rows, key=lambda x: x[0])])
+                for n, rows in self.samples.items() if rows}

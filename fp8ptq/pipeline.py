@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .calibrators import activation_calibrator, weight_calibrator
+from . import distributed
 from .errors import NumericsError, UsageError
 from .formats import FormatSpec, encode, get_format
 from .granularity import weight_granularity
@@ -125,13 +126,24 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     modules = {t.name: t.module for t in targets}
     dims = {t.name: input_channel_dim(t.module) for t in targets}
     collector = StatsCollector(modules, dims, sample_batches=sample_batches)
+    error = None
     with collector.observing(), experts.observing() if experts else nullcontext(), \
             torch.inference_mode():
-        for batch in batches:
-            run_batch(model, batch)
-            collector.next_batch()
-            if progress is not None:
-                progress()
+        try:
+            # under torchrun each rank runs its share; global indices keep sample order
+            for index, batch in distributed.shard(batches):
+                collector.batch_index = index
+                run_batch(model, batch)
+                if progress is not None:
+                    progress()
+        except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
+            error = e
+    distributed.agree(error)
+    if distributed.active():
+        distributed.reduce_stats(collector.stats)
+        collector.samples = distributed.gather_samples(collector.samples)
+        if experts is not None:
+            distributed.reduce_stats(experts.stats)
     return collector
 
 
@@ -162,6 +174,9 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
     extras: dict = {}
+    if distributed.active() and recipe.bn_retune:
+        raise UsageError("--bn-retune is not supported across processes (torchrun); run it in "
+                         "one process")
 
     t0 = time.perf_counter()
     if recipe.smoothquant is not None:
@@ -189,6 +204,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
             collector = collect_stats(model, targets, batches, progress,
                                       sample_batches=SAMPLE_BATCHES if layer_aware else 0,
                                       experts=observer)
+        if taps is not None:
+            distributed.reduce_stats(taps.stats)
     times["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
