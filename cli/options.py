@@ -109,6 +109,35 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None):
     return decorate(f) if f is not None else decorate
 
 
+def placement_options(f):
+    """``--device-map``, ``--max-memory``, ``--offload-folder``: handed to accelerate (see
+    ``fp8ptq.placement``); the command reads them with ``placement_from``."""
+    options = [
+        click.option("--device-map", default=None,
+                     help="accelerate device map: auto|balanced|balanced_low_0|sequential, a "
+                          "JSON object {module: device} ('disk' offloads) or a .json file."),
+        click.option("--max-memory", default=None,
+                     help="Memory per device for the device map: SIZE (CPU) or "
+                          "DEVICE=SIZE[,...], e.g. 0=20GiB,cpu=64GiB (needs --device-map)."),
+        click.option("--offload-folder", type=click.Path(), default=None,
+                     help="Where disk-offloaded weights go [a temporary folder]."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def placement_from(kwargs: dict):
+    """Pops the placement flags (``placement_options``) into a ``Placement`` (None if unset)."""
+    from fp8ptq.placement import parse_placement
+
+    device_map, max_memory = kwargs.pop("device_map"), kwargs.pop("max_memory")
+    folder = kwargs.pop("offload_folder")
+    if device_map is None and max_memory is None:
+        return None
+    return parse_placement(device_map, max_memory, folder)
+
+
 def parse_overrides(items) -> dict[str, str] | None:
     if not items:
         return None

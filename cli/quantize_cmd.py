@@ -18,7 +18,7 @@ from fp8ptq import __version__, distributed, job
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 
-from .options import build_recipe, recipe_options
+from .options import build_recipe, placement_from, placement_options, recipe_options
 from .progress import progress_bars
 from .tables import Column, fitted_table
 
@@ -29,12 +29,13 @@ from .tables import Column, fitted_table
 @click.option("--output", "-o", required=True, type=click.Path(), help="Output folder.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
-@click.option("--device-map", default=None, help="accelerate device map (e.g. auto).")
+@placement_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the report.")
 @recipe_options
-def command(model, fmt, output, force, device, device_map, as_json, **flags):
+def command(model, fmt, output, force, device, as_json, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
+    device_map = placement_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)

@@ -46,7 +46,9 @@ def run_tasks(
     data = data or {}
     extractive = is_extractive_qa(model)
     task_manager = check_request(tasks, data, include_path, extractive)
-    if model.device.type != torch.device(device).type:  # "cuda" and "cuda:0" count as the same
+    if getattr(model, "hf_device_map", None) is None and \
+            model.device.type != torch.device(device).type:  # "cuda" and "cuda:0" count as one;
+        # a model dispatched by an accelerate device map stays where accelerate put it
         model.to(device)
     lm = None if extractive else make_lm(model, tokenizer, batch_size=batch_size, seq_len=seq_len)
 

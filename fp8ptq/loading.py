@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from .errors import UsageError
+from .placement import Placement
 
 TASK_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
@@ -105,12 +106,16 @@ def model_class(config, task: str | None = None):
 
 
 def _load_pretrained(source, location, kind, *, dtype, device, device_map, task, **hub_kwargs):
-    """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id)."""
+    """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id).
+    ``device_map``: a strategy / dict, or a ``fp8ptq.placement.Placement`` (map, memory
+    limits, offload folder) handed to accelerate."""
     config = AutoConfig.from_pretrained(location, **hub_kwargs)
     cls = model_class(config, task)
-    extra = {} if device_map is None else {"device_map": device_map}
+    if device_map is not None and not isinstance(device_map, Placement):
+        device_map = Placement(device_map=device_map)
+    extra = device_map.from_pretrained_kwargs() if device_map is not None else {}
     model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
-    if device_map is None:
+    if not extra:
         model.to(device)
     model.eval()
     try:

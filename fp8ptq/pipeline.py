@@ -19,6 +19,7 @@ from .model.experts import ExpertsInfo, find_experts, router_names
 from .model.gemm import (find_gemms, input_channel_dim, is_depthwise, kind, matches,
                          set_submodule, weight_2d)
 from .observers import StatsCollector, TensorStats
+from .placement import materialize_offloaded
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
@@ -182,6 +183,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     if recipe.smoothquant is not None:
         from .smoothquant import apply_smoothquant
 
+        materialize_offloaded(model)  # SmoothQuant folds its factors into the weights
         search = recipe.smoothquant == "auto"
         pre = collect_stats(model, targets, batches, progress,
                             sample_batches=SAMPLE_BATCHES if search else 0)
@@ -209,6 +211,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     times["calibrate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    materialize_offloaded(model)  # accelerate-offloaded weights: in place before reading them
     stats = collector.stats if collector else {}
     gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
     w_calib = weight_calibrator(recipe.weight_calib)
