@@ -30,7 +30,7 @@ from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.recipe import Recipe
 
-from .options import build_recipe, placement_from, placement_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
 from .quantize_cmd import calib_facts
 
@@ -76,7 +76,7 @@ class Variant:
 @click.option("--allow-calib-overlap", is_flag=True,
               help="Allow calibrating on a file that is also evaluation data.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
-@placement_options
+@loading_options
 @recipe_options(flag_names=CALIB_FLAG_NAMES)
 def command(model, tasks, compare, data_items, limit, batch_size, seq_len, include_path, json_path,
             markdown_path, plot_path, gates, allow_calib_overlap, device, **flags):
@@ -84,7 +84,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     baseline. Exit 3 when a --max-delta gate fails."""
     from fp8ptq.evals import runner
 
-    placement = placement_from(flags)
+    load_options = loading_from(flags)
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = _checkpoint_meta(model)
@@ -105,7 +105,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
 
     rows, protocol, calib = evaluate_variants(
         variants, recipe, texts, task_list, notes, data=data, limit=limit, batch_size=batch_size,
-        seq_len=seq_len, include_path=include_path, device=device, placement=placement)
+        seq_len=seq_len, include_path=include_path, device=device, load_options=load_options)
 
     print_report(rows, protocol, notes)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
@@ -291,7 +291,7 @@ def check_calib_overlap(calib_files, data: dict[str, str], allow: bool) -> list[
 
 
 def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, tasks: list[str],
-                      notes: list[str], *, device: str, placement=None, **eval_kwargs):
+                      notes: list[str], *, device: str, load_options=None, **eval_kwargs):
     """Load (and quantize) each variant, run the tasks, free it. Returns the report rows, the
     protocol (the first variant's) and the calibration set shared by the quantized variants
     (cut once from ``calib_texts``, what ``job.calibration_texts`` read), or None."""
@@ -302,7 +302,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
         for v in variants:
             timings = job.JobTimings()
             with bars.step(f"{v.name}: loading {v.spec}"), timings.timed("load"):
-                loaded = job.load(v.spec, v.recipe, device=device, device_map=placement)
+                loaded = job.load(v.spec, v.recipe, device=device, **(load_options or {}))
             if v.kind == "quantized":
                 use_calib = job.needs_calibration(v.recipe)
                 if use_calib and calib is None:

@@ -109,10 +109,18 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None):
     return decorate(f) if f is not None else decorate
 
 
-def placement_options(f):
-    """``--device-map``, ``--max-memory``, ``--offload-folder``: handed to accelerate (see
-    ``fp8ptq.placement``); the command reads them with ``placement_from``."""
+def loading_options(f):
+    """How a model is loaded: ``--device-map``, ``--max-memory``, ``--offload-folder`` (handed to
+    accelerate, see ``fp8ptq.placement``), ``--trust-pickle`` and ``--trust-remote-code``; the
+    command reads them with ``loading_from``."""
     options = [
+        click.option("--trust-pickle", is_flag=True, default=False,
+                     help="Allow full unpickling of .pt models / checkpoint skeletons that name "
+                          "classes beyond torch.nn (runs code from the file: trusted files "
+                          "only)."),
+        click.option("--trust-remote-code", is_flag=True, default=False,
+                     help="Let transformers run the model repository's own code (trusted "
+                          "repositories only)."),
         click.option("--device-map", default=None,
                      help="accelerate device map: auto|balanced|balanced_low_0|sequential, a "
                           "JSON object {module: device} ('disk' offloads) or a .json file."),
@@ -127,15 +135,16 @@ def placement_options(f):
     return f
 
 
-def placement_from(kwargs: dict):
-    """Pops the placement flags (``placement_options``) into a ``Placement`` (None if unset)."""
+def loading_from(kwargs: dict) -> dict:
+    """Pops the ``loading_options`` flags into keyword arguments of ``job.load``."""
     from fp8ptq.placement import parse_placement
 
     device_map, max_memory = kwargs.pop("device_map"), kwargs.pop("max_memory")
     folder = kwargs.pop("offload_folder")
-    if device_map is None and max_memory is None:
-        return None
-    return parse_placement(device_map, max_memory, folder)
+    placement = None if device_map is None and max_memory is None else parse_placement(
+        device_map, max_memory, folder)
+    return {"device_map": placement, "trust_pickle": kwargs.pop("trust_pickle"),
+            "trust_remote_code": kwargs.pop("trust_remote_code")}
 
 
 def parse_overrides(items) -> dict[str, str] | None:

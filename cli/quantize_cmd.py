@@ -18,7 +18,7 @@ from fp8ptq import __version__, distributed, job
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 
-from .options import build_recipe, placement_from, placement_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
 from .tables import Column, fitted_table
 
@@ -29,13 +29,13 @@ from .tables import Column, fitted_table
 @click.option("--output", "-o", required=True, type=click.Path(), help="Output folder.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
-@placement_options
+@loading_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the report.")
 @recipe_options
 def command(model, fmt, output, force, device, as_json, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
-    device_map = placement_from(flags)
+    load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)
@@ -43,12 +43,12 @@ def command(model, fmt, output, force, device, as_json, **flags):
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
-        _run(model, output, force, device, device_map, as_json, recipe)
+        _run(model, output, force, device, load_options, as_json, recipe)
     finally:
         distributed.shutdown()
 
 
-def _run(model, output, force, device, device_map, as_json, recipe):
+def _run(model, output, force, device, load_options, as_json, recipe):
     from fp8ptq.checkpoint import save_quantized
 
     main_rank = distributed.is_main()
@@ -59,7 +59,7 @@ def _run(model, output, force, device, device_map, as_json, recipe):
             with bars.step("reading calibration data"), timings.timed("calibration data"):
                 texts = job.calibration_texts(recipe, model)
         with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
-            loaded = job.load(model, recipe, device=device, device_map=device_map)
+            loaded = job.load(model, recipe, device=device, **load_options)
         calib, data_warnings = None, []
         if texts is not None:
             with bars.step("preparing calibration data"), timings.timed("calibration data"), \

@@ -20,7 +20,7 @@ from fp8ptq.formats import get_format
 from fp8ptq.pipeline import token_batches
 from fp8ptq.placement import materialize_offloaded
 
-from .options import build_recipe, placement_from, placement_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars, stderr_console
 from .quantize_cmd import calib_facts
 
@@ -88,13 +88,13 @@ def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
 @click.option("--no-verify", is_flag=True,
               help="Skip the two check runs (every unit quantized; suggestion applied).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
-@placement_options
+@loading_options
 @recipe_options
 def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eval_seq_len,
             eval_batch_size, target_delta, top, json_path, plot_path, no_verify, device,
             **flags):
     """Quantize one module (or block) of MODEL at a time and rank the modules by the damage."""
-    placement = placement_from(flags)
+    load_options = loading_from(flags)
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
     recipe = build_recipe(flags, format=formats[0])
@@ -115,7 +115,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
 
     with progress_bars() as bars:
         with bars.step(f"loading {model}"):
-            loaded = job.load(model, recipe, device=device, device_map=placement)
+            loaded = job.load(model, recipe, device=device, **load_options)
             materialize_offloaded(loaded.model)  # modules are swapped one at a time below
         with bars.step("tokenizing"):
             calib = job.calibration_set(loaded, recipe)

@@ -54,11 +54,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None):
+def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
+         trust_pickle: bool = False, trust_remote_code: bool = False):
     from .loading import load_model
 
     return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
-                      device_map=device_map)
+                      device_map=device_map, trust_pickle=trust_pickle,
+                      trust_remote_code=trust_remote_code)
 
 
 def needs_calibration(recipe: Recipe) -> bool:

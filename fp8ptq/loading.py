@@ -26,6 +26,7 @@ from transformers import (
 
 from .errors import UsageError
 from .placement import Placement
+from .safe_pickle import load_torch_file
 
 TASK_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
@@ -51,24 +52,31 @@ def load_model(
     device: str | torch.device = "cpu",
     device_map: Any = None,
     task: str | None = None,
+    trust_pickle: bool = False,
+    trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load ``spec`` (local folder, ``.gguf`` file, ``.pt`` module or hub id) in eval mode, with
     a tokenizer that has a pad token (none for a ``.pt`` module). ``task`` ("causal-lm", "qa",
-    "seq-cls", "base") overrides the model class that ``config.architectures`` implies."""
+    "seq-cls", "base") overrides the model class that ``config.architectures`` implies.
+    ``trust_pickle`` allows full unpickling of ``.pt`` files and native-checkpoint skeletons;
+    ``trust_remote_code`` lets transformers run a model repository's own code. Both are off:
+    loading a file never runs code from it unless asked."""
     if task is not None and task not in TASK_CLASSES:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASK_CLASSES)}")
     path = Path(spec).expanduser()
-    load_kwargs = dict(dtype=dtype, device=device, device_map=device_map, task=task)
+    load_kwargs = dict(dtype=dtype, device=device, device_map=device_map, task=task,
+                       trust_remote_code=trust_remote_code)
 
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _load_gguf(spec, path.resolve(), **load_kwargs)
     if path.is_file() and is_torch_module_file(spec):
-        return _load_torch_module(spec, path.resolve(), dtype=dtype, device=device)
+        return _load_torch_module(spec, path.resolve(), dtype=dtype, device=device,
+                                  trust_pickle=trust_pickle)
     if path.is_dir():
         if (path / "fp8ptq.json").is_file():
             from .checkpoint import load_quantized
 
-            return load_quantized(str(path), device=device)
+            return load_quantized(str(path), device=device, trust_pickle=trust_pickle)
         if not (path / "config.json").is_file():
             raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
         return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
@@ -145,25 +153,17 @@ def is_torch_module_file(spec: str | None) -> bool:
     return spec is not None and Path(spec).suffix.lower() in TORCH_SUFFIXES
 
 
-def _load_torch_module(source, path: Path, *, dtype, device) -> LoadedModel:
+def _load_torch_module(source, path: Path, *, dtype, device, trust_pickle=False) -> LoadedModel:
     """A ``torch.save``-d ``nn.Module``, or a state dict of the built-in ``digits-cnn``.
 
-    Trust: a whole pickled module can only be read with ``weights_only=False``, and unpickling
-    runs code named in the file, so only pass module files you trust. State dicts are read with
-    ``weights_only=True`` first (safe); only what that refuses falls back to full unpickling."""
+    Trust: read without running code from the file (``fp8ptq.safe_pickle``): tensors, state
+    dicts and modules made of torch.nn layers / built-in architectures load as they are; any
+    other pickle needs ``trust_pickle`` (``--trust-pickle``)."""
     from torch import nn
 
     from .vision import TinyMobileNet
 
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # weights_only refuses anything but tensors and containers
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:  # unpickling raises anything, e.g. a class that no longer exists
-            raise UsageError(f"cannot load model {source!r}: {_first_line(e)}") from None
-    except Exception as e:
-        raise UsageError(f"cannot load model {source!r}: {_first_line(e)}") from None
+    obj = load_torch_file(path, trust_pickle=trust_pickle, what="model")
     if isinstance(obj, dict) and obj and all(torch.is_tensor(v) for v in obj.values()):
         obj = TinyMobileNet.from_state_dict(obj)
     if not isinstance(obj, nn.Module):

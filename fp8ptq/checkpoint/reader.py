@@ -75,10 +75,10 @@ def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
     raise UsageError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
 
 
-def _build_model(p: Path, dtype: torch.dtype) -> nn.Module:
+def _build_model(p: Path, dtype: torch.dtype, trust_pickle: bool = False) -> nn.Module:
     raw = json.loads((p / "config.json").read_text())
     if MODULE_KEY in raw:  # not a transformers model (see skeleton.py)
-        return build_module(p, raw[MODULE_KEY], dtype)
+        return build_module(p, raw[MODULE_KEY], dtype, trust_pickle=trust_pickle)
     return _build(_config(raw, p), dtype)
 
 
@@ -126,7 +126,7 @@ def _as_dtype(dtype) -> torch.dtype:
     return value
 
 
-def load_quantized(path, *, device="cpu", dtype=None):
+def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False):
     """Rebuild the quantized model stored in ``path``.
 
     ``dtype`` (default: the dtype it was saved in) is the dtype of the non-quantized tensors and
@@ -159,7 +159,7 @@ def load_quantized(path, *, device="cpu", dtype=None):
     experts = {name: (entry, _pop_experts(tensors, name, entry, p))
                for name, entry in (meta.get("experts") or {}).items()}
     pop_kv_tensors(tensors, meta.get("taps"), p)
-    model = _build_model(p, dtype)
+    model = _build_model(p, dtype, trust_pickle)
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     if unexpected:

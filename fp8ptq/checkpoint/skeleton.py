@@ -6,9 +6,10 @@
 device; non-persistent buffers, which no state dict holds, keep their values). The state-dict
 tensors live in ``model.safetensors`` like in every other checkpoint.
 
-Trust: the skeleton is a pickle, and unpickling runs code named in the file (and needs the
-module's classes importable), exactly like the ``.pt`` file it came from. Load only checkpoints
-you trust; the built-in architecture needs no pickle.
+Trust: the skeleton is a pickle. It is read like every ``.pt`` file (``fp8ptq.safe_pickle``):
+without running code from the file when it names only torch.nn layers and built-in classes,
+otherwise only with ``trust_pickle`` (``--trust-pickle``). The built-in architecture needs no
+pickle at all.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import Fp8ptqError
+from ..errors import DataError, Fp8ptqError
 from ..model.gemm import set_submodule
+from ..safe_pickle import load_torch_file
 
 MODULE_KEY = "fp8ptq_module"
 SKELETON_NAME = "module_skeleton.pt"
@@ -48,7 +50,8 @@ def module_config(model: nn.Module, quantized: list[str], directory: Path) -> di
     return {"skeleton": SKELETON_NAME, "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
-def build_module(directory: Path, spec: dict, dtype: torch.dtype) -> nn.Module:
+def build_module(directory: Path, spec: dict, dtype: torch.dtype,
+                 trust_pickle: bool = False) -> nn.Module:
     """The unquantized architecture ``spec`` describes, with uninitialised tensors."""
     from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 
@@ -58,11 +61,9 @@ def build_module(directory: Path, spec: dict, dtype: torch.dtype) -> nn.Module:
         raise Fp8ptqError(f"{directory}/config.json: {MODULE_KEY} names neither a built-in "
                           "architecture nor a skeleton file")
     path = directory / spec["skeleton"]
-    try:
-        skeleton = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # missing file, or a class that is no longer importable
-        raise Fp8ptqError(f"cannot rebuild {spec.get('class', 'the module')} from {path}: "
-                          f"{e}") from None
+    if not path.is_file():
+        raise DataError(f"cannot rebuild {spec.get('class', 'the module')}: {path} is missing")
+    skeleton = load_torch_file(path, trust_pickle=trust_pickle, what="module skeleton")
     if not isinstance(skeleton, nn.Module):
         raise Fp8ptqError(f"{path} holds a {type(skeleton).__name__}, not an nn.Module")
     kept = {n: b for n, b in skeleton.named_buffers() if not b.is_meta}
