@@ -34,7 +34,11 @@ def load_texts(spec: str, *, text_field: str | None = None) -> list[str]:
     if path.is_dir():
         raise DataError(f"calibration data {spec!r} is a folder; pass a file ({', '.join(FILE_SUFFIXES)})")
     if path.is_file():
-        texts = _read_file(path, text_field or DEFAULT_TEXT_FIELD)
+        try:
+            texts = _read_file(path, text_field or DEFAULT_TEXT_FIELD)
+        except UnicodeDecodeError as e:
+            raise DataError(f"calibration data {spec}: not UTF-8 text (byte 0x"
+                            f"{e.object[e.start]:02x} at offset {e.start})") from None
     elif _looks_like_path(spec):
         raise DataError(f"calibration data file not found: {spec}")
     else:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
 import shutil
 import socket
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from urllib.parse import urlparse
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -24,7 +26,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from .errors import UsageError
+from .errors import DataError, UsageError
 from .placement import Placement
 from .safe_pickle import load_torch_file
 
@@ -73,12 +75,11 @@ def load_model(
         return _load_torch_module(spec, path.resolve(), dtype=dtype, device=device,
                                   trust_pickle=trust_pickle)
     if path.is_dir():
+        check_model_folder(spec)
         if (path / "fp8ptq.json").is_file():
             from .checkpoint import load_quantized
 
             return load_quantized(str(path), device=device, trust_pickle=trust_pickle)
-        if not (path / "config.json").is_file():
-            raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
         return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
     if path.exists():
         raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json, a .gguf "
@@ -86,6 +87,35 @@ def load_model(
     if _looks_like_path(spec):
         raise UsageError(f"cannot load model {spec!r}: no such file or folder")
     return _load_from_hub(spec, **load_kwargs)
+
+
+def check_model_spec(spec: str) -> None:
+    """The checks on MODEL that need no loading (so they come before reading calibration data
+    or anything slow): a path must exist and be a model folder, a .gguf or a .pt file."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        check_model_folder(spec)
+    elif not path.exists() and _looks_like_path(spec):
+        raise UsageError(f"cannot load model {spec!r}: no such file or folder")
+
+
+def check_model_folder(spec: str) -> None:
+    """A model folder's config.json (or fp8ptq.json) must be a JSON object."""
+    path = Path(spec).expanduser()
+    for name in ("fp8ptq.json", "config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            where = f"{f}:{e.lineno}:{e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) \
+                else f"{f}: not UTF-8 text"
+            raise DataError(f"cannot load model {spec!r}: {where}") from None
+        if not isinstance(value, dict):
+            raise DataError(f"cannot load model {spec!r}: {f} is not a JSON object")
+        return
+    raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -122,7 +152,11 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     if device_map is not None and not isinstance(device_map, Placement):
         device_map = Placement(device_map=device_map)
     extra = device_map.from_pretrained_kwargs() if device_map is not None else {}
-    model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
+    try:
+        model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
+    except SafetensorError as e:  # a truncated or corrupt weights file
+        raise DataError(f"cannot load model {source!r}: a safetensors file is corrupt or "
+                        f"truncated ({_first_line(e)})") from None
     if not extra:
         model.to(device)
     model.eval()
@@ -245,9 +279,21 @@ def _load_gguf(source, gguf_path: Path, *, task, **load_kwargs) -> LoadedModel:
     return _load_pretrained(source, str(cached), "gguf", task=task, **load_kwargs)
 
 
+def _check_gguf(gguf_path: Path) -> None:
+    """Parse the GGUF header and tensor index first: a truncated or foreign file fails here,
+    with its name, instead of deep inside transformers' converter."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(str(gguf_path))
+    except (ValueError, KeyError, IndexError, EOFError, OSError, struct.error) as e:
+        raise DataError(f"not a valid GGUF file ({gguf_path}): {_first_line(e)}") from None
+
+
 def _dequantize_gguf(gguf_path: Path, task: str | None):
     from transformers import GgufConfig
 
+    _check_gguf(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     # Without dequantize=True transformers may keep the weights packed in GGUF blocks
     # (GgufLinear) when it finds a kernel; quantizing needs plain nn.Linear weights.

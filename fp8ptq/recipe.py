@@ -157,9 +157,17 @@ def load_recipe_dict(path: str | Path) -> dict:
     if not p.is_file():
         raise UsageError(f"recipe file not found: {path}")
     try:
-        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise UsageError(f"cannot parse recipe {path}: {e}") from None
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{e.lineno}:{e.colno}: {e.msg}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UsageError(f"{where}: {what}") from None
     if not isinstance(data, dict):
         raise UsageError(f"recipe {path} must be a mapping of option: value")
     if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json

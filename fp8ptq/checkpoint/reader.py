@@ -13,19 +13,21 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
-from ..errors import Fp8ptqError, UsageError
+from ..errors import DataError, Fp8ptqError, UsageError
 from ..formats import FormatSpec, get_format
 from ..granularity import weight_granularity
+from ..model.experts import experts_info
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
-from ..model.experts import experts_info
-from .experts_io import pop_ct_tensors
 from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
+from .experts_io import pop_ct_tensors
 from .skeleton import MODULE_KEY, build_module
 from .taps_io import install_taps, pop_kv_tensors
+from .verify import verify, verify_config
 from .writer import INDEX_NAME, LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME
 
 _SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")
@@ -38,9 +40,13 @@ def read_metadata(path) -> dict:
     if not meta_file.is_file():
         raise UsageError(f"{path} is not an fp8ptq checkpoint (no {META_NAME})")
     try:
-        meta = json.loads(meta_file.read_text())
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise UsageError(f"cannot parse {meta_file}: {e}") from None
+        raise DataError(f"{meta_file}:{e.lineno}:{e.colno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{meta_file}: not UTF-8 text") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("modules", {}), dict):
+        raise DataError(f"{meta_file} is not an fp8ptq checkpoint description")
     if meta.get("tool") != "fp8ptq" or meta.get("layout") not in (LAYOUT_CT, LAYOUT_NATIVE):
         raise UsageError(f"{meta_file} is not an fp8ptq checkpoint description")
     return meta
@@ -61,22 +67,49 @@ def format_from_facts(facts: dict | None) -> FormatSpec | None:
                       torch_dtype=facts.get("torch_dtype"))
 
 
-def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    if not path.is_file():
+        raise DataError(f"{path} is missing")
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise DataError(f"{path}: corrupt or truncated safetensors file ({e})") from None
+
+
+def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
     if (p / WEIGHTS_NAME).is_file():
-        return load_file(str(p / WEIGHTS_NAME))
+        return _load_file(p / WEIGHTS_NAME)
     if (p / INDEX_NAME).is_file():
-        index = json.loads((p / INDEX_NAME).read_text())
+        try:
+            index = json.loads((p / INDEX_NAME).read_text())
+            files = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise DataError(f"{p / INDEX_NAME}: not a safetensors index") from None
         tensors = {}
-        for fname in sorted(set(index["weight_map"].values())):
-            tensors.update(load_file(str(p / fname)))
+        for fname in files:
+            tensors.update(_load_file(p / fname))
         return tensors
-    raise UsageError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
+    raise DataError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
+
+
+def _read_config(p: Path) -> dict:
+    try:
+        raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{p}/config.json is missing") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}/config.json:{e.lineno}:{e.colno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{p}/config.json: not UTF-8 text") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{p}/config.json is not a JSON object")
+    return raw
 
 
 def _build_model(p: Path, dtype: torch.dtype, trust_pickle: bool = False) -> nn.Module:
-    raw = json.loads((p / "config.json").read_text())
+    raw = _read_config(p)
     if MODULE_KEY in raw:  # not a transformers model (see skeleton.py)
         return build_module(p, raw[MODULE_KEY], dtype, trust_pickle=trust_pickle)
     return _build(_config(raw, p), dtype)
@@ -138,6 +171,15 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
     layout = meta["layout"]
     dtype = _as_dtype(dtype or meta.get("dtype") or "float32")
     tensors = _load_tensors(p)
+    verify(meta, tensors, p)
+    verify_config(meta, _read_config(p), p)
+    for entry in meta["modules"].values():
+        for key in ("weight_format", "act_format"):
+            try:
+                format_from_facts(entry.get(key))
+            except (KeyError, TypeError, ValueError, Fp8ptqError) as e:
+                raise DataError(f"{p}/{META_NAME}: {key} of a module does not describe a "
+                                f"format ({e})") from None
 
     quant: dict[str, tuple] = {}
     for name, entry in meta["modules"].items():
@@ -153,7 +195,7 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
                 codes = tensors.pop(f"{name}.weight_codes")
             scale = tensors.pop(f"{name}.weight_scale")
         except KeyError as e:
-            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
+            raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
         quant[name] = (entry, codes, scale, tensors.pop(f"{name}.input_scale", None))
 
     experts = {name: (entry, _pop_experts(tensors, name, entry, p))
@@ -197,14 +239,14 @@ def _pop_experts(tensors: dict, name: str, entry: dict, p: Path) -> dict[str, Pr
             return {proj: ProjectionQuant(codes, scale.float(), inp) for proj, (codes, scale, inp)
                     in pop_ct_tensors(tensors, entry).items()}
         except KeyError as e:
-            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
+            raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
     out = {}
     for proj in entry["projections"]:
         try:
             codes = tensors.pop(f"{name}.{proj}_codes")
             scale = tensors.pop(f"{name}.{proj}_scale")
         except KeyError as e:
-            raise Fp8ptqError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
+            raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
         if list(codes.shape) != list(entry["codes_shapes"][proj]) or codes.dtype != torch.uint8:
             raise Fp8ptqError(f"{name}.{proj}_codes: {codes.dtype} {list(codes.shape)} differs "
                               f"from fp8ptq.json uint8 {entry['codes_shapes'][proj]}")
