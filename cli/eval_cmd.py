@@ -28,6 +28,7 @@ from rich.console import Console
 from fp8ptq import job
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.formats import get_format
+from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
@@ -85,6 +86,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     from fp8ptq.evals import runner
 
     load_options = loading_from(flags)
+    check_model_spec(model)
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = _checkpoint_meta(model)

@@ -1,8 +1,19 @@
-"""The ``fp8ptq`` command: a click group whose commands live in sibling modules."""
+"""The ``fp8ptq`` command: a click group whose commands live in sibling modules.
+
+Every failure ends in ONE line on stderr, ``error: ...``, and an exit code: 2 bad input, 1 a
+runtime failure, 3 a failed ``--max-delta`` gate, 130 / 143 interrupted by SIGINT / SIGTERM.
+``--debug`` (or ``FP8PTQ_DEBUG=1``) shows the full traceback instead, for bug reports.
+Libraries' own chatter (transformers' loading bars and notes, lm-eval's, tqdm) stays off the
+terminal unless ``--verbose``; fp8ptq's own progress bars show the long phases.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import warnings
 
 import click
 
@@ -10,27 +21,104 @@ from fp8ptq import __version__, distributed
 from fp8ptq.errors import Fp8ptqError
 
 
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM: unwinds like KeyboardInterrupt, so every ``finally`` and
+    ``except BaseException`` cleanup (the temporary output folder) runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(signum)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("FP8PTQ_DEBUG", "").lower() not in ("", "0", "false", "no")
+
+
+def quiet_libraries() -> None:
+    """Keep transformers', huggingface_hub's, lm-eval's and tqdm's own output off stderr."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    for name in ("transformers", "huggingface_hub", "lm-eval", "lm_eval", "accelerate",
+                 "datasets", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    warnings.filterwarnings("ignore", module="transformers")
+    warnings.filterwarnings("ignore", module="accelerate")
+
+
 class Fp8ptqGroup(click.Group):
-    """Turns an ``Fp8ptqError`` or a click usage error anywhere below into one ``error:`` line
-    and its exit code (2 for usage errors)."""
+    """Turns an ``Fp8ptqError``, a click usage error, an interruption or an unexpected exception
+    anywhere below into one ``error:`` line and its exit code."""
 
     def invoke(self, ctx):
+        debug = debug_enabled() or bool(ctx.params.get("debug"))
+        previous = {s: signal.signal(s, _raise_interrupted)
+                    for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             return super().invoke(ctx)
         except Fp8ptqError as e:
-            if distributed.is_main():  # under torchrun: one line, from rank 0
-                click.echo(f"error: {e}", err=True)
-            sys.exit(e.exit_code)
+            if debug:
+                raise
+            _fail(str(e), e.exit_code)
         except click.UsageError as e:
             command = f"{e.ctx.command_path}: " if e.ctx is not None else ""
-            click.echo(f"error: {command}{e.format_message()} (see --help)", err=True)
-            sys.exit(e.exit_code)
+            _fail(f"{command}{e.format_message()} (see --help)", e.exit_code)
+        except (Interrupted, KeyboardInterrupt) as e:
+            code = getattr(e, "exit_code", 130)
+            name = "SIGTERM" if code == 143 else "SIGINT"
+            _fail(f"interrupted ({name}); nothing was written", code)
+        except click.exceptions.Exit:
+            raise
+        except OSError as e:
+            if debug:
+                raise
+            _fail(_os_error_line(e), 1)
+        except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback with --debug
+            if debug:
+                raise
+            _fail(f"internal error: {type(e).__name__}: {_first_line(e)} (run with --debug "
+                  "for the traceback and please report it)", 1)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _os_error_line(e: OSError) -> str:
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return f"{e.strerror or _first_line(e)}{where}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _fail(message: str, code: int):
+    if distributed.is_main():  # under torchrun: one line, from rank 0
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
 
 
 @click.group(cls=Fp8ptqGroup)
 @click.version_option(__version__, prog_name="fp8ptq")
-def main():
+@click.option("--verbose", is_flag=True, help="Let the libraries' own logs and bars through.")
+@click.option("--debug", is_flag=True,
+              help="Show full tracebacks instead of one error line (also FP8PTQ_DEBUG=1).")
+def main(verbose, debug):
     """FP8 post-training quantization of PyTorch / Hugging Face models."""
+    if not verbose:
+        quiet_libraries()
 
 
 def _register():

@@ -17,6 +17,7 @@ from rich.markup import escape
 from fp8ptq import __version__, distributed, job
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
+from fp8ptq.loading import check_model_spec
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -39,6 +40,7 @@ def command(model, fmt, output, force, device, as_json, **flags):
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)
+    check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))

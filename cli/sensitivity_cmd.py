@@ -17,6 +17,7 @@ from fp8ptq import sensitivity as sens
 from fp8ptq.data import FILE_SUFFIXES, load_texts
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.formats import get_format
+from fp8ptq.loading import check_model_spec
 from fp8ptq.pipeline import token_batches
 from fp8ptq.placement import materialize_offloaded
 
@@ -95,6 +96,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
             **flags):
     """Quantize one module (or block) of MODEL at a time and rank the modules by the damage."""
     load_options = loading_from(flags)
+    check_model_spec(model)
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
     recipe = build_recipe(flags, format=formats[0])

@@ -1,6 +1,7 @@
 """Checkpoints: round trips (both layouts), transformers / compressed-tensors compatibility,
 atomic writes, scale guards, fp8ptq.json, OCP -> FNUZ conversion."""
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ import fp8ptq
 from fp8ptq.checkpoint import (LAYOUT_CT, LAYOUT_NATIVE, fn_to_fnuz, load_quantized, read_metadata,
                                save_quantized)
 from fp8ptq.checkpoint import writer as ckpt_writer
-from fp8ptq.errors import NumericsError, UsageError
+from fp8ptq.errors import Fp8ptqError, NumericsError, UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
@@ -324,7 +325,7 @@ def test_config_validates_with_compressed_tensors(tmp_path):
 # --- atomicity and guards ------------------------------------------------------------------
 
 def _leftovers(parent: Path):
-    return [p.name for p in parent.iterdir() if p.name.startswith(".tmp-")]
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -333,10 +334,10 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     result, recipe = _quantize("llama", Recipe(format="e5m2"))
 
     def boom(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(Fp8ptqError, match="no space left on device writing .*c; nothing"):
         _save(result, recipe, tmp_path / "c")
     assert not (tmp_path / "c").exists()
     assert _leftovers(tmp_path) == []

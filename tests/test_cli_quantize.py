@@ -292,7 +292,7 @@ def test_force_replaces_an_existing_output(assets, tmp_path):
     assert res.exit_code == 0, res.output
     assert not (tmp_path / "out" / "keep.txt").exists()
     assert read_metadata(tmp_path / "out")["layout"] == "compressed-tensors"
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".*fp8ptq-tmp*"))
 
 
 @pytest.mark.parametrize("columns", [80, 200])

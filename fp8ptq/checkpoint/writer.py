@@ -13,6 +13,7 @@ Two layouts (see ``README.md`` beside this file):
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import NumericsError, UsageError
+from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..formats import get_format
 from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
@@ -397,7 +398,8 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
                                    f"(vLLM would not serve it): {reason}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out)))
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -405,6 +407,16 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
         facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
                        calib, tool_version, expert_keys)
         _move_into_place(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise Fp8ptqError(f"no space left on device writing {out}; nothing was "
+                              "written") from None
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise UsageError(f"output directory {out} was created by another run while this "
+                             "one was writing; nothing was written (use --force to "
+                             "replace it)") from None
+        raise Fp8ptqError(f"cannot write {out}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -412,11 +424,42 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
     return facts
 
 
+def temporary_prefix(out: Path) -> str:
+    """Temporary folders are named after their output and the writing process,
+    ``.NAME.fp8ptq-tmp-PID-``, so that one left by a killed run (SIGKILL, power loss) can be
+    recognised and removed by the next run writing the same output."""
+    return f".{out.name}.fp8ptq-tmp-{os.getpid()}-"
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove temporary folders of ``out`` whose writing process no longer exists."""
+    removed = []
+    for tmp in out.parent.glob(f".{out.name}.fp8ptq-tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("fp8ptq-tmp-", 1)[1].split("-", 1)[0])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _process_alive(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     if not out.exists():
         os.rename(tmp, out)
         return
-    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-old-"))
+    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out) + "old-"))
     os.rmdir(old)
     os.rename(out, old)
     try:
