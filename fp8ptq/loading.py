@@ -147,7 +147,10 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id).
     ``device_map``: a strategy / dict, or a ``fp8ptq.placement.Placement`` (map, memory
     limits, offload folder) handed to accelerate."""
-    config = AutoConfig.from_pretrained(location, **hub_kwargs)
+    try:
+        config = AutoConfig.from_pretrained(location, **hub_kwargs)
+    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
+        raise DataError(f"cannot load model {source!r}: {_first_line(e)}") from None
     cls = model_class(config, task)
     if device_map is not None and not isinstance(device_map, Placement):
         device_map = Placement(device_map=device_map)

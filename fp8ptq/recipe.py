@@ -97,6 +97,15 @@ class Recipe:
     def _check_types(self) -> None:
         """Recipe files are hand-written YAML: catch wrong types with a clear message (a bare
         string for ``skip`` would otherwise be split into one-character globs)."""
+        for key in STR_FIELDS:
+            _typed(key, getattr(self, key), str)
+        for key in OPTIONAL_STR_FIELDS:
+            if getattr(self, key) is not None:
+                _typed(key, getattr(self, key), str)
+        if self.smoothquant is not None and not isinstance(self.smoothquant, (str, int, float)) \
+                or isinstance(self.smoothquant, bool):
+            raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
+                             f"{self.smoothquant!r}")
         for key in INT_FIELDS:
             _typed(key, getattr(self, key), int)
         for key in BOOL_FIELDS:
@@ -175,6 +184,9 @@ def load_recipe_dict(path: str | Path) -> dict:
     return data
 
 
+STR_FIELDS = ("format", "weight_granularity", "act_granularity", "weight_calib", "act_calib",
+              "dtype")
+OPTIONAL_STR_FIELDS = ("weight_format", "act_format", "rounding", "calib_data", "text_field")
 INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed")
 BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
                "quantize_attention", "quantize_residual", "calibrate_all_experts",
@@ -184,7 +196,7 @@ BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", 
 def _typed(key, value, types) -> None:
     # bool is an int subclass: ``num_samples: true`` must not pass as 1
     if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
-        what = {int: "an integer", bool: "true or false"}.get(types, "a number")
+        what = {int: "an integer", bool: "true or false", str: "a string"}.get(types, "a number")
         raise UsageError(f"{key} must be {what}, got {value!r}")
 
 
