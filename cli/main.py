@@ -55,6 +55,26 @@ def quiet_libraries() -> None:
         pass
     warnings.filterwarnings("ignore", module="transformers")
     warnings.filterwarnings("ignore", module="accelerate")
+    _silence_tqdm()
+
+
+def _silence_tqdm() -> None:
+    """tqdm reads TQDM_DISABLE when it is imported, usually before us: turn off every bar
+    (lm-eval's request bars, transformers' shard bars) at construction instead."""
+    try:
+        import tqdm.std
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        return
+    if getattr(tqdm.std.tqdm.__init__, "_fp8ptq_quiet", False):
+        return
+    original = tqdm.std.tqdm.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    __init__._fp8ptq_quiet = True
+    tqdm.std.tqdm.__init__ = __init__
 
 
 class Fp8ptqGroup(click.Group):

@@ -500,3 +500,26 @@ def test_interrupt_in_each_phase_cleans_up(A, tmp_path, phase, sig):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [f"error: interrupted ({signal.Signals(sig).name}); nothing was written"]
     assert list(tmp_path.iterdir()) == []  # no output, no temporary folder
+
+
+def test_two_runs_on_one_output_one_wins_the_other_fails_cleanly(A, tmp_path, monkeypatch):
+    """Run B finishes while run A is still writing: A's rename finds B's folder, A fails with
+    one line and removes only its own temporary folder; B's checkpoint is untouched."""
+    import safetensors.torch
+
+    out = tmp_path / "out"
+    save = safetensors.torch.save_file
+
+    def save_then_other_run_finishes(*args, **kwargs):
+        save(*args, **kwargs)
+        out.mkdir()
+        (out / "fp8ptq.json").write_text("{}")  # the other run's complete checkpoint
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_other_run_finishes)
+    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(out),
+                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+    assert res.exit_code == 2
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "created by another run" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["fp8ptq.json"]

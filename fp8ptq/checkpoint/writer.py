@@ -406,7 +406,7 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
         os.chmod(tmp, 0o777 & ~umask)
         facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
                        calib, tool_version, expert_keys)
-        _move_into_place(tmp, out)
+        _move_into_place(tmp, out, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -455,9 +455,14 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.rename(tmp, out)
+def _move_into_place(tmp: Path, out: Path, force: bool = False) -> None:
+    """Rename the complete temporary folder into place. Without ``force`` an output that
+    appeared meanwhile (another run on the same ``--output`` finished first) is never
+    replaced: that run wins, this one fails cleanly."""
+    if not force or not out.exists():
+        if out.exists() or out.is_symlink():
+            raise OSError(errno.EEXIST, "output appeared while writing", str(out))
+        os.rename(tmp, out)  # atomic; fails (ENOTEMPTY) if another run got there in between
         return
     old = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out) + "old-"))
     os.rmdir(old)
