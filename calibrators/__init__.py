@@ -12,7 +12,11 @@ ACTIVATION_CALIBRATORS = {"max": MaxCalibrator, "percentile": PercentileCalibrat
 # implemented in ``layerwise``, listed here so names validate in one place.
 LAYERWISE_CALIBRATORS = ("best", "pow2-search")
 WEIGHT_CALIBRATORS = {"max": MaxWeightCalibrator, "mse": MseWeightCalibrator,
-                      "cast": CastCalibrator}
+                      "cast": CastCalibrator,
+                      # GPTQ (``gptq.py``): scales from max / MSE, then the error-compensating
+                      # column sweep over the calibration inputs' Hessian
+                      "gptq": MaxWeightCalibrator, "gptq-mse": MseWeightCalibrator}
+GPTQ_CALIBRATORS = ("gptq", "gptq-mse")
 
 
 def activation_calibrator(name: str, **options):

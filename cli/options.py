@@ -31,7 +31,12 @@ _SPECS = [
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
          help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
-    _opt("--weight-calib", help="Weight calibrator: max|mse|cast [max]."),
+    _opt("--weight-calib", help="Weight calibrator: max|mse|cast, or gptq|gptq-mse (GPTQ "
+         "error-compensating rounding with max / MSE scales; needs calibration data) [max]."),
+    _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
+         "diagonal [0.01]."),
+    _opt("--gptq-act-order", is_flag=True, default=None,
+         help="GPTQ: quantize columns in order of decreasing input energy."),
     _opt("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
     _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
     _opt("--rounding", type=click.Choice(ROUNDINGS),
@@ -180,6 +185,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
         act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
+        gptq_damp=kwargs.pop("gptq_damp"), gptq_act_order=kwargs.pop("gptq_act_order"),
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import distributed
+from .calibrators import GPTQ_CALIBRATORS
 from .data import build_calibration_set, load_texts, resolve_calib_spec
 from .errors import DataError, UsageError
 from .pipeline import QuantizeResult, calibration_passes, quantize_model, token_batches
@@ -64,7 +65,13 @@ def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    return recipe.act_granularity == "tensor" and (recipe.act_format or recipe.format) != "none"
+    """Whether the recipe reads calibration data: static activation scales, or any stage that
+    observes activations (SmoothQuant, GPTQ's Hessians, attention / residual taps, BN
+    re-tuning)."""
+    static = recipe.act_granularity == "tensor" and (recipe.act_format or recipe.format) != "none"
+    return static or recipe.smoothquant is not None or recipe.bn_retune or \
+        recipe.quantize_attention or recipe.quantize_residual or \
+        recipe.weight_calib in GPTQ_CALIBRATORS
 
 
 def calibration_texts(recipe: Recipe, model_spec: str | None = None

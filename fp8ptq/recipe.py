@@ -29,6 +29,9 @@ class Recipe:
     weight_calib: str = "max"
     act_calib: str = "max"
     percentile: float = 99.99
+    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
+    gptq_act_order: bool = False  # GPTQ: columns in order of decreasing input energy
+    gptq_block: int = 128  # GPTQ lazy-update block (columns)
     rounding: str | None = None  # default: the format's own
     scale_pow2: bool = False
     skip: list[str] = field(default_factory=list)
@@ -78,7 +81,7 @@ class Recipe:
         _choice("weight_calib", self.weight_calib, tuple(WEIGHT_CALIBRATORS))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
-        for key in ("block_size", "num_samples", "seq_len", "batch_size"):
+        for key in ("block_size", "num_samples", "seq_len", "batch_size", "gptq_block"):
             if getattr(self, key) < 1:
                 raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.smoothquant is not None and self.smoothquant != "auto":
@@ -114,6 +117,10 @@ class Recipe:
             _typed("unify_fused_scales", self.unify_fused_scales, bool)
         _typed("percentile", self.percentile, (int, float))
         self.percentile = float(self.percentile)
+        _typed("gptq_damp", self.gptq_damp, (int, float))
+        self.gptq_damp = float(self.gptq_damp)
+        if not 0 <= self.gptq_damp <= 1:
+            raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
         if isinstance(self.skip, str):
             self.skip = [self.skip]
         if not isinstance(self.skip, (list, tuple)) or not all(isinstance(p, str)
@@ -187,10 +194,10 @@ def load_recipe_dict(path: str | Path) -> dict:
 STR_FIELDS = ("format", "weight_granularity", "act_granularity", "weight_calib", "act_calib",
               "dtype")
 OPTIONAL_STR_FIELDS = ("weight_format", "act_format", "rounding", "calib_data", "text_field")
-INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed")
+INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed", "gptq_block")
 BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
                "quantize_attention", "quantize_residual", "calibrate_all_experts",
-               "quantize_router")
+               "quantize_router", "gptq_act_order")
 
 
 def _typed(key, value, types) -> None:
