@@ -26,6 +26,9 @@ _SPECS = [
     _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
     _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
     _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
+    _opt("--weight-format", help="Weight format when it differs from --format."),
+    _opt("--act-format", help="Activation format when it differs from --format; 'none' = "
+         "weight-only (W8A16)."),
     _opt("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
          help="Weight scales per tensor, output channel or 2-D block [channel]."),
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
@@ -182,6 +185,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         calib_data=kwargs.pop("calib_data"), text_field=kwargs.pop("text_field"),
         num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
         seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
+        weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
         act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
