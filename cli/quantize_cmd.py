@@ -18,6 +18,7 @@ from fp8ptq import __version__, distributed, job
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.sequential import quantize_folder
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -35,8 +36,15 @@ from .tables import Column, fitted_table
 @click.option("--runtime", type=click.Choice(["vllm"]), default=None,
               help="Refuse (exit 4, nothing written) a checkpoint that vLLM would not serve as "
                    "evaluated; without it violations are warnings.")
+@click.option("--sequential", is_flag=True,
+              help="Quantize block by block from the safetensors folder: the model is built "
+                   "without weights, one block's float weights are loaded at a time.")
+@click.option("--propagate", type=click.Choice(["quantized", "fp"]), default="quantized",
+              show_default=True,
+              help="--sequential: next block's inputs from the quantized block (as at inference) "
+                   "or from the unquantized one (bit-identical to the in-memory pipeline).")
 @recipe_options
-def command(model, fmt, output, force, device, as_json, runtime, **flags):
+def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     load_options = loading_from(flags)
@@ -48,12 +56,14 @@ def command(model, fmt, output, force, device, as_json, runtime, **flags):
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
-        _run(model, output, force, device, load_options, as_json, recipe, runtime)
+        _run(model, output, force, device, load_options, as_json, recipe, runtime,
+             (propagate if sequential else None))
     finally:
         distributed.shutdown()
 
 
-def _run(model, output, force, device, load_options, as_json, recipe, runtime=None):
+def _run(model, output, force, device, load_options, as_json, recipe, runtime=None,
+         sequential=None):
     from fp8ptq.checkpoint import save_quantized
 
     main_rank = distributed.is_main()
@@ -63,17 +73,25 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
         if job.needs_calibration(recipe):
             with bars.step("reading calibration data"), timings.timed("calibration data"):
                 texts = job.calibration_texts(recipe, model)
-        with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
-            loaded = job.load(model, recipe, device=device, **load_options)
-        calib, data_warnings = None, []
-        if texts is not None:
+        calib, data_warnings, result = None, [], None
+        if sequential is not None:
+            with timings.timed("calibrate+quantize"):
+                result, loaded, calib = quantize_folder(
+                    model, recipe, texts, propagate=sequential, spill_dir=Path(output).parent,
+                    progress=None)
+            timings.seconds.update(result.seconds)
+        else:
+            with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
+                loaded = job.load(model, recipe, device=device, **load_options)
+        if texts is not None and result is None:
             with bars.step("preparing calibration data"), timings.timed("calibration data"), \
                     warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 calib = job.calibration_set(loaded, recipe, texts)
             data_warnings = [str(w.message) for w in caught]  # e.g. overlapping windows
-        result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
-                                     progress=bars.counter("calibrating"))
+        if result is None:
+            result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
+                                         progress=bars.counter("calibrating"))
         result.warnings[:0] = data_warnings
         sizes, error = {}, None
         if main_rank:

@@ -298,7 +298,7 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
     quantized, replaced = 0, set()
     for m in model.modules():
         if isinstance(m, QuantGemm):
-            quantized += m.weight_codes.numel()
+            quantized += m.inner.weight.numel()
             replaced.add(id(m.inner.weight))  # its dequantized stand-in, not a kept weight
         elif isinstance(m, QuantExperts):
             quantized += sum(m.codes(p).numel() for p in m.info.projections)

@@ -12,13 +12,25 @@ import threading
 import torch
 from torch import nn
 
-from .formats import (FormatSpec, codes_as_torch_float8, decode, fake_quantize, get_format,
-                      to_torch_float8)
-from .model.gemm import kind, weight_from_2d
+from .formats import (FormatSpec, codes_as_torch_float8, decode, encode, fake_quantize,
+                      get_format, to_torch_float8)
+from .model.gemm import kind, weight_2d, weight_from_2d
 from .scales import TINY
 
 
 class QuantGemm(nn.Module):
+    """A GEMM whose weight is quantized, holding the weight ONCE: as the dequantized values
+    ``code * scale`` in the model's dtype (``inner.weight``), not as codes plus a copy.
+
+    Why this representation: the CPU simulation and every transformers code path consume the
+    dequantized weight at each forward, so keeping it avoids a decode per call; the codes are
+    needed only when writing a checkpoint (and by the FP8 tensor-core path), and they are exactly
+    recoverable: ``encode(w / scale)`` rounds each value back to its code, because bf16/fp16/fp32
+    keep at least 8 significant bits, finer than any 8-bit format's code spacing. That exactness
+    is checked at construction; where it fails (e.g. a generic format with more mantissa bits
+    than the dtype), the codes are kept as well (``holds_codes``) so simulation stays exact.
+    """
+
     def __init__(self, inner: nn.Module, *, weight_format: FormatSpec, weight_codes: torch.Tensor,
                  weight_scale: torch.Tensor, weight_granularity, act_format: FormatSpec | None,
                  input_scale: torch.Tensor | None, act_granularity: str = "tensor"):
@@ -30,18 +42,48 @@ class QuantGemm(nn.Module):
         self.act_format = get_format(act_format) if act_format is not None else None
         self.act_granularity = act_granularity
         # clone: scales chosen under torch.inference_mode must not stay inference tensors
-        self.register_buffer("weight_codes", weight_codes.to(torch.uint8).clone())
         self.register_buffer("weight_scale", weight_scale.float().clone())
         self.register_buffer("input_scale", None if input_scale is None else
                              input_scale.float().reshape(1).clone())
+        codes = weight_codes.to(torch.uint8)
         dtype = inner.weight.dtype
         with torch.no_grad():
-            inner.weight.data = weight_from_2d(inner, self.dequantized_weight_2d().to(dtype))
+            inner.weight.data = weight_from_2d(inner, self._values(codes).to(dtype))
         inner.weight.requires_grad_(False)
+        # One copy of the weight (see the class docstring): the codes are kept only when the
+        # weight's dtype cannot give them back exactly.
+        self._codes = None if torch.equal(self._reencode(), codes) else codes.clone()
+
+    @property
+    def weight_codes(self) -> torch.Tensor:
+        """The weight's format codes (uint8, the 2-D GEMM view)."""
+        return self._codes if self._codes is not None else self._reencode()
+
+    @property
+    def holds_codes(self) -> bool:
+        """Whether the codes are stored beside the weight (its dtype cannot recover them)."""
+        return self._codes is not None
+
+    def _fp8_codes(self) -> torch.Tensor:
+        """The codes as a torch float8 tensor for ``_scaled_mm``, derived once per device (the
+        tensor-core path's own copy: 1 byte per weight, only on a GPU that runs it)."""
+        cached = getattr(self, "_fp8_cache", None)
+        if cached is None or cached.device != self.inner.weight.device:
+            cached = codes_as_torch_float8(self.weight_codes, self.weight_format)
+            self._fp8_cache = cached
+        return cached
+
+    def _reencode(self) -> torch.Tensor:
+        w = weight_2d(self.inner).detach().float()
+        return encode(w / self.weight_granularity.expand(self.weight_scale, w),
+                      self.weight_format)
+
+    def _values(self, codes: torch.Tensor) -> torch.Tensor:
+        w = decode(codes, self.weight_format)
+        return w * self.weight_granularity.expand(self.weight_scale, w)
 
     def dequantized_weight_2d(self) -> torch.Tensor:
-        w = decode(self.weight_codes, self.weight_format)
-        return w * self.weight_granularity.expand(self.weight_scale, w)
+        return self._values(self.weight_codes)
 
     @property
     def weight(self):
@@ -85,7 +127,7 @@ class QuantGemm(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         scale_a = self._act_scale(x2)
         a = to_torch_float8(x2.float() / scale_a, self.act_format)
-        b = codes_as_torch_float8(self.weight_codes, self.weight_format).t()
+        b = self._fp8_codes().t()
         scale_b = self.weight_scale.reshape(1, -1)
         rowwise = self.weight_granularity.name == "channel" or self.act_granularity == "token"
         if rowwise:

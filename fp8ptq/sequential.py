@@ -27,12 +27,14 @@ from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from .errors import DataError, UsageError
-from .loading import model_class
+from .loading import LoadedModel, model_class
 from .model.blocks import block_prefix, find_blocks
-from .pipeline import QuantizeResult, high_precision_report, plan_targets, quantize_model
+from .data import build_calibration_set, resolve_calib_spec
+from .pipeline import (QuantizeResult, high_precision_report, plan_targets, quantize_model,
+                       token_batches)
 from .recipe import Recipe
 
 
@@ -265,3 +267,26 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
                             "propagate": propagate, "max_resident_blocks": loader.max_resident,
                             "activation_budget": activation_budget}
     return QuantizeResult(model, reports, skipped, stats, times, warnings, extras), loader
+
+
+def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
+                    activation_budget: int = 1 << 30, spill_dir=None, progress=None):
+    """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
+    ``quantize_sequential``. Returns (result, LoadedModel stand-in for the writer, calib)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    calib = None
+    if texts is not None:
+        calib = build_calibration_set(texts, tokenizer, num_samples=recipe.num_samples,
+                                      seq_len=recipe.seq_len, seed=recipe.seed,
+                                      source=resolve_calib_spec(recipe.calib_data))
+    batches = list(token_batches(calib.input_ids, recipe.batch_size)) if calib else None
+    result, _ = quantize_sequential(folder, recipe, batches, propagate=propagate,
+                                    activation_budget=activation_budget, spill_dir=spill_dir,
+                                    progress=progress)
+    loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
+    return result, loaded, calib

@@ -111,3 +111,58 @@ def test_activation_store_round_trips_bfloat16(tmp_path):
     s.put(0, t)
     assert s.spilled == 1 and torch.equal(s.get(0), t)
     s.close()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "int8", "hif8", "hfp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantgemm_holds_the_weight_once(fmt, dtype):
+    """Only the dequantized weight (+ scales) is stored; the codes come back bit-exact."""
+    from fp8ptq.formats import encode, get_format
+    from fp8ptq.granularity import weight_granularity
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 48).to(dtype)
+    spec, gran = get_format(fmt), weight_granularity("channel", 128)
+    w = lin.weight.detach().float()
+    scale = w.abs().amax(dim=1) / spec.max
+    codes = encode(w / gran.expand(scale, w), spec)
+    q = QuantGemm(lin, weight_format=spec, weight_codes=codes, weight_scale=scale,
+                  weight_granularity=gran, act_format=None, input_scale=None)
+    assert not q.holds_codes
+    assert torch.equal(q.weight_codes, codes)
+    held = sum(t.numel() * t.element_size() for t in [*q.parameters(), *q.buffers()])
+    assert held == 48 * 96 * lin.weight.element_size() + 48 * 4 + 48 * lin.weight.element_size()
+
+
+def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp_path,
+                                                                               word_tokenizer):
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from cli.main import main
+
+    folder = _saved("llama", tmp_path)
+    word_tokenizer.save_pretrained(folder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    args = ["--calib-data", str(calib), "--num-samples", "4", "--seq-len", "16", "--json"]
+    outs = {}
+    for mode, extra in (("memory", []), ("sequential", ["--sequential", "--propagate", "fp"])):
+        out = tmp_path / mode
+        res = CliRunner().invoke(main, ["quantize", str(folder), "-o", str(out), *args, *extra])
+        assert res.exit_code == 0, (res.output, res.exception)
+        assert json.loads(res.stdout)["peak_rss_mb"] > 0
+        outs[mode] = out
+    a = {k: v for f in sorted(outs["memory"].glob("*.safetensors")) for k, v in load_file(f).items()}
+    b = {k: v for f in sorted(outs["sequential"].glob("*.safetensors"))
+         for k, v in load_file(f).items()}
+    assert set(a) == set(b) and any(k.endswith("input_scale") for k in a)
+    assert all(torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k])
+               for k in a)
+    m = AutoModelForCausalLM.from_pretrained(outs["sequential"])
+    with torch.no_grad():
+        assert torch.isfinite(m(input_ids=IDS[:, :8] % 10).logits).all()
