@@ -20,11 +20,11 @@ def _gen(seed=0):
     return g
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 64, 12, 48, 96, 10, 20])
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 12, 48, 96, 576, 10, 20])
 def test_rotation_matrices_are_orthogonal(n):
     Q = random_hadamard(n, _gen())
     assert torch.allclose(Q @ Q.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
-    if n in (2, 8, 64, 12, 48, 96):  # Hadamard: every entry +-1/sqrt(n)
+    if n in (2, 8, 64, 12, 48, 96, 576):  # Hadamard: every entry +-1/sqrt(n)
         assert torch.allclose(Q.abs(), torch.full((n, n), n ** -0.5, dtype=torch.float64))
     K = keep_ones(Q)
     assert torch.allclose(K @ K.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
