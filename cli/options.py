@@ -53,6 +53,10 @@ _SPECS = [
          help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
     _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
          "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    _opt("--rotate", type=click.Choice(["hadamard"]),
+         help="Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
+         "into the weights before calibration; norms folded, embeddings untied; standard "
+         "architecture (Llama/Qwen2/Mistral/Qwen3/GPT-2)."),
     _opt("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
          "pow2-search [-4,5]."),
     _opt("--bn-retune", is_flag=True, default=None,
@@ -193,7 +197,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"), pow2_range=parse_range(kwargs.pop("pow2_range")),
+        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"), pow2_range=parse_range(kwargs.pop("pow2_range")),
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),

@@ -25,6 +25,7 @@ from .placement import materialize_offloaded
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
+from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 
 
@@ -167,6 +168,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     needed for weight-only or dynamic per-token activations)."""
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
+    rotation = None
+    if recipe.rotate is not None:  # before planning: untying adds an lm_head weight
+        t0 = time.perf_counter()
+        materialize_offloaded(model)
+        rotation = rotate_model(model, recipe.rotate, seed=recipe.seed)
+        times["rotate"] = time.perf_counter() - t0
     targets, skipped = plan_targets(model, recipe)
     experts = plan_experts(model, recipe, skipped)
     if not targets and not experts:
@@ -179,7 +186,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                             or recipe.quantize_attention or recipe.quantize_residual or gptq):
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
-    extras: dict = {}
+    extras: dict = {} if rotation is None else {"rotation": rotation}
     if distributed.active() and recipe.bn_retune:
         raise UsageError("--bn-retune is not supported across processes (torchrun); run it in "
                          "one process")

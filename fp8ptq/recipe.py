@@ -38,6 +38,7 @@ class Recipe:
     quantize_lm_head: bool = False
     overrides: dict[str, str] = field(default_factory=dict)  # glob -> format name or "none"
     smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
     pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
     bn_retune: bool = False
     keep_depthwise: bool = False
@@ -92,6 +93,8 @@ class Recipe:
                                  f"{self.smoothquant!r}") from None
             if not 0 <= self.smoothquant <= 1:
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        if self.rotate is not None:
+            _choice("rotate", self.rotate, ("hadamard",))
         if len(self.pow2_range) != 2 or self.pow2_range[0] > self.pow2_range[1]:
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
@@ -193,7 +196,8 @@ def load_recipe_dict(path: str | Path) -> dict:
 
 STR_FIELDS = ("format", "weight_granularity", "act_granularity", "weight_calib", "act_calib",
               "dtype")
-OPTIONAL_STR_FIELDS = ("weight_format", "act_format", "rounding", "calib_data", "text_field")
+OPTIONAL_STR_FIELDS = ("weight_format", "act_format", "rounding", "calib_data", "text_field",
+                       "rotate")
 INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed", "gptq_block")
 BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
                "quantize_attention", "quantize_residual", "calibrate_all_experts",
