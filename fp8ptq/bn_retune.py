@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .errors import DataError
+from .model.forward import run_batch
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -31,7 +32,6 @@ def retune_batchnorm(model: nn.Module, batches, progress=None) -> dict:
     Returns ``layers``, ``batches``, ``mean_shift`` (mean |new - old| running mean, averaged over
     layers), ``var_ratio`` (mean new/old running var, averaged over layers), and ``per_layer``.
     """
-    from .pipeline import run_batch  # the pipeline imports this module lazily
 
     bns = batchnorm_layers(model)
     if not bns:

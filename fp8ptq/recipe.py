@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from .calibrators import registry as calibrators
 from .errors import UsageError
 from .formats import ROUNDINGS, get_format
 from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
@@ -71,11 +72,8 @@ class Recipe:
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        from .calibrators import (ACTIVATION_CALIBRATORS, LAYERWISE_CALIBRATORS,
-                                  WEIGHT_CALIBRATORS)
-
-        _choice("act_calib", self.act_calib, (*ACTIVATION_CALIBRATORS, *LAYERWISE_CALIBRATORS))
-        _choice("weight_calib", self.weight_calib, tuple(WEIGHT_CALIBRATORS))
+        _choice("act_calib", self.act_calib, calibrators.names("activation"))
+        _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
         for key in ("block_size", "num_samples", "seq_len", "batch_size"):
@@ -151,6 +149,10 @@ class Recipe:
     @classmethod
     def load(cls, path: str | Path) -> "Recipe":
         return cls.from_dict(load_recipe_dict(path))
+
+    def replace(self, **changes) -> "Recipe":
+        """A validated copy with ``changes``."""
+        return Recipe.from_dict({**self.to_dict(), **changes})
 
     def merged(self, **flags) -> "Recipe":
         """A copy with the given (non-None) flag values on top."""

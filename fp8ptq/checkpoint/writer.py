@@ -365,10 +365,13 @@ def _original_bytes(model: nn.Module) -> int:
 # entry point
 
 
-def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | None = None,
-                   calib: dict | None = None, force: bool = False,
+def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
+                   source: dict | None = None, calib: dict | None = None, force: bool = False,
                    tool_version: str | None = None) -> dict:
     """Write ``result.model`` (its ``QuantGemm`` modules) to ``out_dir`` and return size facts.
+
+    The recorded recipe is ``result.recipe`` (the one the model was quantized with) unless one
+    is passed; ``save_quantized(result, out_dir)`` is the short form.
 
     Everything is written into a temporary sibling directory first and renamed into place only
     when complete; an existing ``out_dir`` is refused unless ``force`` (then it is replaced only
@@ -376,6 +379,13 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
     """
     if tool_version is None:
         from .. import __version__ as tool_version
+    if out_dir is None and isinstance(recipe, (str, os.PathLike)):
+        recipe, out_dir = None, recipe
+    if out_dir is None:
+        raise UsageError("save_quantized needs an output directory")
+    recipe = recipe if recipe is not None else getattr(result, "recipe", None)
+    if recipe is None:
+        raise UsageError("save_quantized needs the recipe the model was quantized with")
     model = result.model
     out = Path(out_dir).expanduser().absolute()
     if out.exists() or out.is_symlink():
