@@ -29,6 +29,7 @@ from fp8ptq import job
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.evals.extractive_qa import is_extractive_qa
 from fp8ptq.recipe import Recipe
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
@@ -74,13 +75,28 @@ class Variant:
 @click.option("--max-delta", "gates", multiple=True, metavar="METRIC=VALUE[%]",
               help="CI gate (repeatable): exit 3 when a quantized variant is worse than the "
                    "baseline by more than VALUE (absolute) or VALUE% (relative).")
+@click.option("--gate-on", type=click.Choice(["point", "ci-upper"]), default="point",
+              show_default=True,
+              help="Judge --max-delta by the point estimate or by the worse end of the "
+                   "delta's paired bootstrap 95% interval.")
+@click.option("--delta", "delta_mode", type=click.Choice(["pct", "abs"]), default="pct",
+              show_default=True, help="Deltas in the table and markdown: relative or absolute.")
+@click.option("--samples", "samples_path", type=click.Path(),
+              help="Write per-sample records (JSON lines: variant, task, doc id, "
+                   "log-likelihood or prediction and scores).")
+@click.option("--prefix-token", type=click.Choice(["auto", "bos", "eos"]), default="auto",
+              show_default=True,
+              help="Token that conditions the first token of each document in rolling "
+                   "log-likelihood: auto = the BOS the tokenizer adds, else lm-eval's "
+                   "convention (BOS if the tokenizer has one, else EOS).")
 @click.option("--allow-calib-overlap", is_flag=True,
               help="Allow calibrating on a file that is also evaluation data.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
 @loading_options
 @recipe_options(flag_names=CALIB_FLAG_NAMES)
 def command(model, tasks, compare, data_items, limit, batch_size, seq_len, include_path, json_path,
-            markdown_path, plot_path, gates, allow_calib_overlap, device, **flags):
+            markdown_path, plot_path, gates, gate_on, delta_mode, samples_path, prefix_token,
+            allow_calib_overlap, device, **flags):
     """Evaluate MODEL and its quantized variants on TASKS; one row per variant, deltas to the
     baseline. Exit 3 when a --max-delta gate fails."""
     from fp8ptq.evals import runner
@@ -107,17 +123,21 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
 
     rows, protocol, calib = evaluate_variants(
         variants, recipe, texts, task_list, notes, data=data, limit=limit, batch_size=batch_size,
-        seq_len=seq_len, include_path=include_path, device=device, load_options=load_options)
+        seq_len=seq_len, include_path=include_path, device=device, load_options=load_options,
+        prefix_token=prefix_token)
+    from fp8ptq.evals.report import attach_intervals
 
-    print_report(rows, protocol, notes)
+    attach_intervals(rows)
+    print_report(rows, protocol, notes, delta_mode)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,
                                         "device": device}}
     write_reports(rows, protocol, recipe, context, json_path=json_path,
-                  markdown_path=markdown_path, plot_path=plot_path)
+                  markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
+                  mode=delta_mode)
     if gates:
-        apply_gates(rows, list(gates))
+        apply_gates(rows, list(gates), gate_on)
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -293,7 +313,8 @@ def check_calib_overlap(calib_files, data: dict[str, str], allow: bool) -> list[
 
 
 def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, tasks: list[str],
-                      notes: list[str], *, device: str, load_options=None, **eval_kwargs):
+                      notes: list[str], *, device: str, load_options=None,
+                      prefix_token: str = "auto", **eval_kwargs):
     """Load (and quantize) each variant, run the tasks, free it. Returns the report rows, the
     protocol (the first variant's) and the calibration set shared by the quantized variants
     (cut once from ``calib_texts``, what ``job.calibration_texts`` read), or None."""
@@ -318,7 +339,10 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
             if tokenizer is None:
                 raise UsageError(f"{v.spec} has no tokenizer files and no other variant gave one")
             with bars.step(f"{v.name}: evaluating {', '.join(tasks)}"):
-                result = run_tasks(loaded.model, tokenizer, tasks, device=device, **eval_kwargs)
+                result = run_tasks(loaded.model, tokenizer, tasks, device=device,
+                                   prefix_token=prefix_token, **eval_kwargs)
+            if not rows and "wikitext" in tasks:
+                notes += prefix_notes(loaded.model, tokenizer, prefix_token, eval_kwargs)
             del loaded
             _free_memory(device)
             if protocol is None:
@@ -330,6 +354,27 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
     return rows, protocol, calib
 
 
+def prefix_notes(model, tokenizer, prefix_token, eval_kwargs) -> list[str]:
+    """A note when the rolling log-likelihood's prefix token changes the baseline's perplexity
+    on the first document by more than 10% against no prefix at all."""
+    from fp8ptq.evals import wikitext
+    from fp8ptq.evals.harness import make_lm
+
+    if is_extractive_qa(model):
+        return []
+    data = (eval_kwargs.get("data") or {}).get("wikitext")
+    if data is None:
+        return []
+    lm = make_lm(model, tokenizer, batch_size=1, seq_len=eval_kwargs.get("seq_len"),
+                 prefix_token=prefix_token)
+    ratio = wikitext.prefix_effect(lm, wikitext.read_articles(data)[0]["page"])
+    if abs(ratio - 1) <= 0.10:
+        return []
+    return [f"the prefix token changes the baseline's perplexity on the first document by "
+            f"{100 * (ratio - 1):+.0f}% against no prefix: a context the model does not expect "
+            "inflates perplexity and the size of every delta (try --prefix-token bos/eos)"]
+
+
 def _row(v: Variant, result, timings: job.JobTimings) -> dict:
     meta_recipe = (v.meta or {}).get("recipe")
     return {
@@ -338,6 +383,8 @@ def _row(v: Variant, result, timings: job.JobTimings) -> dict:
         "source": v.spec,
         "dtype": (v.meta or {}).get("dtype") or v.recipe.dtype,
         "metrics": result.metrics,
+        "records": result.records,  # per-sample columns: paired confidence intervals
+        "samples": result.samples,  # per-sample records for --samples
         "seconds": round(sum(result.seconds.values()), 3),  # evaluation only, comparable
         "recipe": v.recipe.to_dict() if v.kind == "quantized" else meta_recipe,
         "timings": {**{k: round(s, 3) for k, s in timings.seconds.items()},
@@ -364,19 +411,20 @@ def _protocol_diff(a: dict, b: dict) -> str:
 # --- output ------------------------------------------------------------------------------------
 
 
-def print_report(rows: list[dict], protocol: dict, notes: list[str]) -> None:
+def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str = "pct") -> None:
     from fp8ptq.evals.report import render_table
 
     console = Console()
     if not console.is_terminal:  # a log file or CI: no need to squeeze into 80 columns
         console.width = max(console.width, 200)
-    console.print(render_table(rows))
+    console.print(render_table(rows, mode))
     for line in protocol_lines(protocol) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=None,
-                  markdown_path=None, plot_path=None) -> None:
+                  markdown_path=None, plot_path=None, samples_path=None,
+                  mode: str = "pct") -> None:
     """JSON: ``report.to_json`` plus ``context`` at the top and per variant its kind, source,
     dtype and timings (load, calibrate+quantize, eval per task)."""
     from fp8ptq.evals import report
@@ -387,18 +435,27 @@ def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=No
             entry.update({k: row[k] for k in ("kind", "source", "dtype", "timings")})
         _write_atomically(json_path, lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
     if markdown_path:
-        _write_atomically(markdown_path, lambda p: p.write_text(report.to_markdown(rows)))
+        _write_atomically(markdown_path, lambda p: p.write_text(report.to_markdown(rows, mode)))
+    if samples_path:
+        def samples(p):
+            with open(p, "w") as f:
+                for row in rows:
+                    for task, records in (row.get("samples") or {}).items():
+                        for rec in records:
+                            f.write(json.dumps({"variant": row["name"], "task": task, **rec},
+                                               default=str) + "\n")
+        _write_atomically(samples_path, samples)
     if plot_path:
         _write_atomically(plot_path, lambda p: report.plot_deltas(rows, p))
 
 
-def apply_gates(rows: list[dict], gates: list[str]) -> None:
+def apply_gates(rows: list[dict], gates: list[str], gate_on: str = "point") -> None:
     """One ``gate failed:`` line per miss, then exit 3 (GateFailure). Only quantized variants
     (on the fly or checkpoints) are gated; other dtypes of the baseline are for information."""
     from fp8ptq.evals.report import check_gates
 
     gated = [rows[0]] + [r for r in rows[1:] if r["kind"] in ("quantized", "checkpoint")]
-    failures = check_gates(gated, gates)
+    failures = check_gates(gated, gates, gate_on)
     for failure in failures:
         click.echo(f"gate failed: {failure}", err=True)
     if failures:

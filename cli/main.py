@@ -145,7 +145,7 @@ def _register():
     from . import formats_cmd
 
     main.add_command(formats_cmd.formats)
-    for module in ("quantize_cmd", "eval_cmd", "sensitivity_cmd"):
+    for module in ("quantize_cmd", "eval_cmd", "sensitivity_cmd", "validate_cmd"):
         try:
             mod = __import__(f"{__package__}.{module}", fromlist=["command"])
         except ModuleNotFoundError as e:

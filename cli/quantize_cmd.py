@@ -32,8 +32,11 @@ from .tables import Column, fitted_table
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
 @loading_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the report.")
+@click.option("--runtime", type=click.Choice(["vllm"]), default=None,
+              help="Refuse (exit 4, nothing written) a checkpoint that vLLM would not serve as "
+                   "evaluated; without it violations are warnings.")
 @recipe_options
-def command(model, fmt, output, force, device, as_json, **flags):
+def command(model, fmt, output, force, device, as_json, runtime, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     load_options = loading_from(flags)
@@ -45,12 +48,12 @@ def command(model, fmt, output, force, device, as_json, **flags):
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
-        _run(model, output, force, device, load_options, as_json, recipe)
+        _run(model, output, force, device, load_options, as_json, recipe, runtime)
     finally:
         distributed.shutdown()
 
 
-def _run(model, output, force, device, load_options, as_json, recipe):
+def _run(model, output, force, device, load_options, as_json, recipe, runtime=None):
     from fp8ptq.checkpoint import save_quantized
 
     main_rank = distributed.is_main()
@@ -80,7 +83,8 @@ def _run(model, output, force, device, load_options, as_json, recipe):
                         result, recipe, output, tokenizer=loaded.tokenizer, force=force,
                         source={"model": model, "kind": loaded.kind,
                                 "path": loaded.resolved_path},
-                        calib=calib_facts(calib), tool_version=__version__)
+                        calib=calib_facts(calib), tool_version=__version__,
+                        check=runtime_check(result, runtime))
             except Exception as e:  # noqa: BLE001 - every rank learns it and exits with it
                 error = e
         distributed.agree(error)
@@ -93,6 +97,25 @@ def _run(model, output, force, device, load_options, as_json, recipe):
         click.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
+
+
+def runtime_check(result, runtime):
+    """The static vLLM rules on the complete temporary checkpoint: violations become warnings
+    in the report, or (``--runtime vllm``) an error before anything is written."""
+    from fp8ptq.validate import static_violations
+
+    def check(tmp):
+        errors = [x for x in static_violations(tmp, "vllm") if x.severity == "error"]
+        if errors and runtime == "vllm":
+            raise RuntimeRefused(f"vLLM would not serve this checkpoint: {errors[0].line()}"
+                                 + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        result.warnings += [f"vllm: {x.line()}" for x in errors]
+
+    return check
+
+
+class RuntimeRefused(UsageError):
+    exit_code = 4
 
 
 def check_output(output, force: bool) -> None:

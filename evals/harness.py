@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from lm_eval import evaluator, simple_evaluate
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
+
+from fp8ptq.errors import UsageError
 
 
 @dataclass
@@ -21,9 +23,31 @@ class TaskOutcome:
     samples: list[dict] = field(default_factory=list, repr=False)
 
 
-def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None) -> HFLM:
+PREFIX_TOKENS = ("auto", "bos", "eos")
+
+
+def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
+    """The token that conditions the first token of every document in rolling log-likelihood.
+
+    ``auto``: the BOS the tokenizer itself adds when it encodes text, else lm-eval's convention
+    (None here: BOS if the tokenizer has one, EOS otherwise). ``bos`` / ``eos``: that token."""
+    if choice not in PREFIX_TOKENS:
+        raise UsageError(f"--prefix-token must be one of {', '.join(PREFIX_TOKENS)}")
+    if choice == "auto":
+        bos = tokenizer.bos_token_id
+        ids = tokenizer("a").get("input_ids") or []
+        return bos if bos is not None and ids and ids[0] == bos else None
+    token = tokenizer.bos_token_id if choice == "bos" else tokenizer.eos_token_id
+    if token is None:
+        raise UsageError(f"--prefix-token {choice}: the tokenizer has no {choice.upper()} token")
+    return token
+
+
+def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None,
+            prefix_token: str = "auto") -> HFLM:
     """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config."""
-    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size)
+    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
+                prefix_token_id=prefix_token_id(tokenizer, prefix_token))
 
 
 @contextmanager

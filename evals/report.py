@@ -13,6 +13,8 @@ from rich.table import Table
 
 from fp8ptq.errors import UsageError
 
+from .stats import paired_interval
+
 SCHEMA_VERSION = 1
 
 _LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "bpb", "loss", "error")
@@ -56,11 +58,44 @@ def _number(x: float) -> str:
     return f"{x:.4g}"
 
 
-def _cells(variants: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows shared by the rich table and the markdown: "21.43 (+0.35)"."""
+def attach_intervals(variants: list[dict]) -> None:
+    """``variant["intervals"][metric] = {"ci95": [lo, hi], "pct_ci95": [lo, hi]}``: paired
+    bootstrap 95% intervals of each delta to the baseline, from the per-sample records the
+    tasks returned (``variant["records"]``: task -> ``Records``)."""
+    base = variants[0].get("records") or {}
+    for variant in variants[1:]:
+        out = {}
+        for key in variant["metrics"]:
+            task, _, metric = key.partition(".")
+            b, o = base.get(task), (variant.get("records") or {}).get(task)
+            if b is not None and o is not None and metric:
+                interval = paired_interval(b, o, metric)
+                if interval is not None:
+                    out[key] = interval
+        variant["intervals"] = out
+
+
+def _delta_cell(value: float, delta: float, pct: float, interval: dict | None, mode: str) -> str:
+    if mode == "abs":
+        text = f"{delta:+.3g}"
+        if interval:
+            lo, hi = interval["ci95"]
+            text += f", 95% CI {lo:+.3g}..{hi:+.3g}"
+    else:
+        text = f"{pct:+.1f}%" if math.isfinite(pct) else f"{delta:+.3g}"
+        if interval and math.isfinite(pct):
+            lo, hi = interval["pct_ci95"]
+            text += f", 95% CI {lo:+.1f}..{hi:+.1f}%"
+    return f"{_number(value)} ({text})"
+
+
+def _cells(variants: list[dict], mode: str = "pct") -> tuple[list[str], list[list[str]]]:
+    """Header and rows shared by the rich table and the markdown: "21.43 (+1.7%, 95% CI
+    +0.9..+2.4%)" (``mode`` "pct", the default) or "21.43 (+0.35, 95% CI ...)" ("abs")."""
     names = metric_names(variants)
     rows = []
-    for i, (variant, delta) in enumerate(zip(variants, deltas(variants))):
+    for i, (variant, delta, rel) in enumerate(zip(variants, deltas(variants),
+                                                  relative_deltas(variants))):
         row = [variant["name"]]
         for name in names:
             if name not in variant["metrics"]:
@@ -68,15 +103,19 @@ def _cells(variants: list[dict]) -> tuple[list[str], list[list[str]]]:
             elif i == 0 or name not in delta:
                 row.append(_number(variant["metrics"][name]))
             else:
-                row.append(f"{_number(variant['metrics'][name])} ({delta[name]:+.3g})")
+                interval = (variant.get("intervals") or {}).get(name)
+                row.append(_delta_cell(variant["metrics"][name], delta[name],
+                                       100 * rel.get(name, math.nan), interval, mode))
         row.append(f"{variant.get('seconds', math.nan):.1f}")
         rows.append(row)
     return ["variant", *names, "seconds"], rows
 
 
-def render_table(variants: list[dict]) -> Table:
-    header, rows = _cells(variants)
-    table = Table(title="evaluation (delta to baseline)")
+def render_table(variants: list[dict], mode: str = "pct") -> Table:
+    header, rows = _cells(variants, mode)
+    title = "evaluation (delta to baseline)" + (" in %" if mode == "pct" else "") + \
+        ("; 95% CI: paired bootstrap" if any(v.get("intervals") for v in variants) else "")
+    table = Table(title=title)
     for i, column in enumerate(header):
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in rows:
@@ -84,8 +123,8 @@ def render_table(variants: list[dict]) -> Table:
     return table
 
 
-def to_markdown(variants: list[dict]) -> str:
-    header, rows = _cells(variants)
+def to_markdown(variants: list[dict], mode: str = "pct") -> str:
+    header, rows = _cells(variants, mode)
     lines = [header, ["---", *["---:"] * (len(header) - 1)], *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
@@ -104,10 +143,16 @@ def to_json(variants: list[dict], protocol: dict, recipe: dict | None = None) ->
                 "name": variant["name"],
                 "metrics": {k: _finite_or_none(v) for k, v in variant["metrics"].items()},
                 "deltas": {k: _finite_or_none(v) for k, v in delta.items()},
+                "deltas_pct": {k: _finite_or_none(100 * v) for k, v in rel.items()},
+                "deltas_ci95": {k: iv["ci95"] for k, iv in
+                                (variant.get("intervals") or {}).items()},
+                "deltas_pct_ci95": {k: iv["pct_ci95"] for k, iv in
+                                    (variant.get("intervals") or {}).items()},
                 "seconds": variant.get("seconds"),
                 "recipe": variant.get("recipe"),
             }
-            for variant, delta in zip(variants, deltas(variants))
+            for variant, delta, rel in zip(variants, deltas(variants),
+                                           relative_deltas(variants))
         ],
     }
 
@@ -174,8 +219,10 @@ def parse_gate(gate: str, known: list[str]) -> tuple[str, float, bool]:
     return matches[0], allowed, percent
 
 
-def check_gates(variants: list[dict], gates: list[str]) -> list[str]:
-    """One line per (quantized variant, gate) that got worse than the baseline by more than allowed."""
+def check_gates(variants: list[dict], gates: list[str], gate_on: str = "point") -> list[str]:
+    """One line per (quantized variant, gate) that got worse than the baseline by more than
+    allowed. ``gate_on`` "ci-upper" judges the worse end of the delta's 95% interval instead of
+    the point estimate (a variant passes only if it is within the limit with 95% confidence)."""
     baseline = variants[0]["metrics"]
     failures = []
     for gate in gates:
@@ -186,9 +233,18 @@ def check_gates(variants: list[dict], gates: list[str]) -> list[str]:
         for variant in variants[1:]:
             value = variant["metrics"].get(metric, math.nan)
             worsening = sign * (value - reference)
-            if not worsening <= limit:  # nan fails too
+            judged, how = worsening, ""
+            interval = (variant.get("intervals") or {}).get(metric)
+            if gate_on == "ci-upper":
+                if interval is None:
+                    how = "; no interval for this metric, point estimate used"
+                else:
+                    judged = max(sign * interval["ci95"][0], sign * interval["ci95"][1])
+                    how = f"; worse end of the 95% CI {sign * judged:+.3g}"
+            if not judged <= limit:  # nan fails too
                 failures.append(
                     f"{variant['name']}: {metric} {_number(value)} vs baseline {_number(reference)} "
-                    f"({value - reference:+.3g}) exceeds gate {gate} (allowed {limit:.3g} worse)"
+                    f"({value - reference:+.3g}{how}) exceeds gate {gate} (allowed {limit:.3g} "
+                    "worse)"
                 )
     return failures

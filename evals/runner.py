@@ -14,6 +14,7 @@ from fp8ptq.errors import DataError, UsageError
 from . import squad, wikitext
 from .extractive_qa import SpanSettings, is_extractive_qa, predict_answers
 from .harness import TaskOutcome, evaluate, flatten_metrics, float32_logits, make_lm
+from .stats import Records, mean_records, wikitext_records
 
 BUILT_IN = (wikitext.TASK, squad.TASK)
 
@@ -23,6 +24,9 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)  # "task.metric" -> value
     protocol: dict[str, dict] = field(default_factory=dict)  # task -> how it was measured
     seconds: dict[str, float] = field(default_factory=dict)  # task -> wall time
+    # task -> per-sample records (confidence intervals of deltas; --samples)
+    records: dict[str, Records] = field(default_factory=dict)
+    samples: dict[str, list[dict]] = field(default_factory=dict)  # task -> auditable records
 
 
 def run_tasks(
@@ -36,6 +40,7 @@ def run_tasks(
     seq_len: int | None = None,
     include_path: str | None = None,
     device: str = "cpu",
+    prefix_token: str = "auto",
 ) -> EvalResult:
     """Evaluate ``model`` (moved to ``device``) on ``tasks``.
 
@@ -50,7 +55,8 @@ def run_tasks(
             model.device.type != torch.device(device).type:  # "cuda" and "cuda:0" count as one;
         # a model dispatched by an accelerate device map stays where accelerate put it
         model.to(device)
-    lm = None if extractive else make_lm(model, tokenizer, batch_size=batch_size, seq_len=seq_len)
+    lm = None if extractive else make_lm(model, tokenizer, batch_size=batch_size, seq_len=seq_len,
+                                         prefix_token=prefix_token)
 
     result = EvalResult()
     for task in tasks:
@@ -65,7 +71,40 @@ def run_tasks(
         result.seconds[task] = time.perf_counter() - started
         result.protocol[task] = outcome.protocol
         result.metrics.update({_key(task, metric): v for metric, v in outcome.metrics.items()})
+        records = _records(task, outcome)
+        if records is not None:
+            result.records[task] = records
+        result.samples[task] = _auditable(task, outcome)
     return result
+
+
+def _records(task: str, outcome: TaskOutcome) -> Records | None:
+    if not outcome.samples:
+        return None
+    if task == wikitext.TASK:
+        return wikitext_records(outcome.samples)
+    ids = [s.get("doc_id", i) for i, s in enumerate(outcome.samples)]
+    return mean_records(outcome.samples, outcome.metrics, ids)
+
+
+def _auditable(task: str, outcome: TaskOutcome) -> list[dict]:
+    """Per-sample records a user can check any number against (``--samples``): the scores, the
+    prediction or log-likelihood, never the whole document."""
+    out = []
+    for i, s in enumerate(outcome.samples):
+        rec = {"doc_id": s.get("doc_id", i)}
+        for k, v in s.items():
+            if k in ("doc", "arguments", "resps", "filtered_resps", "target", "doc_hash",
+                     "prompt_hash", "target_hash", "filter", "metrics"):
+                continue
+            rec[k] = v
+        if task == wikitext.TASK:
+            rec["loglikelihood"] = s["word_perplexity"][0]
+            rec["words"], rec["bytes"] = s["word_perplexity"][1], s["byte_perplexity"][1]
+        elif "filtered_resps" in s:
+            rec["prediction"] = s["filtered_resps"]
+        out.append(rec)
+    return out
 
 
 def _run_one(task, model, tokenizer, lm, data, limit, batch_size, seq_len, task_manager):
@@ -124,7 +163,9 @@ def _squad(model, tokenizer, lm, path, limit, batch_size, seq_len) -> TaskOutcom
     settings = SpanSettings(max_length=seq_len) if seq_len else SpanSettings()
     answers = predict_answers(model, tokenizer, examples, batch_size=batch_size, settings=settings)
     protocol = {"mode": "extractive", **settings.as_protocol(), "questions": len(examples), "source": source}
-    return TaskOutcome(squad.score_all(answers, examples), protocol)
+    per_question = [{"doc_id": e.get("id", i), "prediction": a, **squad.score(a, e["answers"])}
+                    for i, (a, e) in enumerate(zip(answers, examples))]
+    return TaskOutcome(squad.score_all(answers, examples), protocol, per_question)
 
 
 def _lm_eval_task(lm, task: str, limit: int | None, task_manager: TaskManager) -> TaskOutcome:
@@ -139,4 +180,5 @@ def _lm_eval_task(lm, task: str, limit: int | None, task_manager: TaskManager) -
         "context_length": lm.max_length,
         "samples": {name: len(s) for name, s in samples.items()},
     }
-    return TaskOutcome(metrics, protocol)
+    # per-sample records of the task itself (groups of subtasks get no interval)
+    return TaskOutcome(metrics, protocol, samples.get(task, []))

@@ -87,6 +87,35 @@ def task_config(lm: HFLM, articles: list[dict[str, str]] | None = None) -> dict:
     return config
 
 
+def _token_name(tokenizer, token_id) -> str:
+    which = "bos" if token_id == tokenizer.bos_token_id else \
+        "eos" if token_id == tokenizer.eos_token_id else "other"
+    return f"{which} {tokenizer.convert_ids_to_tokens(token_id)!r}"
+
+
+def prefix_effect(lm: HFLM, text: str) -> float:
+    """Perplexity over a document's tokens 2..n with the prefix token in front, divided by the
+    same without it (conditioned on the document's own first token): far from 1 means the
+    chosen prefix is a context the model does not expect (e.g. an end-of-text token for a model
+    trained with a BOS), a regime in which every perturbation moves perplexity by percents."""
+    import torch
+
+    tokens = lm.tok_encode(wikitext_detokenizer({"page": text}))[: lm.max_length - 1]
+    if len(tokens) < 3:
+        return 1.0
+    model = lm.model
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        def nll(ids, skip):
+            x = torch.tensor([ids[:-1]], device=device)
+            logp = torch.log_softmax(model(x).logits.float(), -1)[0]
+            target = torch.tensor(ids[1:], device=device)
+            return -logp[torch.arange(len(target)), target][skip:].mean()
+        with_prefix = nll([lm.prefix_token_id, *tokens], 1)
+        without = nll(tokens, 0)
+    return float(torch.exp(with_prefix - without))
+
+
 def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | None = None) -> TaskOutcome:
     """Perplexities of the first ``limit`` articles of ``data`` (a raw WikiText file; None: hub)."""
     articles = read_articles(data) if data is not None else None
@@ -99,6 +128,7 @@ def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | 
         "stride": lm.max_length,
         "bos": bos_id is not None and lm.prefix_token_id == bos_id,
         "prefix_token_id": lm.prefix_token_id,
+        "prefix_token": _token_name(lm.tokenizer, lm.prefix_token_id),
         "documents": len(docs),
         "split": SPLIT_RULE,
         "tokens": sum(doc["token_perplexity"][1] for doc in docs),

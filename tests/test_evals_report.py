@@ -45,14 +45,16 @@ def test_deltas_against_first_variant():
 
 def test_table_and_markdown_show_value_and_delta():
     console = Console(width=200, record=True)
-    console.print(render_table(VARIANTS))
+    console.print(render_table(VARIANTS, "abs"))
     text = console.export_text()
     assert "20.5 (+0.5)" in text and "79 (-1)" in text and "baseline" in text
-    markdown = to_markdown(VARIANTS)
+    markdown = to_markdown(VARIANTS, "abs")
     lines = markdown.strip().splitlines()
     assert lines[0] == "| variant | wikitext.word_perplexity | squad.f1 | seconds |"
     assert len(lines) == 2 + len(VARIANTS)
     assert "| e4m3 | 21 (+1) | 81 (+1) | 11.0 |" in lines
+    # relative deltas are the default (issue: people and release gates think in percent)
+    assert "| e4m3 | 21 (+5.0%) | 81 (+1.2%) | 11.0 |" in to_markdown(VARIANTS).splitlines()
 
 
 def test_json_schema_is_strict_json():

@@ -367,7 +367,7 @@ def _original_bytes(model: nn.Module) -> int:
 
 def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
                    source: dict | None = None, calib: dict | None = None, force: bool = False,
-                   tool_version: str | None = None) -> dict:
+                   tool_version: str | None = None, check=None) -> dict:
     """Write ``result.model`` (its ``QuantGemm`` modules) to ``out_dir`` and return size facts.
 
     The recorded recipe is ``result.recipe`` (the one the model was quantized with) unless one
@@ -375,7 +375,9 @@ def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
 
     Everything is written into a temporary sibling directory first and renamed into place only
     when complete; an existing ``out_dir`` is refused unless ``force`` (then it is replaced only
-    after the new checkpoint is complete). Nothing partial is ever left behind.
+    after the new checkpoint is complete). Nothing partial is ever left behind. ``check``
+    (a callable taking the complete temporary folder) runs before the rename: raising there
+    writes nothing (``quantize --runtime vllm``).
     """
     if tool_version is None:
         from .. import __version__ as tool_version
@@ -416,6 +418,8 @@ def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
         os.chmod(tmp, 0o777 & ~umask)
         facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
                        calib, tool_version, expert_keys)
+        if check is not None:
+            check(tmp)
         _move_into_place(tmp, out, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

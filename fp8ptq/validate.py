@@ -1,0 +1,305 @@
+"""Will a runtime accept this checkpoint, and compute what fp8ptq measured? (``fp8ptq validate``)
+
+Two parts:
+
+* **Static rules** (``RULES``), each read from the runtime's own source and cited there, checked
+  against ``fp8ptq.json`` / ``config.json`` / the tensors: what vLLM's compressed-tensors scheme
+  selection accepts, what its block-FP8 and fused-MoE kernels need, how it names KV-cache scales,
+  what it does with fused shards. Each violation is one line: module, rule, fix.
+* **Reload** through transformers (with compressed-tensors) and through ``fp8ptq.load``: a few
+  tokens through both, the largest logit difference reported; above ``TOLERANCE`` of the logit
+  range it fails. transformers decompresses the weights exactly (tested bit for bit) and
+  quantizes Linear inputs like fp8ptq; it does not quantize the inputs of fused MoE experts,
+  which is what the tolerance leaves room for.
+
+Exit codes (CLI): 0 valid for every runtime asked for, 4 invalid.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint.experts_io import SERVABLE
+from .pipeline import FUSED_SHARDS
+
+RUNTIMES = ("vllm", "transformers")
+TOLERANCE = 0.02  # max |logit difference| / max |logit| between transformers and fp8ptq.load
+TP_SIZES = (1, 2, 4, 8)
+VLLM_CT = ("vLLM vllm/model_executor/layers/quantization/compressed_tensors/"
+           "compressed_tensors.py")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value",
+                   "fc1", "c_attn", "c_fc", "w1", "w3")
+
+
+@dataclass
+class Violation:
+    rule: str
+    module: str
+    message: str
+    fix: str
+    severity: str = "error"  # "error" fails the runtime; "note" is information
+
+    def line(self) -> str:
+        return f"{self.module}: [{self.rule}] {self.message}; fix: {self.fix}"
+
+
+@dataclass
+class Rule:
+    name: str
+    runtime: str
+    source: str
+    check: Callable[[dict], list[Violation]]
+
+
+@dataclass
+class Report:
+    path: str
+    runtimes: list[str]
+    violations: list[Violation] = field(default_factory=list)
+    reload: dict | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not [v for v in self.violations if v.severity == "error"] and (
+            self.reload is None or self.reload.get("ok", True))
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "runtimes": self.runtimes, "valid": self.valid,
+                "violations": [vars(v) for v in self.violations], "reload": self.reload,
+                "rules": [{"name": r.name, "runtime": r.runtime, "source": r.source}
+                          for r in RULES if r.runtime in self.runtimes]}
+
+
+# --- the checkpoint as the rules see it ---------------------------------------------------------
+
+
+def read_checkpoint(path) -> dict:
+    from .checkpoint.reader import _load_tensors, _read_config, read_metadata
+
+    p = Path(path).expanduser()
+    meta = read_metadata(p)
+    return {"path": p, "meta": meta, "config": _read_config(p), "tensors": _load_tensors(p)}
+
+
+def _modules(ck) -> dict:
+    return ck["meta"].get("modules") or {}
+
+
+def _fmt(entry, key) -> str | None:
+    facts = entry.get(key)
+    return None if facts is None else facts.get("name")
+
+
+# --- vLLM rules ---------------------------------------------------------------------------------
+
+
+def _layout(ck) -> list[Violation]:
+    if ck["meta"]["layout"] == "compressed-tensors":
+        return []
+    return [Violation("layout", "checkpoint", "the fp8ptq-native layout ("
+                      f"{ck['meta'].get('layout_reason', '')}) is read by fp8ptq.load only",
+                      "use e4m3 or int8 on nn.Linear modules (compressed-tensors output)")]
+
+
+def _scheme(ck) -> list[Violation]:
+    """vLLM's ``_get_scheme_from_parts``: fp8 W8A8 needs static symmetric tensor / channel /
+    block weights and dynamic inputs or static symmetric per-tensor inputs; int8 W8A8 needs
+    tensor or channel weights; otherwise "No compressed-tensors compatible scheme was found"."""
+    out = []
+    for name, e in _modules(ck).items():
+        w, a = _fmt(e, "weight_format"), _fmt(e, "act_format")
+        wg, ag = e.get("weight_granularity"), e.get("act_granularity")
+        if w == "int8" and wg == "block":
+            out.append(Violation("scheme", name, "int8 with block weight scales has no vLLM "
+                                 "scheme", "--weight-granularity channel"))
+        if a is not None and ag == "tensor" and e.get("input_scale") is None:
+            out.append(Violation("static-input", name, "static activations without an "
+                                 "input_scale", "re-quantize with calibration data"))
+    return out
+
+
+def _block(ck) -> list[Violation]:
+    """Block-FP8 weights: vLLM quantizes the activations per 1x128 group on the fly (a static
+    input scale is not used), and every weight dimension it shards must split into whole
+    blocks: the output dimension of column-parallel layers and the input dimension of
+    row-parallel ones, under each tensor-parallel size."""
+    out = []
+    for name, e in _modules(ck).items():
+        if e.get("weight_granularity") != "block":
+            continue
+        block = e.get("block_size") or 128
+        rows, cols = e["weight_codes_shape"]
+        if e.get("act_format") and e.get("act_granularity") == "tensor":
+            out.append(Violation("block-activations", name, "block weights with static "
+                                 "activations: vLLM's block-FP8 path quantizes activations "
+                                 "dynamically per group", "--act-granularity token (or group)"))
+        sharded = rows if name.rsplit(".", 1)[-1] in COLUMN_PARALLEL else cols
+        ok = [tp for tp in TP_SIZES if sharded % tp == 0 and (sharded // tp) % block == 0]
+        if 1 not in ok:
+            out.append(Violation("block-shape", name, f"dimension {sharded} is not a multiple "
+                                 f"of the block size {block}", f"--block-size dividing {sharded}"))
+        elif max(ok) < max(TP_SIZES):
+            out.append(Violation("block-tp", name, f"splits into whole {block}-blocks only "
+                                 f"up to tensor parallelism {max(ok)}",
+                                 "serve with --tensor-parallel-size <= " + str(max(ok)), "note"))
+    return out
+
+
+def _fused(ck) -> list[Violation]:
+    """vLLM fuses q/k/v and gate/up into one GEMM and uses the largest input scale (and, for
+    per-tensor weights, requantizes to the largest weight scale): shards whose scales differ are
+    served with numbers fp8ptq did not evaluate."""
+    t, out = ck["tensors"], []
+    names = list(_modules(ck))
+    present = set(names)
+    for parent in sorted({n.rpartition(".")[0] for n in names}):
+        for shards in FUSED_SHARDS:
+            group = [f"{parent}.{s}" for s in shards]
+            if not all(g in present for g in group):
+                continue
+            for leaf in ("input_scale", "weight_scale"):
+                tensors = [t.get(f"{g}.{leaf}") for g in group]
+                if any(x is None for x in tensors) or leaf == "weight_scale" and \
+                        tensors[0].numel() != 1:
+                    continue
+                if len({float(x.reshape(-1)[0]) for x in tensors}) > 1:
+                    out.append(Violation("fused-scales", parent, f"{'/'.join(shards)} have "
+                                         f"different {leaf}s; vLLM serves the fused GEMM with "
+                                         "the largest", "--unify-fused-scales"))
+    return out
+
+
+def _moe(ck) -> list[Violation]:
+    """vLLM's fused-MoE FP8 (CompressedTensorsW8A8Fp8MoEMethod) takes per-tensor weights with
+    static per-tensor activations or per-channel weights with dynamic per-token activations."""
+    out = []
+    for name, e in (ck["meta"].get("experts") or {}).items():
+        combo = (e.get("weight_granularity"), e.get("act_granularity"))
+        if _fmt(e, "weight_format") != "e4m3" or combo not in SERVABLE:
+            out.append(Violation("fused-moe", name, f"{combo[0]} weights with {combo[1]} "
+                                 "activations have no vLLM fused-MoE FP8 kernel",
+                                 "--weight-granularity tensor, or --act-granularity token"))
+        elif not e.get("checkpoint_keys"):
+            out.append(Violation("fused-moe-names", name, "experts stored as fp8ptq stacks",
+                                 "re-write as compressed-tensors"))
+    return out
+
+
+def _kv(ck) -> list[Violation]:
+    """KV-cache scales: vLLM reads ``<attention>.k_scale`` / ``.v_scale`` when the config has a
+    ``kv_cache_scheme``; a missing one is silently replaced by 1.0."""
+    qc = ck["config"].get("quantization_config") or {}
+    if not qc.get("kv_cache_scheme"):
+        return []
+    t = ck["tensors"]
+    attn = sorted({n.rpartition(".")[0] for n in _modules(ck) if n.endswith(".q_proj")})
+    return [Violation("kv-scales", a, f"kv_cache_scheme is set but {a}.{k} is missing; vLLM "
+                      "would use 1.0", "re-quantize with --quantize-attention")
+            for a in attn for k in ("k_scale", "v_scale") if f"{a}.{k}" not in t]
+
+
+def _scales(ck) -> list[Violation]:
+    from .checkpoint.verify import SCALE_SUFFIXES
+
+    return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
+                      "re-quantize (fp8ptq never writes one)")
+            for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
+            and v.is_floating_point() and not bool((torch.isfinite(v) & (v > 0)).all())]
+
+
+def _fnuz_note(ck) -> list[Violation]:
+    if ck["meta"]["layout"] != "compressed-tensors":
+        return []
+    return [Violation("fnuz", "checkpoint", "on FNUZ hardware (MI300) vLLM loads OCP e4m3 codes "
+                      "as e4m3fnuz and doubles every scale (0x80 becomes 0)", "nothing to do",
+                      "note")]
+
+
+# --- transformers rules -------------------------------------------------------------------------
+
+
+def _ct_config(ck) -> list[Violation]:
+    if ck["meta"]["layout"] != "compressed-tensors":
+        return [Violation("layout", "checkpoint", "transformers does not know the fp8ptq-native "
+                          "layout (it would load the model without its quantized weights)",
+                          "load it with fp8ptq.load")]
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        QuantizationConfig.model_validate(ck["config"]["quantization_config"])
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError and friends
+        return [Violation("ct-config", "config.json", f"quantization_config does not validate "
+                          f"({str(e).splitlines()[0]})", "re-write with fp8ptq quantize")]
+    return []
+
+
+RULES = [
+    Rule("layout", "vllm", f"{VLLM_CT}: CompressedTensorsConfig (quant_method)", _layout),
+    Rule("scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
+         "_is_static_tensor_w8a8, _is_dynamic_token_w8a8", _scheme),
+    Rule("block", "vllm", "vLLM compressed_tensors_w8a8_fp8.py / fp8_utils.py: block-FP8 "
+         "(per-group dynamic activations, validate_fp8_block_shape)", _block),
+    Rule("fused-scales", "vllm", "vLLM linear.py QKVParallelLinear / MergedColumnParallelLinear "
+         "weight loaders (max of the shards' scales)", _fused),
+    Rule("fused-moe", "vllm", "vLLM compressed_tensors_moe.py: CompressedTensorsW8A8Fp8MoEMethod "
+         "(per-tensor/static, per-channel/dynamic; one input scale per layer)", _moe),
+    Rule("kv-scales", "vllm", f"{VLLM_CT}: get_cache_scale, kv_cache_scheme", _kv),
+    Rule("finite-scales", "vllm", "every runtime: a NaN scale turns a layer's output to NaN",
+         _scales),
+    Rule("fnuz", "vllm", "vLLM fp8_utils.py normalize_e4m3fn_to_e4m3fnuz", _fnuz_note),
+    Rule("ct-config", "transformers", "compressed-tensors QuantizationConfig (pydantic)",
+         _ct_config),
+]
+
+
+# --- reload ----------------------------------------------------------------------------------
+
+
+def reload_difference(path, tokens: int = 16, seed: int = 0) -> dict:
+    """Logits of a few random tokens through ``fp8ptq.load`` and through transformers'
+    ``from_pretrained`` (compressed-tensors), both in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from . import load
+
+    ours = load(path, dtype=torch.float32).model
+    vocab = getattr(ours.config, "vocab_size", 128)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        a = ours(input_ids=ids).logits.float()
+        theirs = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        b = theirs(input_ids=ids).logits.float()
+    diff = float((a - b).abs().max())
+    scale = float(a.abs().max()) or 1.0
+    return {"tokens": tokens, "max_abs_logit_diff": diff, "relative": diff / scale,
+            "tolerance": TOLERANCE, "ok": diff / scale <= TOLERANCE}
+
+
+def validate(path, runtimes=RUNTIMES, *, reload: bool = True) -> Report:
+    ck = read_checkpoint(path)
+    report = Report(str(path), list(runtimes))
+    for rule in RULES:
+        if rule.runtime in runtimes:
+            report.violations += rule.check(ck)
+    if reload and "transformers" in runtimes and ck["meta"]["layout"] == "compressed-tensors":
+        try:
+            report.reload = reload_difference(ck["path"])
+        except Exception as e:  # noqa: BLE001 - transformers refused: that is the finding
+            report.reload = {"ok": False, "error": f"{type(e).__name__}: "
+                                                  f"{str(e).splitlines()[0] if str(e) else ''}"}
+    return report
+
+
+def static_violations(path, runtime: str = "vllm") -> list[Violation]:
+    """The static rules of ``runtime`` (no reload): what ``quantize`` checks on what it wrote."""
+    ck = read_checkpoint(path)
+    return [v for rule in RULES if rule.runtime == runtime for v in rule.check(ck)]
+
+
+def dumps(report: Report) -> str:
+    return json.dumps(report.as_dict(), indent=2, default=str)

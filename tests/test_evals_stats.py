@@ -1,0 +1,130 @@
+"""Paired bootstrap intervals of deltas: hand-checkable cases, coverage on synthetic data, and
+the eval CLI's relative deltas / intervals / --gate-on / --samples / --prefix-token."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fp8ptq.evals.report import attach_intervals, check_gates
+from fp8ptq.evals.stats import Records, mean_records, paired_interval, wikitext_records
+
+
+def wiki(ll, words):
+    return [{"word_perplexity": (l, w), "byte_perplexity": (l, 3 * w),
+             "bits_per_byte": (l, 3 * w), "token_perplexity": (l, 2 * w), "doc_id": i}
+            for i, (l, w) in enumerate(zip(ll, words))]
+
+
+def test_records_reproduce_lm_eval_aggregations():
+    r = wikitext_records(wiki([-10.0, -30.0], [5, 15]))
+    assert math.isclose(r.metric("word_perplexity"), math.exp(40 / 20))
+    assert math.isclose(r.metric("bits_per_byte"), 40 / (60 * math.log(2)))
+    assert math.isclose(r.metric("token_perplexity"), math.exp(40 / 40))
+
+
+def test_a_uniform_shift_has_an_exact_interval():
+    """Every document loses c nats per word: every resample's word perplexity rises by exactly
+    the factor exp(c), so the interval collapses onto it."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(50, 200, 20)
+    ll = -rng.uniform(2, 4, 20) * words
+    c = 0.05
+    base, other = wikitext_records(wiki(ll, words)), wikitext_records(wiki(ll - c * words, words))
+    iv = paired_interval(base, other, "word_perplexity")
+    want = 100 * (math.exp(c) - 1)
+    assert iv["pct_ci95"] == pytest.approx([want, want], rel=1e-9)
+    same = paired_interval(base, base, "word_perplexity")
+    assert same["ci95"] == [0.0, 0.0]
+
+
+def test_mean_metrics_keep_only_what_reproduces_the_reported_value():
+    rows = [{"acc": 1.0, "f1": 50.0, "label": "x"}, {"acc": 0.0, "f1": 100.0, "label": "y"}]
+    r = mean_records(rows, {"acc": 0.5, "f1": 75.0, "other": 3.0})
+    assert set(r.formulas) == {"acc", "f1"}
+    assert r.metric("acc") == 0.5 and r.metric("f1") == 75.0
+    pct = mean_records(rows, {"acc": 50.0})  # reported in percent: scale found
+    assert pct.metric("acc") == 50.0
+    assert mean_records(rows, {"acc": 0.7}) is None  # not a mean: no interval rather than a wrong one
+
+
+def test_interval_coverage_on_synthetic_documents():
+    """Documents whose per-word log-likelihood differs by a random amount with a known mean:
+    the 95% interval of the word-perplexity ratio covers the population value ~95% of the time."""
+    rng = np.random.default_rng(1)
+    covered, trials, n = 0, 100, 60
+    mu = 0.02
+    for t in range(trials):
+        words = np.full(n, 100)
+        base_ll = -3.0 * words + rng.normal(0, 20, n)
+        shift = rng.normal(mu, 0.05, n)
+        base = wikitext_records(wiki(base_ll, words))
+        other = wikitext_records(wiki(base_ll - shift * words, words))
+        iv = paired_interval(base, other, "word_perplexity", resamples=400, seed=t)
+        # population: mean log-likelihood per word drops by mu
+        truth = 100 * (math.exp(mu) - 1)
+        covered += iv["pct_ci95"][0] <= truth <= iv["pct_ci95"][1]
+    assert 0.85 <= covered / trials <= 1.0
+
+
+def test_gate_on_ci_upper_fails_what_the_point_estimate_passes():
+    rng = np.random.default_rng(2)
+    words = np.full(10, 100)
+    ll = -3.0 * words + rng.normal(0, 30, 10)
+    noisy = ll - rng.normal(0.0, 0.2, 10) * words
+    variants = [{"name": "baseline", "metrics": {}, "records": {"wikitext": wikitext_records(
+        wiki(ll, words))}}, {"name": "q", "metrics": {}, "records": {
+            "wikitext": wikitext_records(wiki(noisy, words))}}]
+    for v in variants:
+        v["metrics"]["wikitext.word_perplexity"] = float(
+            v["records"]["wikitext"].metric("word_perplexity"))
+    attach_intervals(variants)
+    iv = variants[1]["intervals"]["wikitext.word_perplexity"]
+    point = variants[1]["metrics"]["wikitext.word_perplexity"] - \
+        variants[0]["metrics"]["wikitext.word_perplexity"]
+    limit = max(point, 0) + 1e-6 + (iv["ci95"][1] - max(point, 0)) / 2  # between the two
+    gate = [f"word_perplexity={limit}"]
+    assert check_gates(variants, gate) == []
+    failures = check_gates(variants, gate, "ci-upper")
+    assert len(failures) == 1 and "worse end of the 95% CI" in failures[0]
+
+
+def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_tokenizer):
+    from click.testing import CliRunner
+    from tiny_models import tiny
+
+    from fp8ptq.cli.main import main
+
+    tiny("llama").save_pretrained(tmp_path / "m")
+    word_tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "wiki.raw").write_text(
+        " = a = \n the quick brown fox jumps over the lazy dog . \n"
+        " = b = \n hello world and hello again . \n = c = \n a small model reads text . \n")
+    (tmp_path / "calib.txt").write_text("hello world and hello again\n" * 20)
+    args = ["eval", str(tmp_path / "m"), "--tasks", "wikitext", "--data",
+            f"wikitext={tmp_path / 'wiki.raw'}", "--compare", "e5m2", "--calib-data",
+            str(tmp_path / "calib.txt"), "--num-samples", "4", "--calib-seq-len", "8",
+            "--dtype", "float32", "--json", str(tmp_path / "r.json"), "--samples",
+            str(tmp_path / "s.jsonl"), "--markdown", str(tmp_path / "r.md"), "--prefix-token",
+            "eos"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert "95% CI" in res.stdout and "%, 95% CI" in res.stdout
+    assert "prefix_token=eos" in res.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    q = doc["variants"][1]
+    key = "wikitext.word_perplexity"
+    assert q["deltas_pct"][key] == pytest.approx(100 * q["deltas"][key] /
+                                                 doc["variants"][0]["metrics"][key])
+    lo, hi = q["deltas_ci95"][key]
+    assert lo <= hi
+    records = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert {(r["variant"], r["doc_id"]) for r in records} == {
+        (v, i) for v in ("baseline", "e5m2") for i in range(3)}
+    base = [r for r in records if r["variant"] == "baseline"]
+    ll, words = sum(r["loglikelihood"] for r in base), sum(r["words"] for r in base)
+    assert math.exp(-ll / words) == pytest.approx(doc["variants"][0]["metrics"][key], rel=1e-6)
+    res = CliRunner().invoke(main, [*args[:-2], "--delta", "abs", "--json",
+                                    str(tmp_path / "r2.json")])
+    assert res.exit_code == 0 and "%," not in res.stdout.split("protocol")[0]

@@ -1,0 +1,102 @@
+"""``fp8ptq validate``: runtime rules (each violation one line naming module, rule and fix),
+the reload comparison through transformers and fp8ptq.load, exit codes, and quantize's
+``--runtime vllm`` refusing before anything is written."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+from tiny_models import tiny
+
+from fp8ptq.cli.main import main
+from fp8ptq.validate import RULES, validate
+
+DOCS = ["the quick brown fox jumps over the lazy dog", "hello world and hello again"]
+CALIB = ["--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def A(tmp_path_factory, word_tokenizer):
+    root = tmp_path_factory.mktemp("validate")
+    tiny("llama").save_pretrained(root / "llama")
+    word_tokenizer.save_pretrained(root / "llama")
+    (root / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
+    return root
+
+
+def quantize(A, out, *extra):
+    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(out), "--calib-data",
+                                    str(A / "calib.txt"), *CALIB, *extra])
+    return res
+
+
+def test_every_rule_cites_its_source():
+    assert all(r.source and r.runtime in ("vllm", "transformers") for r in RULES)
+
+
+def test_default_e4m3_checkpoint_is_valid_and_reloads_identically(A, tmp_path):
+    assert quantize(A, tmp_path / "ck").exit_code == 0
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["valid"] and report["reload"]["ok"]
+    assert report["reload"]["max_abs_logit_diff"] == 0.0  # transformers computes what we do
+    assert all(v["severity"] == "note" for v in report["violations"])
+
+
+@pytest.mark.parametrize("extra,rule", [
+    (["--format", "hif8"], "layout"),
+    (["--weight-granularity", "block", "--block-size", "48"], "block-shape"),
+    (["--weight-granularity", "block", "--block-size", "32"], "block-activations"),
+])
+def test_violations_exit_4_one_line_each(A, tmp_path, extra, rule):
+    assert quantize(A, tmp_path / "ck", *extra).exit_code == 0
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--runtime", "vllm",
+                                    "--no-reload"])
+    assert res.exit_code == 4, res.output
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("invalid")]
+    assert any(f"[{rule}]" in ln and "fix:" in ln for ln in lines), res.stdout
+
+
+def test_fused_shards_with_different_scales_are_flagged(A, tmp_path):
+    assert quantize(A, tmp_path / "ck", "--weight-granularity", "tensor").exit_code == 0
+    assert validate(tmp_path / "ck", ("vllm",), reload=False).valid
+    f = tmp_path / "ck" / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.0.self_attn.k_proj.input_scale"
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, f, metadata={"format": "pt"})
+    report = validate(tmp_path / "ck", ("vllm",), reload=False)
+    assert not report.valid
+    assert any(v.rule == "fused-scales" and "--unify-fused-scales" in v.fix
+               for v in report.violations)
+
+
+def test_moe_reload_difference_is_measured_within_tolerance(tmp_path, word_tokenizer):
+    """transformers does not quantize the inputs of fused experts: a real, small difference."""
+    from test_moe import tiny_moe
+
+    tiny_moe("qwen2_moe").save_pretrained(tmp_path / "moe")
+    word_tokenizer.save_pretrained(tmp_path / "moe")
+    (tmp_path / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
+    res = CliRunner().invoke(main, ["quantize", str(tmp_path / "moe"), "-o", str(tmp_path / "ck"),
+                                    "--calib-data", str(tmp_path / "calib.txt"), *CALIB,
+                                    "--weight-granularity", "tensor"])
+    assert res.exit_code == 0, res.output
+    report = validate(tmp_path / "ck")
+    assert 0 < report.reload["relative"] <= report.reload["tolerance"]
+    assert report.valid, [v.line() for v in report.violations]
+
+
+def test_quantize_runtime_vllm_refuses_before_writing(A, tmp_path):
+    res = quantize(A, tmp_path / "ck", "--format", "e5m2", "--runtime", "vllm")
+    assert res.exit_code == 4
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "vLLM would not serve" in errors[0]
+    assert list(tmp_path.iterdir()) == []
+    res = quantize(A, tmp_path / "warn", "--format", "e5m2", "--json")
+    assert res.exit_code == 0
+    assert any(w.startswith("vllm: checkpoint: [layout]")
+               for w in json.loads(res.stdout)["warnings"])
