@@ -24,7 +24,7 @@ from .granularity import weight_granularity
 from .model.experts import ExpertsInfo, find_experts, router_names
 from .model.gemm import find_gemms, is_depthwise, matches
 from .qmodules import QuantGemm
-from .recipe import Recipe
+from .recipe import Recipe, override_formats
 
 SAMPLE_BATCHES = 2  # batches whose input rows are kept for layer-output-aware calibrators
 
@@ -200,14 +200,29 @@ class QuantPlan:
                 "sample_batches": self.sample_batches}
 
 
-def _override(recipe: Recipe, name: str) -> str | None:
-    return next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
+def _override(recipe: Recipe, name: str):
+    """The first override whose glob matches ``name``: a format name, ``"none"`` or a partial
+    plan (``fp8ptq.recipe.OVERRIDE_KEYS``)."""
+    return next((v for p, v in recipe.overrides.items() if matches(name, [p])), None)
+
+
+def _skipped_by_override(recipe: Recipe, name: str) -> bool:
+    value = _override(recipe, name)
+    return value is not None and override_formats(value).get("weight_format") == "none"
 
 
 def _module_plan(recipe: Recipe, name: str, module, base_w, base_a, experts=None):
-    override = _override(recipe, name)
-    w_fmt = get_format(override) if override else base_w
-    a_fmt = (get_format(override) if override else base_a) if base_a is not None else None
+    value = _override(recipe, name)
+    w_fmt, a_fmt = base_w, base_a
+    if isinstance(value, str):  # GLOB=FORMAT: both formats; a weight-only recipe stays so
+        w_fmt = get_format(value)
+        a_fmt = get_format(value) if base_a is not None else None
+    elif value is not None:  # a partial plan: what it names, the recipe's for the rest
+        formats = override_formats(value)
+        w_fmt = get_format(formats.get("weight_format", w_fmt.name))
+        act = formats.get("act_format")
+        if act is not None:
+            a_fmt = None if act == "none" else get_format(act)
     return ModulePlan(name, module, weight_plan(recipe, w_fmt), input_plan(recipe, a_fmt),
                       experts)
 
@@ -222,7 +237,7 @@ def plan_gemms(model: nn.Module, recipe: Recipe) -> tuple[list[ModulePlan], list
     for name, module in gemms:
         if (isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns) or name in edge
                 or name in routers or (recipe.keep_depthwise and is_depthwise(module))
-                or _override(recipe, name) == "none"):
+                or _skipped_by_override(recipe, name)):
             skipped.append(name)
             continue
         targets.append(_module_plan(recipe, name, module, base_w, base_a))
@@ -235,7 +250,7 @@ def plan_experts(model: nn.Module, recipe: Recipe, skipped: list[str]) -> list[M
     base_w, base_a = base_formats(recipe)
     out = []
     for name, module, info in find_experts(model):
-        if matches(name, recipe.skip_patterns) or _override(recipe, name) == "none":
+        if matches(name, recipe.skip_patterns) or _skipped_by_override(recipe, name):
             skipped.append(name)
             continue
         out.append(_module_plan(recipe, name, module, base_w, base_a, experts=info))

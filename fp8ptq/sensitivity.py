@@ -376,11 +376,11 @@ def quantize_flags(recipe: Recipe, suggestion: Suggestion) -> list[str]:
     calibration-size flags) with the suggestion applied."""
     flags = ["--format", suggestion.format]
     default = Recipe()
-    for f in dataclasses.fields(Recipe):
-        value = getattr(recipe, f.name)
-        if f.name in NOT_SUGGESTED or value == getattr(default, f.name):
+    for name in Recipe.model_fields:
+        value = getattr(recipe, name)
+        if name in NOT_SUGGESTED or value == getattr(default, name):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
         elif isinstance(value, tuple):

@@ -129,3 +129,24 @@ def test_quantize_model_batches_feed_token_dynamic_smoothquant():
     batches = list(token_batches(IDS, 2))
     result = quantize_model(model, Recipe(act_granularity="token", smoothquant=0.5), batches)
     assert "smoothquant" in result.extras and result.plan.passes == 2
+
+
+def test_overrides_are_partial_plans_and_the_short_form_keeps_working():
+    model = tiny("llama")
+    recipe = Recipe(format="e4m3", overrides={"*.mlp.*": {"act_format": "none"},
+                                              "*.self_attn.q_proj": {"weight_format": "e5m2"},
+                                              "*.self_attn.k_proj": "int8",
+                                              "*.self_attn.v_proj": {"weight_format": "none"}})
+    plan = {m.name.split(".", 3)[-1]: m for m in build_plan(model, recipe).modules}
+    down = plan["mlp.down_proj"]
+    assert down.weight.format.name == "e4m3" and down.input is None  # weight-only there
+    q = plan["self_attn.q_proj"]
+    assert q.weight.format.name == "e5m2" and q.input.format.name == "e4m3"
+    k = plan["self_attn.k_proj"]
+    assert k.weight.format.name == "int8" and k.input.format.name == "int8"
+    assert "self_attn.v_proj" not in plan
+    assert Recipe.from_dict(recipe.to_dict()) == recipe  # records and reloads as given
+    with pytest.raises(UsageError, match="partial plans with keys"):
+        Recipe(overrides={"x": {"granularity": "tensor"}})
+    with pytest.raises(UsageError, match="override x=e9m9"):
+        Recipe(overrides={"x": {"act_format": "e9m9"}})
