@@ -79,6 +79,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
               help="Token that conditions the first token of each document in rolling "
                    "log-likelihood: auto = the BOS the tokenizer adds, else lm-eval's "
                    "convention (BOS if the tokenizer has one, else EOS).")
+@click.option("--update-card", is_flag=True,
+              help="MODEL is an fp8ptq checkpoint: put the table into its README.md model card.")
 @click.option("--allow-calib-overlap", is_flag=True,
               help="Allow calibrating on a file that is also evaluation data.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
@@ -86,7 +88,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @recipe_options(flag_names=CALIB_FLAG_NAMES)
 def command(model, tasks, compare, data_items, limit, batch_size, seq_len, include_path, json_path,
             markdown_path, plot_path, gates, gate_on, delta_mode, samples_path, prefix_token,
-            allow_calib_overlap, device, **flags):
+            update_card, allow_calib_overlap, device, **flags):
     """Evaluate MODEL and its quantized variants on TASKS; one row per variant, deltas to the
     baseline. Exit 3 when a --max-delta gate fails."""
     load_options = loading_from(flags)
@@ -97,6 +99,8 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     if model_meta is not None and flags["recipe_path"] is None:
         flags["recipe_path"] = model  # quantize --compare formats the way MODEL was made
     recipe = build_recipe(flags)
+    if update_card and model_meta is None:
+        raise UsageError("--update-card needs MODEL to be an fp8ptq checkpoint folder")
     device = job.resolve_device(device)
     variants, notes = plan_variants(model, model_meta, _split(compare), recipe)
     has_baseline = variants[0].kind == "baseline"
@@ -123,6 +127,12 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     write_reports(rows, protocol, recipe, context, json_path=json_path,
                   markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
                   mode=delta_mode)
+    if update_card:
+        from fp8ptq.checkpoint.card import update_evaluation
+        from fp8ptq.evals.report import to_markdown
+
+        update_evaluation(Path(model), to_markdown(rows, delta_mode),
+                          protocol_lines(protocol) + [f"note: {n}" for n in notes])
     if gates:
         apply_gates(rows, list(gates), gate_on)
 

@@ -100,3 +100,27 @@ def test_quantize_runtime_vllm_refuses_before_writing(A, tmp_path):
     assert res.exit_code == 0
     assert any(w.startswith("vllm: checkpoint: [layout]")
                for w in json.loads(res.stdout)["warnings"])
+
+
+def test_model_card_in_every_output_and_update_card(A, tmp_path):
+    import yaml
+
+    assert quantize(A, tmp_path / "ck", "--weight-granularity", "tensor").exit_code == 0
+    card = (tmp_path / "ck" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert {"fp8", "fp8ptq", "compressed-tensors"} <= set(front["tags"])
+    assert front["library_name"] == "transformers"
+    assert "e4m3/e4m3 tensor/tensor" in card and "vllm serve" in card
+    assert "kept in high precision: `lm_head`" in card
+    assert "fp8ptq quantize" in card and "Not evaluated yet" in card
+    wiki = tmp_path / "wiki.raw"
+    wiki.write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
+    res = CliRunner().invoke(main, ["eval", str(tmp_path / "ck"), "--tasks", "wikitext",
+                                    "--data", f"wikitext={wiki}", "--update-card"])
+    assert res.exit_code == 0, res.output
+    card = (tmp_path / "ck" / "README.md").read_text()
+    assert "Not evaluated yet" not in card and "| baseline |" in card and "95% CI" in card
+    assert card.count("<!-- fp8ptq:eval:begin -->") == 1
+    res = CliRunner().invoke(main, ["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
+                                    f"wikitext={wiki}", "--update-card"])
+    assert res.exit_code == 2 and "needs MODEL to be an fp8ptq checkpoint" in res.stderr

@@ -27,6 +27,8 @@ from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..formats import get_format
 from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
+from .card import command_line
+from .card import write as write_card
 from .experts_io import checkpoint_keys, ct_problem, ct_tensors, router_modules
 from .jsonsafe import dumps, json_safe
 from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
@@ -165,32 +167,24 @@ def _quant_tensors(name: str, q: QuantGemm, layout: str) -> dict[str, torch.Tens
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    """One ``model.safetensors``, or shards of at most ``SHARD_BYTES`` plus the index, split
+    and named by huggingface_hub's ``split_torch_state_dict_into_shards`` (what
+    ``save_pretrained`` uses), so every loader finds them."""
     import safetensors.torch as st  # looked up at call time (tests patch save_file)
+    from huggingface_hub import split_torch_state_dict_into_shards
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     meta = {"format": "pt"}
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    if total <= SHARD_BYTES:
-        st.save_file(tensors, str(directory / WEIGHTS_NAME), metadata=meta)
-        return [WEIGHTS_NAME]
-    shards, cur, size = [], {}, 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        if cur and size + n > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k] = v
-        size += n
-    shards.append(cur)
-    names, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        st.save_file(shard, str(directory / fname), metadata=meta)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=SHARD_BYTES)
+    names = []
+    for fname, keys in split.filename_to_tensors.items():
+        st.save_file({k: tensors[k] for k in keys}, str(directory / fname), metadata=meta)
         names.append(fname)
-        weight_map.update({k: fname for k in shard})
-    (directory / INDEX_NAME).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return names + [INDEX_NAME]
+    if split.is_sharded:
+        (directory / INDEX_NAME).write_text(json.dumps(
+            {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
+        names.append(INDEX_NAME)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +210,15 @@ def _input_args(q: QuantGemm) -> dict | None:
 
 def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm]],
                               kv_cache_scheme: dict | None = None) -> dict:
-    """``quantization_config`` for config.json, as ``compressed_tensors.QuantizationConfig``
-    dumps it. One config group per distinct scheme. A single group over every quantized Linear
-    targets the class ``Linear`` and ignores the Linear modules left unquantized (lm_head...);
-    several groups name their modules exactly."""
+    """``quantization_config`` for config.json, built from compressed-tensors' own pydantic
+    classes (``QuantizationArgs`` / ``QuantizationScheme`` / ``QuantizationConfig``) and
+    dumped, so what we write is what compressed-tensors validates and transformers / vLLM
+    parse. One config group per distinct scheme; a single group targets the class ``Linear``
+    and ignores the Linear modules left unquantized (lm_head, routers...), several groups name
+    their modules exactly."""
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
+                                                 QuantizationScheme)
+
     groups: dict[str, dict] = {}
     members: dict[str, list[str]] = {}
     for name, q in qmods:
@@ -227,33 +226,31 @@ def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm
         key = json.dumps([w, a], sort_keys=True)
         if key not in groups:
             fmt = CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
-            groups[key] = {"targets": [], "weights": w, "input_activations": a,
-                           "output_activations": None, "format": fmt}
+            groups[key] = {"weights": w, "input_activations": a, "format": fmt}
             members[key] = []
         members[key].append(name)
     qnames = {n for n, _ in qmods}
-    unquantized_linear = [n for n, m in model.named_modules()
-                          if isinstance(m, nn.Linear) and n not in qnames
-                          and not any(n == f"{q}.inner" for q in qnames)] + router_modules(model)
-    if len(groups) == 1:
-        (key,) = groups
-        groups[key]["targets"] = ["Linear"]
-        ignore = unquantized_linear
-    else:
-        for key in groups:
-            groups[key]["targets"] = list(members[key])
-        ignore = unquantized_linear
+    ignore = [n for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and n not in qnames
+              and not any(n == f"{q}.inner" for q in qnames)] + router_modules(model)
+    single = len(groups) == 1
+    schemes = {
+        f"group_{i}": QuantizationScheme(
+            targets=["Linear"] if single else list(members[key]),
+            weights=QuantizationArgs(**g["weights"]),
+            input_activations=None if g["input_activations"] is None else
+            QuantizationArgs(**g["input_activations"]))
+        for i, (key, g) in enumerate(groups.items())}
     formats = {g["format"] for g in groups.values()}
-    return {
-        "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-        "quant_method": "compressed-tensors",
-        "kv_cache_scheme": kv_cache_scheme,
-        "format": formats.pop() if len(formats) == 1 else CT_MIXED,
-        "quantization_status": "compressed",
-        "global_compression_ratio": None,
-        "ignore": ignore,
-        "moe_sparsity_config": None,
-    }
+    config = QuantizationConfig(
+        config_groups=schemes, quant_method="compressed-tensors",
+        kv_cache_scheme=None if kv_cache_scheme is None else QuantizationArgs(**kv_cache_scheme),
+        format=formats.pop() if len(formats) == 1 else CT_MIXED,
+        quantization_status="compressed", ignore=ignore)
+    out = config.model_dump(mode="json")
+    for i, g in enumerate(groups.values()):  # per-group format, as compressed-tensors writes it
+        out["config_groups"][f"group_{i}"]["format"] = g["format"]
+    return out
 
 
 def native_quantization_config(tool_version: str) -> dict:
@@ -573,8 +570,10 @@ def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, s
         "sizes": sizes,
         "taps": taps,
         "kv_cache_scales": kv_note,
+        "command": command_line(),
         "extras": {k: v for k, v in (getattr(result, "extras", None) or {}).items()
                    if k != "taps"},
     }
     (tmp / META_NAME).write_text(dumps(meta, indent=2) + "\n")
+    write_card(tmp, json_safe(meta), cfg)
     return json_safe({"layout": layout, "files": files, **sizes})
