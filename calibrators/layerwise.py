@@ -1,15 +1,16 @@
 """Calibrators that judge a scale by the error of the layer's OUTPUT, not its input.
 
-- ``best`` (seed 000 sec 4.2): per GEMM, the max, percentile and MSE input scales from the one
-  calibration pass compete; the one whose quantized output (quantized input x quantized weight)
-  is closest to the high-precision output on sampled input rows wins.
-- ``pow2-search`` (seed 003 Algorithm 1): layer by layer in forward order, search power-of-two
-  scales 2^-Ea for the input and 2^-Ew for the weight (Ea, Ew in ``recipe.pow2_range``) that
-  minimise the MSE of the layer output against the high-precision output, while every layer is
-  fed the quantized output of the layers before it. For formats whose precision is uniform across
-  the range (not HiF8) the exponents are searched around the power-of-two max scale instead of
-  around 1, so that the same range suits E4M3's max of 448 and int8's 127. With per-channel or
-  block weights only Ea is searched; the weight keeps its calibrated scales.
+- ``best`` (Micikevicius et al. 2022 sec 4.2): per GEMM, the max, percentile and MSE input
+  scales from the one calibration pass compete; the one whose quantized output (quantized input
+  x quantized weight) is closest to the high-precision output on sampled input rows wins.
+- ``pow2-search`` (Luo et al. 2024 Algorithm 1): layer by layer in forward order, search
+  power-of-two scales 2^-Ea for the input and 2^-Ew for the weight (Ea, Ew in
+  ``recipe.pow2_range``) that minimise the MSE of the layer output against the high-precision
+  output, while every layer is fed the quantized output of the layers before it. For formats
+  whose precision is uniform across the range (not HiF8) the exponents are searched around the
+  power-of-two max scale instead of around 1, so that the same range suits E4M3's max of 448 and
+  int8's 127. With per-channel or block weights only Ea is searched; the weight keeps its
+  calibrated scales.
 
 Both read the row samples kept by the single statistics pass (``StatsCollector``); the search
 also runs the first calibration batch once more. Convolutions compare input error instead of

@@ -1,4 +1,4 @@
-"""BatchNorm re-tuning for trans-precision inference (seed 002 sec 3).
+"""BatchNorm re-tuning for trans-precision inference (Sun et al. 2019 sec 3).
 
 Quantizing the GEMM before a BatchNorm adds noise Q to its input Y: the BN input's variance grows
 to sigma_Y^2 + sigma_Q^2 (and its mean may shift), while the running statistics still describe

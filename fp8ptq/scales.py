@@ -26,7 +26,8 @@ def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "ten
         amax = torch.where(bad, torch.full_like(amax, fmt.calibration_max), amax)
     scale = (amax / fmt.calibration_max).clamp(min=TINY)
     if pow2:
-        # Seed 004: a power-of-two scale is an exponent-bias shift. Round up so nothing clips.
+        # Perez et al. 2023: a power-of-two scale is an exponent-bias shift. Round up so
+        # nothing clips.
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale
 

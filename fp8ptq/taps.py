@@ -1,9 +1,10 @@
 """Activation taps beyond the GEMM inputs: the attention batched matmuls and the residual adds.
 
-Seed 000 (sec 4.2-4.3) quantizes the inputs of *every* GEMM at inference, the two attention
-batched matmuls included (Q, K for ``Q K^T``; the softmax probabilities P and V for ``P V``), and in
-one study the inputs of the residual additions too. ``QuantGemm`` only covers the weight GEMMs, so
-these taps add the rest, with static per-tensor scales calibrated in the same single pass:
+Micikevicius et al. 2022 (sec 4.2-4.3) quantizes the inputs of *every* GEMM at inference, the two
+attention batched matmuls included (Q, K for ``Q K^T``; the softmax probabilities P and V for
+``P V``), and in one study the inputs of the residual additions too. ``QuantGemm`` only covers
+the weight GEMMs, so these taps add the rest, with static per-tensor scales calibrated in the
+same single pass:
 
     taps = ActivationTaps(model, recipe)      # switches attention to "fp8ptq_eager"
     with taps.observing():                    # one calibration pass: TensorStats per tap

@@ -1,8 +1,8 @@
 """A small vision testbed for CNN quantization: scikit-learn's bundled 8x8 digits (no download),
 a MobileNet-style CNN with BatchNorm and depthwise convolutions, and image-tensor loading.
 
-Seed 002 (HFP8) studies trans-precision inference on MobileNetV2; ``TinyMobileNet`` has the same
-ingredients (BN after every conv, depthwise 3x3, inverted residuals) at a size that trains in
+Sun et al. 2019 (HFP8) studies trans-precision inference on MobileNetV2; ``TinyMobileNet`` has the
+same ingredients (BN after every conv, depthwise 3x3, inverted residuals) at a size that trains in
 seconds on a CPU.
 """
 

@@ -16,9 +16,9 @@ PRESETS: tuple[FormatSpec, ...] = (
                description="E4M3 FNUZ (bias 8): one NaN 0x80, no -0, no inf, max 240"),
     FormatSpec("e5m2fnuz", 5, 2, 16, "fnuz", torch_dtype="float8_e5m2fnuz",
                description="E5M2 FNUZ (bias 16): one NaN 0x80, no -0, no inf, max 57344"),
-    # IBM HFP8 forward format (seed 002 sec 2.1): 1-4-3 with an extra exponent bias of 4 on top of
-    # the IEEE bias 7 (bias 11). The paper names no special values; the FNUZ convention is the
-    # one that yields its stated max of 30 (= 1.875 * 2^4). It quotes 2^-11 as the truncation
+    # IBM HFP8 forward format (Sun et al. 2019 sec 2.1): 1-4-3 with an extra exponent bias of 4 on
+    # top of the IEEE bias 7 (bias 11). The paper names no special values; the FNUZ convention is
+    # the one that yields its stated max of 30 (= 1.875 * 2^4). It quotes 2^-11 as the truncation
     # threshold, i.e. no subnormals: magnitudes below 2^-11 flush to 0, the smallest non-zero
     # value is the smallest normal 2^-10. Codes with exponent field 0 decode to 0.
     FormatSpec("hfp8", 4, 3, 11, "fnuz", subnormals=False,
