@@ -24,12 +24,14 @@ import click
 from rich.console import Console
 
 from fp8ptq import job
+from fp8ptq.checkpoint.card import update_evaluation
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.evals import report, runner
 from fp8ptq.evals.compare import (DTYPE_VARIANTS, Variant, calibration_files,  # noqa: F401
                                   check_calib_overlap, checkpoint_meta, evaluate_variants,
                                   plan_variants, protocol_lines)
-from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table
+from fp8ptq.evals.report import (attach_intervals, check_gates, parse_gate, render_table,
+                                 to_markdown)
 from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
 
@@ -128,9 +130,6 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
                   markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
                   mode=delta_mode)
     if update_card:
-        from fp8ptq.checkpoint.card import update_evaluation
-        from fp8ptq.evals.report import to_markdown
-
         update_evaluation(Path(model), to_markdown(rows, delta_mode),
                           protocol_lines(protocol) + [f"note: {n}" for n in notes])
     if gates:

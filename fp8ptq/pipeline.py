@@ -14,7 +14,7 @@ from . import distributed
 from .bn_retune import retune_batchnorm
 from .calibrators.layerwise import choose_layerwise
 from .errors import NumericsError, UsageError
-from .formats import encode, get_format
+from .formats import encode
 from .model.forward import run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .observers import StatsCollector, TensorStats
@@ -310,8 +310,8 @@ def unify_fused(recipe: Recipe, targets: list[Target]) -> bool:
     (e4m3 or int8 weights), i.e. when a runtime will fuse the shards."""
     if recipe.unify_fused_scales is not None:
         return recipe.unify_fused_scales
-    ct = (get_format("e4m3"), get_format("int8"))
-    return bool(targets) and all(t.weight_format in ct for t in targets)
+    return bool(targets) and all(t.weight_format.compressed_tensors_type is not None
+                                 for t in targets)
 
 
 def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen) -> dict:

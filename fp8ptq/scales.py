@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .formats import FormatSpec, quantize_values
+from .observers import bin_centers
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -44,8 +45,6 @@ def sqnr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
 def histogram_sqnr_db(stats, scale: float, fmt: FormatSpec) -> float:
     """SQNR of quantizing the distribution recorded in ``stats`` with ``scale`` (log-bin centres
     stand in for the values of each bin)."""
-    from .observers import bin_centers
-
     counts = stats.histogram
     nz = counts > 0
     if not bool(nz.any()):
