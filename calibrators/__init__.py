@@ -13,6 +13,9 @@ from .registry import LAYER_AWARE, STATISTICS, CalibratorEntry, register
 
 _PERCENTILE = {"percentile": "percentile of |x| to clip at, in (0, 100]"}
 _POW2 = {"pow2_range": "exponents LOW,HIGH searched around the base scale"}
+_GPTQ = {"gptq_damp": "dampening, a fraction of the Hessian's mean diagonal",
+         "gptq_act_order": "columns in order of decreasing input energy",
+         "gptq_block": "lazy-update block (columns)"}
 
 register(CalibratorEntry("max", "activation", factory=MaxCalibrator))
 register(CalibratorEntry("percentile", "activation", factory=PercentileCalibrator,
@@ -26,11 +29,18 @@ register(CalibratorEntry("pow2-search", "activation", LAYER_AWARE,
 register(CalibratorEntry("max", "weight", factory=MaxWeightCalibrator))
 register(CalibratorEntry("mse", "weight", factory=MseWeightCalibrator))
 register(CalibratorEntry("cast", "weight", factory=CastCalibrator, help="scale 1"))
+# GPTQ (``gptq.py``): scales from max / MSE, then the error-compensating column sweep over the
+# calibration inputs' Hessian -- so these read calibration data
+for _name, _scales in (("gptq", MaxWeightCalibrator), ("gptq-mse", MseWeightCalibrator)):
+    register(CalibratorEntry(_name, "weight", factory=_scales, options=_GPTQ, rounding="gptq",
+                             reads_data=True))
 
 # Views of the registry kept for callers that list names.
 ACTIVATION_CALIBRATORS = registry.names("activation", STATISTICS)
 LAYERWISE_CALIBRATORS = registry.names("activation", LAYER_AWARE)
 WEIGHT_CALIBRATORS = registry.names("weight")
+GPTQ_CALIBRATORS = tuple(n for n in WEIGHT_CALIBRATORS
+                         if registry.weight_entry(n).rounding == "gptq")
 
 
 def activation_calibrator(name: str, **options):

@@ -16,6 +16,7 @@ calibrator is one ``register`` call (see ``fp8ptq.calibrators``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,9 +33,12 @@ class CalibratorEntry:
     kind: str = STATISTICS
     factory: Callable | None = None  # statistics: factory(**options) -> calibrator
     choose: Callable | None = None  # layer-aware: choose(model, targets, ...) -> {name: choice}
-    options: dict[str, str] = field(default_factory=dict)  # recipe field -> what it means
+    # recipe fields the calibrator reads -> what they mean (the factory gets those it names)
+    options: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None  # layer-aware: statistics calibrator where no layer exists
     help: str = ""
+    rounding: str | None = None  # weights: "gptq" = error-compensating rounding after the scales
+    reads_data: bool = False  # weights: needs the calibration inputs (GPTQ's Hessians)
 
     @property
     def layer_aware(self) -> bool:
@@ -51,7 +55,9 @@ class CalibratorEntry:
         if self.factory is None:
             raise UsageError(f"calibrator {self.name!r} is layer-aware: it has no statistics "
                              "calibrator to build (use its fallback)")
-        return self.factory(**{k: v for k, v in options.items() if k in self.options})
+        takes = inspect.signature(self.factory).parameters
+        return self.factory(**{k: v for k, v in options.items()
+                               if k in self.options and k in takes})
 
 
 _REGISTRY: dict[str, dict[str, CalibratorEntry]] = {"activation": {}, "weight": {}}

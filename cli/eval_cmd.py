@@ -76,11 +76,13 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @click.option("--samples", "samples_path", type=click.Path(),
               help="Write per-sample records (JSON lines: variant, task, doc id, "
                    "log-likelihood or prediction and scores).")
-@click.option("--prefix-token", type=click.Choice(["auto", "bos", "eos"]), default="auto",
+@click.option("--prefix-token", type=click.Choice(["auto", "bos", "eos", "none"]),
+              default="auto",
               show_default=True,
               help="Token that conditions the first token of each document in rolling "
                    "log-likelihood: auto = the BOS the tokenizer adds, else lm-eval's "
-                   "convention (BOS if the tokenizer has one, else EOS).")
+                   "convention (BOS if the tokenizer has one, else EOS); none = the "
+                   "document's own first token, not scored.")
 @click.option("--update-card", is_flag=True,
               help="MODEL is an fp8ptq checkpoint: put the table into its README.md model card.")
 @click.option("--allow-calib-overlap", is_flag=True,

@@ -34,6 +34,10 @@ _SPECS = [
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
          help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
     _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} [max]."),
+    _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
+         "diagonal [0.01]."),
+    _opt("--gptq-act-order", is_flag=True, default=None,
+         help="GPTQ: quantize columns in order of decreasing input energy."),
     _opt("--act-calib",
          help=f"Activation calibrator: {calibrators.help_text('activation')} [max]."),
     _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
@@ -181,6 +185,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
         act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
+        gptq_damp=kwargs.pop("gptq_damp"), gptq_act_order=kwargs.pop("gptq_act_order"),
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),

@@ -23,7 +23,39 @@ class TaskOutcome:
     samples: list[dict] = field(default_factory=list, repr=False)
 
 
-PREFIX_TOKENS = ("auto", "bos", "eos")
+PREFIX_TOKENS = ("auto", "bos", "eos", "none")
+
+
+class NoPrefixHFLM(HFLM):
+    """Rolling log-likelihood without a prefix token: each document's first token is the
+    context of the second and is not scored itself (lm-eval always prepends a prefix token;
+    here that token is the document's own first one, taken off the scored tokens)."""
+
+    _rolling = False
+    _first = None
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        self._rolling = True
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm)
+        finally:
+            self._rolling = False
+
+    def tok_encode(self, string, *args, **kwargs):
+        ids = super().tok_encode(string, *args, **kwargs)
+        if self._rolling and ids:
+            # lm-eval encodes the document, then reads prefix_token_id for it
+            self._first = ids[0]
+            return ids[1:]
+        return ids
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self._rolling and self._first is not None:
+            return self._first
+        return super().prefix_token_id
+
+    scored_offset = 1  # tokens of a document that are context, not scored
 
 
 def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
@@ -33,6 +65,8 @@ def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
     (None here: BOS if the tokenizer has one, EOS otherwise). ``bos`` / ``eos``: that token."""
     if choice not in PREFIX_TOKENS:
         raise UsageError(f"--prefix-token must be one of {', '.join(PREFIX_TOKENS)}")
+    if choice == "none":
+        return None
     if choice == "auto":
         bos = tokenizer.bos_token_id
         ids = tokenizer("a").get("input_ids") or []
@@ -46,8 +80,9 @@ def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
 def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None,
             prefix_token: str = "auto") -> HFLM:
     """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config."""
-    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
-                prefix_token_id=prefix_token_id(tokenizer, prefix_token))
+    cls = NoPrefixHFLM if prefix_token == "none" else HFLM
+    return cls(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
+               prefix_token_id=prefix_token_id(tokenizer, prefix_token))
 
 
 @contextmanager

@@ -62,7 +62,8 @@ def task_config(lm: HFLM, articles: list[dict[str, str]] | None = None) -> dict:
         scores = wikitext_scores(doc, results)
         (loglikelihood,) = results
         # HFLM predicts every token of tok_encode(target) once, the first after the prefix token
-        scores["token_perplexity"] = (loglikelihood, len(lm.tok_encode(wikitext_detokenizer(doc))))
+        scored = len(lm.tok_encode(wikitext_detokenizer(doc))) - getattr(lm, "scored_offset", 0)
+        scores["token_perplexity"] = (loglikelihood, scored)
         return scores
 
     config = {
@@ -128,7 +129,8 @@ def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | 
         "stride": lm.max_length,
         "bos": bos_id is not None and lm.prefix_token_id == bos_id,
         "prefix_token_id": lm.prefix_token_id,
-        "prefix_token": _token_name(lm.tokenizer, lm.prefix_token_id),
+        "prefix_token": "none (first token of each document is context)"
+        if getattr(lm, "scored_offset", 0) else _token_name(lm.tokenizer, lm.prefix_token_id),
         "documents": len(docs),
         "split": SPLIT_RULE,
         "tokens": sum(doc["token_perplexity"][1] for doc in docs),

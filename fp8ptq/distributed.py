@@ -119,6 +119,22 @@ def reduce_stats(stats: dict[str, TensorStats]) -> None:
     assert hist.shape[-1] == NUM_BINS
 
 
+def reduce_sums(sums: dict[str, torch.Tensor], counts: dict[str, int]) -> None:
+    """SUM-reduce accumulators (GPTQ's Hessians) and their row counts in place. Float64 sums
+    in another order: equal to a single process to rounding, not bit for bit."""
+    if not active() or not sums:
+        return
+    dev = _device()
+    for name in sorted(sums):
+        t = sums[name].to(dev)
+        dist.all_reduce(t)
+        sums[name] = t.cpu()
+    names = sorted(counts)
+    c = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=dev)
+    dist.all_reduce(c)
+    counts.update({n: int(v) for n, v in zip(names, c.tolist())})
+
+
 def gather_samples(samples: dict[str, list[tuple[int, torch.Tensor]]]
                    ) -> dict[str, list[tuple[int, torch.Tensor]]]:
     """Every rank's kept input rows, in global batch order (each entry (batch index, rows))."""

@@ -12,10 +12,13 @@ from torch import nn
 
 from . import distributed
 from .bn_retune import retune_batchnorm
+from .calibrators.gptq import gptq_codes
 from .calibrators.layerwise import choose_layerwise
+from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
 from .formats import encode
 from .model.forward import run_batch, token_batches  # noqa: F401 - re-exported
+from .hessian import HessianCollector
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
@@ -69,8 +72,8 @@ def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[ModulePlan], li
 
 
 def collect_stats(model: nn.Module, targets: list[Target], batches: list, progress=None,
-                  sample_batches: int = 0, taps=None, experts: ExpertObserver | None = None
-                  ) -> StatsCollector:
+                  sample_batches: int = 0, taps=None, experts: ExpertObserver | None = None,
+                  hessians: HessianCollector | None = None) -> StatsCollector:
     """Run the calibration data through the model once, observing every target's input (and,
     with ``experts``, every expert's GEMM inputs)."""
     modules = {t.name: t.module for t in targets}
@@ -78,7 +81,7 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     collector = StatsCollector(modules, dims, sample_batches=sample_batches)
     error = None
     with collector.observing(), experts.observing() if experts else nullcontext(), \
-            torch.inference_mode():
+            hessians.observing() if hessians else nullcontext(), torch.inference_mode():
         try:
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
@@ -94,6 +97,8 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
         collector.samples = distributed.gather_samples(collector.samples)
         if experts is not None:
             distributed.reduce_stats(experts.stats)
+        if hessians is not None:
+            distributed.reduce_sums(hessians.sums, hessians.rows)
     return collector
 
 
@@ -138,11 +143,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
+    hessians = HessianCollector({t.name: t.module for t in targets}) if facts.gptq else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
                                       sample_batches=SAMPLE_BATCHES if facts.layer_aware else 0,
-                                      experts=observer)
+                                      experts=observer, hessians=hessians)
         if taps is not None:
             distributed.reduce_stats(taps.stats)
     times["calibrate"] = time.perf_counter() - t0
@@ -160,9 +166,14 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     reports, all_warnings = [], []
     groups = fused_groups([t.name for t in targets]) if unify_fused(recipe, targets) else []
     unified = unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen)
+    if hessians is not None:
+        extras["gptq"] = {"hessian_bytes": hessians.nbytes, "damp": recipe.gptq_damp,
+                          "act_order": recipe.gptq_act_order, "block": recipe.gptq_block,
+                          "distinct_inputs": len(hessians.sums)}
     for t in targets:
         report = quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
-                                  chosen.get(t.name), weight_scale=unified.get(t.name))
+                                  chosen.get(t.name), weight_scale=unified.get(t.name),
+                                  hessian=hessians.hessian(t.name) if hessians else None)
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
     if groups:
@@ -233,7 +244,8 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
 
 
 def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
-                    weight_scale: torch.Tensor | None = None):
+                    weight_scale: torch.Tensor | None = None,
+                    hessian: torch.Tensor | None = None):
     """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``);
     ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``)."""
     warnings: list[str] = []
@@ -249,7 +261,16 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
                                 warnings=warnings)
     rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
-    codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
+    gptq = weight_entry(recipe.weight_calib).rounding == "gptq"
+    if gptq and hessian is not None:
+        codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
+                           damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
+                           block=recipe.gptq_block, rounding=recipe.rounding)
+    else:
+        if gptq:
+            warnings.append("no Hessian (a convolution, or no calibration input): rounded to "
+                            "nearest instead of GPTQ")
+        codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
 
     input_scale, input_amax, input_sqnr = None, None, None
     if t.input is not None and t.input.static:

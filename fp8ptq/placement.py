@@ -106,6 +106,8 @@ def parse_max_memory(text: str | None) -> dict | None:
         items = [(str(k), str(v)) for k, v in raw.items()]
     elif "=" in text:
         items = [tuple(p.strip() for p in part.split("=", 1)) for part in text.split(",")]
+        if any(len(item) != 2 for item in items):
+            raise UsageError(f"--max-memory expects DEVICE=SIZE[,...], got {text!r}")
     else:
         items = [("cpu", text)]
     out: dict = {}

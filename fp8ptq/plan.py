@@ -90,11 +90,13 @@ class RunFacts:
     smoothquant: bool
     taps: bool  # attention / residual activations are quantized (they need statistics)
     bn_retune: bool
+    gptq: bool = False  # the weight calibrator reads calibration inputs (GPTQ's Hessians)
 
     @property
     def needs_calibration(self) -> bool:
         """Every stage that reads calibration data, in one place."""
-        return self.static_inputs or self.smoothquant or self.taps or self.bn_retune
+        return (self.static_inputs or self.smoothquant or self.taps or self.bn_retune
+                or self.gptq)
 
     @property
     def passes(self) -> int:
@@ -135,7 +137,8 @@ def run_facts(recipe: Recipe, static_inputs: bool | None = None) -> RunFacts:
                     layer_aware=calibrators.activation_entry(recipe.act_calib).layer_aware,
                     smoothquant=recipe.smoothquant is not None,
                     taps=recipe.quantize_attention or recipe.quantize_residual,
-                    bn_retune=recipe.bn_retune)
+                    bn_retune=recipe.bn_retune,
+                    gptq=calibrators.weight_entry(recipe.weight_calib).reads_data)
 
 
 def taps_plan(recipe: Recipe, always: bool = False) -> TensorPlan | None:

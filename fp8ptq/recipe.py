@@ -42,6 +42,9 @@ class Recipe(BaseModel):
     weight_calib: str = "max"
     act_calib: str = "max"
     percentile: float = 99.99
+    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
+    gptq_act_order: bool = False  # GPTQ: columns in order of decreasing input energy
+    gptq_block: int = 128  # GPTQ lazy-update block (columns)
     rounding: str | None = None  # default: the format's own
     scale_pow2: bool = False
     skip: list[str] = Field(default_factory=list)
@@ -114,7 +117,7 @@ class Recipe(BaseModel):
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
-        for key in ("block_size", "num_samples", "seq_len", "batch_size"):
+        for key in ("block_size", "num_samples", "seq_len", "batch_size", "gptq_block"):
             if getattr(self, key) < 1:
                 raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.smoothquant is not None and self.smoothquant != "auto":
@@ -124,6 +127,8 @@ class Recipe(BaseModel):
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
+        if not 0 <= self.gptq_damp <= 1:
+            raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
 
     @property
     def skip_patterns(self) -> list[str]:

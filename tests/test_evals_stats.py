@@ -128,3 +128,28 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
     res = CliRunner().invoke(main, [*args[:-2], "--delta", "abs", "--json",
                                     str(tmp_path / "r2.json")])
     assert res.exit_code == 0 and "%," not in res.stdout.split("protocol")[0]
+
+
+def test_prefix_token_none_scores_all_but_the_first_token(tmp_path, word_tokenizer):
+    """With no prefix, the log-likelihood is that of tokens 2..n given the first, computed by
+    hand from the model's logits."""
+    import torch
+    from tiny_models import tiny
+
+    from fp8ptq.evals.harness import make_lm
+    from fp8ptq.evals.wikitext import evaluate_wikitext
+
+    model = tiny("llama").float()
+    text = " = a = \n the quick brown fox jumps over the lazy dog . \n"
+    (tmp_path / "w.raw").write_text(text)
+    lm = make_lm(model, word_tokenizer, batch_size=1, prefix_token="none")
+    outcome = evaluate_wikitext(lm, tmp_path / "w.raw")
+    ll, tokens = outcome.samples[0]["token_perplexity"]
+    ids = make_lm(model, word_tokenizer).tok_encode(
+        __import__("fp8ptq.evals.wikitext", fromlist=["x"]).wikitext_detokenizer({"page": text}))
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits.float(), -1)[0]
+    direct = float(logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].sum())
+    assert tokens == len(ids) - 1
+    assert ll == pytest.approx(direct, rel=1e-5)
+    assert outcome.protocol["prefix_token"].startswith("none")

@@ -26,6 +26,7 @@ from tiny_models import IDS, tiny
     {"act_granularity": "token", "quantize_attention": True},
     {"act_granularity": "token", "quantize_residual": True},
     {"act_format": "none", "bn_retune": True},
+    {"act_granularity": "token", "weight_calib": "gptq"},
 ])
 def test_every_stage_that_reads_data_makes_the_job_need_calibration(flags):
     recipe = Recipe(**flags)

@@ -1,0 +1,86 @@
+"""GPTQ for every fp8ptq format and granularity (``--weight-calib gptq`` / ``gptq-mse``).
+
+Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", 2022, Algorithm 1: the columns of ``W`` [out, in] are quantized one
+at a time in order; the error each column's rounding leaves, divided by the pivot of the
+Cholesky factor of ``H^-1`` (H = 2 X^T X of the layer's calibration inputs), is spread onto the
+columns not yet quantized, so that the layer OUTPUT error ``||X W^T - X Q^T||`` is what the
+rounding minimises rather than each weight's own error. Lazy batch updates (blocks of 128
+columns), dampening (``--gptq-damp`` times the mean diagonal) and optional activation order
+(``--gptq-act-order``: columns with the largest input energy first) are the paper's.
+
+What is fp8ptq's own: the rounding of a column is the FORMAT's (``encode`` / ``decode`` of
+e4m3, e5m2, FNUZ, HFP8, HiF8's tapered grid, generic ExMy, int8) with the recipe's rounding
+mode, and the scales are chosen BEFORE the sweep by the weight calibrator (max or MSE) at the
+recipe's granularity (tensor, channel or block; a column's scale is looked up per row block),
+so the codes and scales are exactly what the checkpoint layouts store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8ptq.formats import FormatSpec, decode, encode
+
+BLOCK = 128
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` (float64 for stability),
+    with more dampening if the matrix is still not positive definite."""
+    H = H.double()
+    mean = float(torch.diag(H).mean()) or 1.0
+    eye = torch.eye(H.shape[0], dtype=torch.float64)
+    for factor in (damp, damp * 10, damp * 100, 1.0):
+        L, info = torch.linalg.cholesky_ex(H + factor * mean * eye)
+        if int(info) == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if int(info) == 0:
+                return U
+    raise ValueError("the Hessian is not positive definite even with heavy dampening")
+
+
+def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt: FormatSpec,
+               *, damp: float = 0.01, act_order: bool = False, block: int = BLOCK,
+               rounding: str | None = None) -> torch.Tensor:
+    """Codes (uint8, [out, in]) of ``W`` quantized column by column with error compensation.
+
+    ``scale_matrix`` [out, in]: the scale of every weight (the granularity's scales expanded);
+    ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works)."""
+    W = W.detach().double().clone()
+    S = scale_matrix.detach().double().expand_as(W).clone()
+    H = H.detach().double().clone()
+    rows, cols = W.shape
+    dead = torch.diag(H) == 0  # inputs that were always zero: any weight is free there
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, S, H = W[:, perm], S[:, perm], H[perm][:, perm]
+    U = _inverse_cholesky(H, damp)
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    kw = {"rounding": rounding} if rounding else {}
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1 = W[:, i1:i2].clone()
+        err = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            w, s = W1[:, i], S[:, i1 + i]
+            c = encode((w / s).float(), fmt, **kw)
+            q = decode(c, fmt).double() * s
+            codes[:, i1 + i] = c
+            e = (w - q) / U1[i, i]
+            W1[:, i:] -= e.unsqueeze(1) * U1[i, i:].unsqueeze(0)
+            err[:, i] = e
+        W[:, i2:] -= err @ U[i1:i2, i2:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    return codes
+
+
+def output_error(W: torch.Tensor, Wq: torch.Tensor, X: torch.Tensor) -> float:
+    """Mean squared error of the layer output on rows ``X`` [n, in]."""
+    return float(((X.double() @ (W.double() - Wq.double()).T) ** 2).mean())

@@ -1,0 +1,90 @@
+"""GPTQ with fp8ptq's formats: hand-checked updates, the layer-output property against
+round-to-nearest for every format and granularity, and the pipeline / checkpoint path."""
+
+import pytest
+import torch
+from tiny_models import IDS, tiny
+
+import fp8ptq
+from fp8ptq.calibrators.gptq import gptq_codes, output_error
+from fp8ptq.checkpoint import save_quantized
+from fp8ptq.errors import UsageError
+from fp8ptq.formats import decode, encode, get_format
+from fp8ptq.granularity import weight_granularity
+from fp8ptq.pipeline import quantize_model, token_batches
+from fp8ptq.recipe import Recipe
+
+
+def test_identity_hessian_is_round_to_nearest():
+    torch.manual_seed(0)
+    W, fmt = torch.randn(8, 16), get_format("e4m3")
+    S = torch.full_like(W, float(W.abs().max() / fmt.max))
+    codes = gptq_codes(W, torch.eye(16), S, fmt, damp=0.0)
+    assert torch.equal(codes, encode(W / S, fmt))
+
+
+def test_two_correlated_columns_by_hand():
+    """H = [[2, 1], [1, 1]]: rounding column 0 (0.4 -> 0) moves column 1 by
+    (w0 - q0) * H01 / H11 = 0.4 (the optimal-brain-surgeon update), so 0.3 becomes 0.7 and
+    rounds to 1, where round-to-nearest gives 0."""
+    fmt = get_format("int8")
+    W = torch.tensor([[0.4, 0.3]])
+    S = torch.ones_like(W)
+    codes = gptq_codes(W, torch.tensor([[2.0, 1.0], [1.0, 1.0]]), S, fmt, damp=0.0)
+    assert decode(codes, fmt).tolist() == [[0.0, 1.0]]
+    assert decode(encode(W / S, fmt), fmt).tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "hfp8", "hif8", "e3m4", "int8"])
+@pytest.mark.parametrize("gran", ["tensor", "channel", "block"])
+def test_output_error_never_worse_than_round_to_nearest(fmt, gran):
+    torch.manual_seed(1)
+    fmt = get_format(fmt)
+    g = weight_granularity(gran, 16)
+    # correlated inputs with outlier channels, like a transformer's
+    base = torch.randn(512, 8) @ torch.randn(8, 48)
+    X = base + 0.1 * torch.randn(512, 48)
+    X[:, 3] *= 20
+    W = torch.randn(32, 48) * 0.05
+    scale = (g.amax(W) / fmt.calibration_max).clamp(min=1e-12)
+    S = g.expand(scale, W).expand_as(W)
+    H = X.T.double() @ X.double()
+    rtn = decode(encode(W / S, fmt), fmt) * S
+    codes = gptq_codes(W, H, S, fmt, damp=0.01)
+    gq = decode(codes, fmt) * S
+    assert bool(torch.isfinite(gq).all())
+    assert output_error(W, gq, X) <= output_error(W, rtn, X) * 1.0001
+    act = decode(gptq_codes(W, H, S, fmt, damp=0.01, act_order=True), fmt) * S
+    assert output_error(W, act, X) <= output_error(W, rtn, X) * 1.0001
+
+
+def test_pipeline_gptq_lowers_the_model_error_and_round_trips(tmp_path):
+    batches = list(token_batches(IDS, 4))
+    ref = tiny("llama").float()
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits
+
+    def err(recipe):
+        model = tiny("llama").float()
+        result = quantize_model(model, recipe, batches)
+        with torch.no_grad():
+            got = model(input_ids=IDS).logits
+        return result, model, float(((got - want) ** 2).mean())
+
+    common = dict(format="hif8", act_format="none", dtype="float32")
+    _, _, rtn = err(Recipe(**common))
+    result, model, gptq = err(Recipe(weight_calib="gptq", **common))
+    assert gptq < rtn
+    assert result.extras["gptq"]["distinct_inputs"] < len(result.modules)  # q/k/v share one H
+    save_quantized(result, Recipe(weight_calib="gptq", **common), tmp_path / "ck")
+    with torch.no_grad():
+        assert torch.equal(fp8ptq.load(tmp_path / "ck").model(input_ids=IDS).logits,
+                           model(input_ids=IDS).logits)
+
+
+def test_gptq_needs_calibration_data_even_with_dynamic_activations():
+    with pytest.raises(UsageError, match="needs calibration data"):
+        quantize_model(tiny("llama"), Recipe(weight_calib="gptq", act_granularity="token"))
+    from fp8ptq import job
+
+    assert job.needs_calibration(Recipe(weight_calib="gptq", act_granularity="token"))
