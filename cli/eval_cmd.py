@@ -55,8 +55,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @click.option("--data", "data_items", multiple=True, metavar="TASK=PATH",
               help="Local data: wikitext=wiki.test.raw, squad=dev.json (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), help="First N documents/questions per task.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Evaluation batch size.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Evaluation batch size [chosen from the free memory].")
 @click.option("--seq-len", type=click.IntRange(min=1),
               help="Maximum evaluation context in tokens [the model's].")
 @click.option("--include-path", type=click.Path(), help="Folder of extra lm-eval task YAMLs.")

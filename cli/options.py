@@ -28,6 +28,9 @@ _SPECS = [
     _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
     _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
     _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
+    _opt("--weight-format", help="Weight format when it differs from --format."),
+    _opt("--act-format", help="Activation format when it differs from --format; 'none' = "
+         "weight-only (W8A16)."),
     _opt("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
          help="Weight scales per tensor, output channel or 2-D block [channel]."),
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
@@ -52,6 +55,10 @@ _SPECS = [
          help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
     _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
          "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    _opt("--rotate", type=click.Choice(["hadamard"]),
+         help="Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
+         "into the weights before calibration; norms folded, embeddings untied; standard "
+         "architecture (Llama/Qwen2/Mistral/Qwen3/GPT-2)."),
     _opt("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
          "pow2-search [-4,5]."),
     _opt("--bn-retune", is_flag=True, default=None,
@@ -182,6 +189,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         calib_data=kwargs.pop("calib_data"), text_field=kwargs.pop("text_field"),
         num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
         seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
+        weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
         act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
@@ -189,7 +197,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"), pow2_range=parse_range(kwargs.pop("pow2_range")),
+        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"), pow2_range=parse_range(kwargs.pop("pow2_range")),
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),

@@ -163,6 +163,8 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "warnings": result.warnings,
         "experts": result.extras.get("experts", {}),
         "high_precision": result.extras.get("high_precision"),
+        "rotation": result.extras.get("rotation"),  # --rotate: method, kind, seed
+        "gptq": result.extras.get("gptq"),  # --weight-calib gptq: hessian_bytes, damp, ...
         "calibration": calib_facts(calib),
         "sizes": sizes,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},

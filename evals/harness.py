@@ -77,10 +77,121 @@ def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
     return token
 
 
-def make_lm(model, tokenizer, *, batch_size: int = 8, seq_len: int | None = None,
+class ChunkedLogitsMixin:
+    """Log-likelihoods without a [batch x context x vocabulary] float32 tensor.
+
+    lm-eval's HFLM takes the log-softmax of the whole batch's logits at once: with a 262,144-
+    token vocabulary, context 2048 and batch 8 that is 17 GB of float32, twice. Here the model's
+    body runs the batch (hidden states are small), and the output layer + log-softmax run on
+    at most ``CHUNK_ELEMENTS / vocabulary`` positions at a time, only for the positions whose
+    next token is scored. Log-likelihoods equal HFLM's (float32 log-softmax, summed in float64;
+    tested to 1e-6 relative). Before relying on the split the first call checks that body +
+    output layer reproduce the model's own logits; a model that post-processes its logits in a
+    way we do not know falls back to lm-eval's path."""
+
+    CHUNK_ELEMENTS = 1 << 25  # 32M float32 logits = 128 MB per chunk
+
+    _split_ok: bool | None = None
+
+    def _body_and_head(self):
+        model = self.model
+        body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return body, head
+
+    def _logits_of(self, head, hidden):
+        logits = head(hidden).float()
+        cap = getattr(getattr(self.model, "config", None), "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _check_split(self) -> bool:
+        if self._split_ok is None:
+            body, head = self._body_and_head()
+            ok = body is not None and head is not None and body is not self.model
+            if ok:
+                ids = torch.arange(1, 9, device=self.device).reshape(1, -1) % max(
+                    getattr(self.model.config, "vocab_size", 8), 2)
+                with torch.no_grad():
+                    want = self.model(ids).logits.float()
+                    got = self._logits_of(head, body(ids).last_hidden_state)
+                ok = want.shape == got.shape and bool(torch.allclose(want, got, rtol=1e-5,
+                                                                     atol=1e-5))
+            self._split_ok = ok
+        return self._split_ok
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        if self.backend != "causal" or not self._check_split():
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+        body, head = self._body_and_head()
+        vocab = head.weight.shape[0] if hasattr(head, "weight") else 1
+        chunk = max(1, self.CHUNK_ELEMENTS // max(vocab, 1))
+        size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
+        order = sorted(range(len(requests)),
+                       key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        out: list = [None] * len(requests)
+        for start in range(0, len(order), size):
+            idx = order[start:start + size]
+            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1]
+                      for i in idx]
+            width = max(len(x) for x in inputs)
+            batch = torch.zeros(len(idx), width, dtype=torch.long, device=self.device)
+            for b, x in enumerate(inputs):
+                batch[b, :len(x)] = torch.tensor(x, dtype=torch.long)
+            with torch.no_grad():
+                hidden = body(batch).last_hidden_state
+                for b, i in enumerate(idx):
+                    cont = requests[i][2]
+                    n = len(inputs[b])
+                    target = torch.tensor(cont[-n:], dtype=torch.long, device=self.device)
+                    first = n - len(target)
+                    total, greedy = 0.0, True
+                    for p in range(0, len(target), chunk):
+                        t = target[p:p + chunk]
+                        logp = torch.log_softmax(self._logits_of(
+                            head, hidden[b, first + p:first + p + len(t)]), dim=-1)
+                        total += float(logp.gather(-1, t.unsqueeze(-1)).double().sum())
+                        greedy = greedy and bool((logp.argmax(-1) == t).all())
+                        del logp
+                    out[i] = (total, greedy)
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
+        return out
+
+
+class ChunkedHFLM(ChunkedLogitsMixin, HFLM):
+    pass
+
+
+class ChunkedNoPrefixHFLM(ChunkedLogitsMixin, NoPrefixHFLM):
+    pass
+
+
+def auto_batch_size(model, seq_len: int, budget_fraction: float = 0.25) -> int:
+    """Sequences per batch that fit in a quarter of the available memory: the body's
+    activations (hidden states and one layer's attention scores) per sequence; the output layer
+    is chunked (``ChunkedLogitsMixin``) so the vocabulary does not count."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 1024)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 16)
+    per_sequence = seq_len * (hidden * 4 * 12 + heads * seq_len * 4 * 2)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable"))
+    except (OSError, StopIteration, ValueError):
+        return 8
+    return int(max(1, min(64, budget_fraction * avail // max(per_sequence, 1))))
+
+
+def make_lm(model, tokenizer, *, batch_size: int | None = 8, seq_len: int | None = None,
             prefix_token: str = "auto") -> HFLM:
-    """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config."""
-    cls = NoPrefixHFLM if prefix_token == "none" else HFLM
+    """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config;
+    ``batch_size`` None chooses one from the free memory (``auto_batch_size``)."""
+    if batch_size is None:
+        length = seq_len or getattr(getattr(model, "config", None), "max_position_embeddings",
+                                    2048) or 2048
+        batch_size = auto_batch_size(model, min(int(length), 8192))
+    cls = ChunkedNoPrefixHFLM if prefix_token == "none" else ChunkedHFLM
     return cls(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
                prefix_token_id=prefix_token_id(tokenizer, prefix_token))
 

@@ -36,7 +36,7 @@ def run_tasks(
     *,
     data: dict[str, str] | None = None,
     limit: int | None = None,
-    batch_size: int = 8,
+    batch_size: int | None = 8,
     seq_len: int | None = None,
     include_path: str | None = None,
     device: str = "cpu",
@@ -161,7 +161,8 @@ def _squad(model, tokenizer, lm, path, limit, batch_size, seq_len) -> TaskOutcom
     if lm is not None:
         return squad.evaluate_generative(lm, examples, source=source)
     settings = SpanSettings(max_length=seq_len) if seq_len else SpanSettings()
-    answers = predict_answers(model, tokenizer, examples, batch_size=batch_size, settings=settings)
+    answers = predict_answers(model, tokenizer, examples, batch_size=batch_size or 8,
+                              settings=settings)
     protocol = {"mode": "extractive", **settings.as_protocol(), "questions": len(examples), "source": source}
     per_question = [{"doc_id": e.get("id", i), "prediction": a, **squad.score(a, e["answers"])}
                     for i, (a, e) in enumerate(zip(answers, examples))]

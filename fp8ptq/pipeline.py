@@ -27,6 +27,7 @@ from .plan import (SAMPLE_BATCHES, ModulePlan, QuantPlan, build_plan, plan_exper
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
+from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from .smoothquant import apply_smoothquant
 from .taps import ActivationTaps
@@ -114,6 +115,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     (``build_plan(model, recipe)``)."""
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
+    rotation = None
+    if recipe.rotate is not None:  # before planning: untying adds an lm_head weight
+        t0 = time.perf_counter()
+        materialize_offloaded(model)
+        rotation = rotate_model(model, recipe.rotate, seed=recipe.seed)
+        times["rotate"] = time.perf_counter() - t0
+        plan = None  # a plan made before the rotation misses the untied lm_head
     plan = plan if plan is not None else build_plan(model, recipe)
     recipe, facts = plan.recipe, plan.facts
     targets, experts, skipped = plan.gemms, plan.experts, plan.skipped
@@ -122,7 +130,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     if batches is None and facts.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
-    extras: dict = {}
+    extras: dict = {} if rotation is None else {"rotation": rotation}
     if distributed.active() and facts.bn_retune:
         raise UsageError("--bn-retune is not supported across processes (torchrun); run it in "
                          "one process")

@@ -52,6 +52,7 @@ class Recipe(BaseModel):
     # glob -> format name / "none", or a partial plan {format, weight_format, act_format}
     overrides: dict[str, Any] = Field(default_factory=dict)
     smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
     pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
     bn_retune: bool = False
     keep_depthwise: bool = False
@@ -123,6 +124,8 @@ class Recipe(BaseModel):
         if self.smoothquant is not None and self.smoothquant != "auto":
             if not 0 <= self.smoothquant <= 1:
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        if self.rotate is not None:
+            _choice("rotate", self.rotate, ("hadamard",))
         if self.pow2_range[0] > self.pow2_range[1]:
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
