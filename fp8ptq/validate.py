@@ -145,6 +145,9 @@ def vllm_linear_scheme(w, a) -> str | None:
     ``None`` where vLLM raises "No compressed-tensors compatible scheme was found"."""
     if w is None or w.num_bits != 8 or not w.symmetric or w.dynamic:
         return None
+    if w.type == "float" and w.strategy == "group" and w.group_size == 32 and \
+            w.scale_dtype == torch.uint8:  # _is_mxfp8: E8M0 scales, inputs as the kernel wants
+        return "CompressedTensorsW8A8Mxfp8"
     if a is not None and (a.num_bits != 8 or a.type == "float" and not a.dynamic
                           and not a.symmetric):
         return None
@@ -314,7 +317,7 @@ RULES = [
     Rule("scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
          "_is_static_tensor_w8a8, _is_dynamic_token_w8a8", _scheme),
     Rule("ct-scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
-         "_is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
+         "_is_mxfp8, _is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
          "_is_wNa16_group_channel; is_activation_quantization_format", _config_groups),
     Rule("block", "vllm", "vLLM compressed_tensors_w8a8_fp8.py / fp8_utils.py: block-FP8 "
          "(per-group dynamic activations, validate_fp8_block_shape)", _block),
