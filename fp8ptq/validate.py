@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint.experts_io import SERVABLE
+from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
+from .checkpoint.verify import SCALE_SUFFIXES
 from .pipeline import FUSED_SHARDS
 
 RUNTIMES = ("vllm", "transformers")
@@ -79,8 +81,6 @@ class Report:
 
 
 def read_checkpoint(path) -> dict:
-    from .checkpoint.reader import _load_tensors, _read_config, read_metadata
-
     p = Path(path).expanduser()
     meta = read_metadata(p)
     return {"path": p, "meta": meta, "config": _read_config(p), "tensors": _load_tensors(p)}
@@ -280,8 +280,6 @@ def _kv(ck) -> list[Violation]:
 
 
 def _scales(ck) -> list[Violation]:
-    from .checkpoint.verify import SCALE_SUFFIXES
-
     return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
                       "re-quantize (fp8ptq never writes one)")
             for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
@@ -344,9 +342,7 @@ def reload_difference(path, tokens: int = 16, seed: int = 0) -> dict:
     ``from_pretrained`` (compressed-tensors), both in float32."""
     from transformers import AutoModelForCausalLM
 
-    from . import load
-
-    ours = load(path, dtype=torch.float32).model
+    ours = load_quantized(path, dtype=torch.float32).model
     vocab = getattr(ours.config, "vocab_size", 128)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
