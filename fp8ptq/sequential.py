@@ -198,6 +198,9 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     residency counters)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
+    if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
+        raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
+                         "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
     model = build_empty(folder, dtype)
     found = find_blocks(model)

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint.experts_io import SERVABLE
+from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
+from .checkpoint.verify import SCALE_SUFFIXES
 from .pipeline import FUSED_SHARDS
 
 RUNTIMES = ("vllm", "transformers")
@@ -79,8 +81,6 @@ class Report:
 
 
 def read_checkpoint(path) -> dict:
-    from .checkpoint.reader import _load_tensors, _read_config, read_metadata
-
     p = Path(path).expanduser()
     meta = read_metadata(p)
     return {"path": p, "meta": meta, "config": _read_config(p), "tensors": _load_tensors(p)}
@@ -145,6 +145,9 @@ def vllm_linear_scheme(w, a) -> str | None:
     ``None`` where vLLM raises "No compressed-tensors compatible scheme was found"."""
     if w is None or w.num_bits != 8 or not w.symmetric or w.dynamic:
         return None
+    if w.type == "float" and w.strategy == "group" and w.group_size == 32 and \
+            w.scale_dtype == torch.uint8:  # _is_mxfp8: E8M0 scales, inputs as the kernel wants
+        return "CompressedTensorsW8A8Mxfp8"
     if a is not None and (a.num_bits != 8 or a.type == "float" and not a.dynamic
                           and not a.symmetric):
         return None
@@ -277,8 +280,6 @@ def _kv(ck) -> list[Violation]:
 
 
 def _scales(ck) -> list[Violation]:
-    from .checkpoint.verify import SCALE_SUFFIXES
-
     return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
                       "re-quantize (fp8ptq never writes one)")
             for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
@@ -316,7 +317,7 @@ RULES = [
     Rule("scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
          "_is_static_tensor_w8a8, _is_dynamic_token_w8a8", _scheme),
     Rule("ct-scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
-         "_is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
+         "_is_mxfp8, _is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
          "_is_wNa16_group_channel; is_activation_quantization_format", _config_groups),
     Rule("block", "vllm", "vLLM compressed_tensors_w8a8_fp8.py / fp8_utils.py: block-FP8 "
          "(per-group dynamic activations, validate_fp8_block_shape)", _block),
@@ -341,9 +342,7 @@ def reload_difference(path, tokens: int = 16, seed: int = 0) -> dict:
     ``from_pretrained`` (compressed-tensors), both in float32."""
     from transformers import AutoModelForCausalLM
 
-    from . import load
-
-    ours = load(path, dtype=torch.float32).model
+    ours = load_quantized(path, dtype=torch.float32).model
     vocab = getattr(ours.config, "vocab_size", 128)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -149,6 +149,10 @@ def _args(**kw):
     (dict(type="float", strategy="channel"), dict(type="float", strategy="tensor",
                                                   symmetric=False), None),
     (dict(type="float", strategy="channel", force_dynamic=True), None, None),  # dynamic weights
+    (dict(type="float", strategy="group", group_size=32, scale_dtype=torch.uint8),
+     dict(type="float", strategy="group", group_size=32, dynamic=True),
+     "CompressedTensorsW8A8Mxfp8"),  # MXFP8: E8M0 (uint8) scales over 32 elements
+    (dict(type="float", strategy="group", group_size=32), None, None),  # float scales: not MX
     (dict(type="int", strategy="block", block_structure=[128, 128]),
      dict(type="int", strategy="token", dynamic=True), None),
 ])
