@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from fp8ptq.calibrators import registry as calibrators
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from fp8ptq.placement import parse_placement
 from fp8ptq.recipe import Recipe
 
 
@@ -34,13 +36,13 @@ _SPECS = [
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
          help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
-    _opt("--weight-calib", help="Weight calibrator: max|mse|cast, or gptq|gptq-mse (GPTQ "
-         "error-compensating rounding with max / MSE scales; needs calibration data) [max]."),
+    _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} [max]."),
     _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
          "diagonal [0.01]."),
     _opt("--gptq-act-order", is_flag=True, default=None,
          help="GPTQ: quantize columns in order of decreasing input energy."),
-    _opt("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
+    _opt("--act-calib",
+         help=f"Activation calibrator: {calibrators.help_text('activation')} [max]."),
     _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
     _opt("--rounding", type=click.Choice(ROUNDINGS),
          help="Rounding of weights (default: the format's own)."),
@@ -53,6 +55,10 @@ _SPECS = [
          help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
     _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
          "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    _opt("--rotate", type=click.Choice(["hadamard"]),
+         help="Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
+         "into the weights before calibration; norms folded, embeddings untied; standard "
+         "architecture (Llama/Qwen2/Mistral/Qwen3/GPT-2)."),
     _opt("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
          "pow2-search [-4,5]."),
     _opt("--bn-retune", is_flag=True, default=None,
@@ -145,8 +151,6 @@ def loading_options(f):
 
 def loading_from(kwargs: dict) -> dict:
     """Pops the ``loading_options`` flags into keyword arguments of ``job.load``."""
-    from fp8ptq.placement import parse_placement
-
     device_map, max_memory = kwargs.pop("device_map"), kwargs.pop("max_memory")
     folder = kwargs.pop("offload_folder")
     placement = None if device_map is None and max_memory is None else parse_placement(
@@ -193,7 +197,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"), pow2_range=parse_range(kwargs.pop("pow2_range")),
+        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"), pow2_range=parse_range(kwargs.pop("pow2_range")),
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),

@@ -82,8 +82,29 @@ class PerToken:
         return scale
 
 
+@dataclass(frozen=True)
+class PerGroup:
+    """Dynamic activation scales: one per ``size`` consecutive features of each token (the
+    last dim, i.e. the GEMM reduction dim), as FP8_BLOCK's ``group_size: 128`` activations and
+    MX's 32-value blocks. A partial last group covers the remaining features."""
+
+    size: int = 128
+    name = "group"
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        pad = (-n) % self.size
+        a = x.abs().float()
+        if pad:  # zeros are neutral for amax of |x|
+            a = torch.cat([a, a.new_zeros(*a.shape[:-1], pad)], dim=-1)
+        return a.reshape(*a.shape[:-1], -1, self.size).amax(dim=-1)
+
+    def expand(self, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return scale.repeat_interleave(self.size, dim=-1)[..., : x.shape[-1]]
+
+
 WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
-ACT_GRANULARITIES = ("tensor", "token")
+ACT_GRANULARITIES = ("tensor", "token")  # "group" (PerGroup) is not wired into QuantGemm yet
 
 
 def weight_granularity(name: str, block_size: int = 128):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .binades import binade_tables, exponent_field
 from .spec import FormatSpec
 
 _TORCH_FP8 = {
@@ -39,14 +40,13 @@ def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None =
         return _quantize_int(x, spec, rounding, generator)
     lay = spec.layout
     a = x.abs()
-    _, frexp_exp = torch.frexp(a)
-    binade = (frexp_exp - 1).clamp_(lay.e_lo, lay.e_hi)
-    step_log2 = lay.step_log2.to(x.device)[(binade - lay.e_lo).long()]
-    y = torch.ldexp(a, -step_log2)  # exact: multiplication by a power of two
+    field = exponent_field(a)
+    t = binade_tables(spec).to(x.device)
+    y = a * t.inv_step[field]  # exact: multiplication by a power of two
     whole = torch.floor(y)
     frac = y - whole  # exact for the |y| < 2^24 that matter
-    up = _round_up(whole, frac, rounding, src, frexp_exp - 1, generator)
-    q = torch.ldexp(whole + up, step_log2)
+    up = _round_up(whole, frac, rounding, src, field - 127, generator)
+    q = (whole + up) * t.step[field]
     overflow = q > lay.max
     if saturate:
         q = torch.where(overflow, torch.full_like(q, lay.max), q)
@@ -69,7 +69,7 @@ def _round_up(whole, frac, rounding, src, src_exponent, generator):
     elif rounding == "stochastic":
         up = torch.rand(frac.shape, generator=generator, device=frac.device) < frac
     elif rounding == "hybrid":
-        # Seed 003 eq. (3): round half away where the source exponent |E| < 4, simplified
+        # Luo et al. 2024 eq. (3): round half away where the source exponent |E| < 4, simplified
         # stochastic rounding (SR14 for fp32 sources, SR2 for fp16/bf16) elsewhere.
         up = torch.where(src_exponent.abs() < 4, frac >= 0.5, _simplified_sr(frac, src))
     else:
@@ -78,7 +78,7 @@ def _round_up(whole, frac, rounding, src, src_exponent, generator):
 
 
 def _simplified_sr(frac, src):
-    """Seed 003 Fig. 2: the threshold comes from the source's own low bits, no RNG.
+    """Luo et al. 2024 Fig. 2: the threshold comes from the source's own low bits, no RNG.
 
     SR14 (fp32): fraction F14 = the 14 most significant discarded bits, threshold T14 = the 14
     least significant bits of the fp32 pattern. SR2 (fp16/bf16): F2 = the 2 most significant
@@ -116,9 +116,36 @@ def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
     if not spec.is_float:
         return q.to(torch.int8).view(torch.uint8) if spec.bits == 8 else (
             q.to(torch.int64) & (spec.num_codes - 1)).to(torch.uint8)
+    code = _grid_codes(q, spec)
+    negative = torch.signbit(q) & ((q != 0) | lay.has_negative_zero)
+    code = torch.where(negative, code | lay.sign_bit, code)
+    if lay.has_inf:
+        code = torch.where(q == torch.inf, lay.inf_code, code)
+        code = torch.where(q == -torch.inf, lay.inf_code | lay.sign_bit, code)
+    if lay.has_nan:
+        code = torch.where(torch.isnan(q), lay.nan_code, code)
+    return code.to(torch.uint8)
+
+
+def _grid_codes(q: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+    """Code of each magnitude of grid values ``q`` (non-finite -> code of 0): the rank of
+    ``|q|`` among the grid's magnitudes is arithmetic within its binade, no search."""
+    t = binade_tables(spec).to(q.device)
+    a = torch.where(torch.isfinite(q), q.abs(), 0.0)
+    field = exponent_field(a)
+    rank = (a - t.first[field]).mul_(t.inv_step[field]).add_(t.first_rank[field])
+    return t.codes[rank.long()]
+
+
+def encode_reference(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
+    """``encode`` by binary search over the sorted grid (the original codec): slow, kept as
+    the reference the fast path is tested against."""
+    lay = spec.layout
+    q = quantize_values(x, spec, **kwargs)
+    if not spec.is_float:
+        return encode(x, spec, **kwargs)
     mags = lay.magnitudes.to(q.device)
-    finite = torch.isfinite(q)
-    idx = torch.searchsorted(mags, torch.where(finite, q.abs(), 0.0).contiguous())
+    idx = torch.searchsorted(mags, torch.where(torch.isfinite(q), q.abs(), 0.0).contiguous())
     code = lay.magnitude_codes.to(q.device)[idx.clamp_(max=len(mags) - 1)]
     negative = torch.signbit(q) & ((q != 0) | lay.has_negative_zero)
     code = torch.where(negative, code | lay.sign_bit, code)

@@ -1,0 +1,270 @@
+"""Sequential (block-by-block) quantization: memory is a function of one block, not the model.
+
+The model is built without weights (accelerate's ``init_empty_weights``: parameters on the meta
+device); everything outside the repeated blocks (embeddings, final norm, head) is loaded from the
+source safetensors, the calibration batches run once up to block 0 (a pre-hook records its
+inputs and stops the forward), then for each block: load its tensors -> run ``quantize_model`` on
+that block alone with the recorded inputs as its calibration batches (so every calibrator,
+best-of, pow2-search, SmoothQuant, GPTQ, taps, works per block unchanged) -> run the batches
+through the block for the next block's inputs (``propagate="quantized"``: through the quantized
+block, the error propagates as at inference; ``"fp"``: the unquantized outputs, which makes the
+result bit-identical to the in-memory pipeline) -> release the block's float weights.
+
+Inter-block activations live in an ``ActivationStore``: in memory up to a byte budget, spilled
+to memory-mapped files beyond it (in the output's temporary folder).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from .errors import DataError, UsageError
+from .loading import model_class
+from .model.blocks import block_prefix, find_blocks
+from .pipeline import QuantizeResult, high_precision_report, plan_targets, quantize_model
+from .recipe import Recipe
+
+
+class ActivationStore:
+    """Tensors by index, in memory up to ``budget_bytes`` then in memory-mapped files under
+    ``spill_dir``. ``spilled`` counts what went to disk (tests assert it)."""
+
+    def __init__(self, budget_bytes: int, spill_dir: str | Path | None = None):
+        self.budget = budget_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir else None
+        self.items: dict[int, object] = {}
+        self.resident_bytes = 0
+        self.spilled = 0
+        self._tmp = None
+
+    def put(self, index: int, t: torch.Tensor) -> None:
+        t = t.detach().contiguous()
+        n = t.numel() * t.element_size()
+        if self.resident_bytes + n <= self.budget:
+            self.items[index] = t.clone()
+            self.resident_bytes += n
+            return
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fp8ptq-act-", dir=self.spill_dir)
+        path = Path(self._tmp.name) / f"{index}.bin"
+        raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+        raw.reshape(-1).numpy().tofile(path)
+        self.items[index] = (path, t.dtype, tuple(t.shape))
+        self.spilled += 1
+
+    def get(self, index: int) -> torch.Tensor:
+        item = self.items[index]
+        if isinstance(item, torch.Tensor):
+            return item
+        path, dtype, shape = item
+        raw = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r").copy())
+        return raw.view(dtype).reshape(shape)
+
+    def __len__(self):
+        return len(self.items)
+
+    def close(self) -> None:
+        self.items.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class SafetensorsSource:
+    """Tensor name -> file of a (sharded) safetensors checkpoint folder; tensors are read one
+    at a time, so loading a block reads only that block's bytes."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {k: self.folder / v for k, v in weight_map.items()}
+        else:
+            single = self.folder / "model.safetensors"
+            if not single.is_file():
+                raise DataError(f"{folder}: no model.safetensors(.index.json); sequential mode "
+                                "reads safetensors checkpoints")
+            with safe_open(single, "pt") as f:
+                self.files = {k: single for k in f.keys()}
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for path, ns in by_file.items():
+            with safe_open(path, "pt") as f:
+                out.update({n: f.get_tensor(n) for n in ns})
+        return out
+
+
+class BlockLoader:
+    """Loads model tensors from a ``SafetensorsSource`` into a meta-built model and releases
+    them; counts how many blocks hold float weights at once (``max_resident``)."""
+
+    def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
+        self.model, self.source, self.dtype = model, source, dtype
+        self.resident: set[int] = set()
+        self.max_resident = 0
+        self.bytes_read = 0
+
+    def load_prefix(self, prefix: str, exclude: str | None = None) -> None:
+        names = [n for n in self.source.names() if n.startswith(prefix)
+                 and not (exclude and n.startswith(exclude))]
+        params = dict(self.model.named_parameters())
+        buffers = dict(self.model.named_buffers())
+        for name, t in self.source.read([n for n in names if n in params or n in buffers]).items():
+            t = t.to(self.dtype) if t.is_floating_point() else t
+            self.bytes_read += t.numel() * t.element_size()
+            set_module_tensor_to_device(self.model, name, "cpu", value=t)
+
+    def load_block(self, index: int, prefix: str) -> None:
+        self.load_prefix(prefix)
+        self.resident.add(index)
+        self.max_resident = max(self.max_resident, len(self.resident))
+
+    def release_block(self, index: int) -> None:
+        self.resident.discard(index)
+
+
+def build_empty(folder: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The model's architecture from its config, parameters on the meta device."""
+    config = AutoConfig.from_pretrained(folder)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config).from_config(config, dtype=dtype)
+    return model.eval()
+
+
+class _Stop(Exception):
+    pass
+
+
+def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
+                         store: ActivationStore) -> list[dict]:
+    """Run every batch up to ``block``; the hidden states go to ``store``, the other keyword
+    arguments (masks, positions, rotary embeddings) are returned per batch."""
+    kwargs_list: list[dict] = []
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        store.put(len(kwargs_list), hidden)
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value",
+                                                            "layer_past", "cache_position")}
+        kw["use_cache"] = False
+        kwargs_list.append(kw)
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                try:
+                    model(**batch, use_cache=False) if isinstance(batch, dict) else model(batch)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    return kwargs_list
+
+
+def _run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict],
+               out: ActivationStore) -> None:
+    with torch.inference_mode():
+        for i, kw in enumerate(kwargs_list):
+            y = block(store.get(i), **kw)
+            out.put(i, y[0] if isinstance(y, tuple) else y)
+
+
+def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
+                        propagate: str = "quantized", activation_budget: int = 1 << 30,
+                        spill_dir: str | Path | None = None, progress=None):
+    """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
+    ``QuantizeResult`` (the model holds the quantized blocks) and the ``BlockLoader`` (for its
+    residency counters)."""
+    if propagate not in ("quantized", "fp"):
+        raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
+    if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
+        raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
+                         "(not sequential mode)")
+    dtype = getattr(torch, recipe.dtype)
+    model = build_empty(folder, dtype)
+    found = find_blocks(model)
+    if found is None:
+        raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "
+                         "layers); this one has none")
+    list_name, blocks = found
+    source = SafetensorsSource(folder)
+    loader = BlockLoader(model, source, dtype)
+    loader.load_prefix("", exclude=f"{list_name}.")
+    model.tie_weights()
+    meta = [n for n, p in model.named_parameters()
+            if p.is_meta and not n.startswith(f"{list_name}.")]
+    if meta:
+        raise DataError(f"{folder}: tensors missing from the checkpoint: {', '.join(meta[:5])}")
+
+    targets, skipped = plan_targets(model, recipe)
+    outside = [t.name for t in targets if not t.name.startswith(f"{list_name}.")]
+    if outside:
+        raise UsageError(f"sequential mode quantizes GEMMs inside the repeated blocks; "
+                         f"{', '.join(outside)} is outside them (drop --quantize-lm-head or "
+                         "use the in-memory pipeline)")
+    times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
+    t0 = time.perf_counter()
+    store = ActivationStore(activation_budget, spill_dir)
+    kwargs_list = capture_block_inputs(model, blocks[0], batches or [], store)
+    times["calibrate"] += time.perf_counter() - t0
+
+    reports, stats, warnings, extras = [], {}, [], {"blocks": {}}
+    for i, block in enumerate(blocks):
+        prefix = block_prefix(list_name, i)
+        loader.load_block(i, prefix)
+        t0 = time.perf_counter()
+        local_skip = [n[len(prefix):] for n in skipped if n.startswith(prefix)]
+        block_recipe = recipe.merged(keep_first_last=False, quantize_lm_head=True,
+                                     skip=list(recipe.skip) + local_skip)
+        if not block_recipe.skip:
+            block_recipe.skip = []
+        nxt = ActivationStore(activation_budget, spill_dir)
+        if propagate == "fp" and kwargs_list:
+            _run_block(block, store, kwargs_list, nxt)
+        block_batches = [{"hidden_states": store.get(j), **kw} for j, kw in enumerate(kwargs_list)]
+        has_targets = bool(plan_targets(block, block_recipe)[0])
+        if has_targets:
+            result = quantize_model(block, block_recipe, block_batches or None, progress=progress)
+            for r in result.modules:
+                r.name = prefix + r.name
+                reports.append(r)
+            stats.update({prefix + k: v for k, v in result.stats.items()})
+            warnings += [prefix + w for w in result.warnings]
+            extras["blocks"][str(i)] = {k: v for k, v in result.extras.items()
+                                        if k != "high_precision"}
+            for k, v in result.seconds.items():
+                times[k] = times.get(k, 0.0) + v
+        del block_batches
+        if propagate == "quantized" and kwargs_list:
+            _run_block(block, store, kwargs_list, nxt)
+        store.close()
+        store = nxt
+        loader.release_block(i)
+        times["calibrate"] += 0.0 * (time.perf_counter() - t0)
+    store.close()
+    extras["high_precision"] = high_precision_report(model)
+    extras["sequential"] = {"blocks": len(blocks), "block_list": list_name,
+                            "propagate": propagate, "max_resident_blocks": loader.max_resident,
+                            "activation_budget": activation_budget}
+    return QuantizeResult(model, reports, skipped, stats, times, warnings, extras), loader

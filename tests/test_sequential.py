@@ -1,0 +1,113 @@
+"""Sequential (block-by-block) quantization: bit-identical to the in-memory pipeline with
+``propagate='fp'``, at most two blocks resident, activations spilled under a tiny budget."""
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
+                          OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+from fp8ptq.model.blocks import find_blocks
+from fp8ptq.pipeline import quantize_model, token_batches
+from fp8ptq.qmodules import QuantGemm
+from fp8ptq.recipe import Recipe
+from fp8ptq.sequential import ActivationStore, quantize_sequential
+
+VOCAB = 128
+IDS = torch.randint(2, VOCAB, (6, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _tiny(arch):
+    torch.manual_seed(0)
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=128))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=128))
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4,
+                                          bos_token_id=0, eos_token_id=0))
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=1))
+
+
+def _saved(arch, tmp_path):
+    model = _tiny(arch).eval()
+    folder = tmp_path / arch
+    model.save_pretrained(folder, max_shard_size="100KB")  # sharded: blocks span files
+    return folder
+
+
+def _quant_state(model):
+    return {f"{n}.{b}": t for n, m in model.named_modules() if isinstance(m, QuantGemm)
+            for b, t in m.named_buffers(recurse=False) if t is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
+def test_sequential_fp_propagation_is_bit_identical(arch, tmp_path):
+    folder = _saved(arch, tmp_path)
+    recipe = Recipe(dtype="float32", act_calib="best")
+    batches = list(token_batches(IDS, 3))
+    ref = type(_tiny(arch)).from_pretrained(folder, dtype=torch.float32).eval()
+    quantize_model(ref, recipe, batches)
+    result, loader = quantize_sequential(folder, recipe, batches, propagate="fp")
+    want, got = _quant_state(ref), _quant_state(result.model)
+    assert want and set(want) == set(got)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert loader.max_resident <= 2
+    assert result.extras["sequential"]["blocks"] == 3
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=IDS).logits, result.model(input_ids=IDS).logits)
+
+
+def test_spill_under_tiny_budget_gives_the_same_result(tmp_path, monkeypatch):
+    folder = _saved("llama", tmp_path)
+    recipe = Recipe(dtype="float32")
+    batches = list(token_batches(IDS, 2))
+    spilled = []
+    real_close = ActivationStore.close
+
+    def close(self):
+        spilled.append(self.spilled)
+        real_close(self)
+
+    monkeypatch.setattr(ActivationStore, "close", close)
+    big, _ = quantize_sequential(folder, recipe, batches, propagate="fp")
+    assert sum(spilled) == 0
+    tiny, _ = quantize_sequential(folder, recipe, batches, propagate="fp", activation_budget=0,
+                                  spill_dir=tmp_path)
+    assert sum(spilled) >= 3 * len(batches)
+    a, b = _quant_state(big.model), _quant_state(tiny.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_quantized_propagation_differs_and_stays_close(tmp_path):
+    folder = _saved("llama", tmp_path)
+    recipe = Recipe(dtype="float32")
+    batches = list(token_batches(IDS, 3))
+    fp, _ = quantize_sequential(folder, recipe, batches, propagate="fp")
+    q, _ = quantize_sequential(folder, recipe, batches, propagate="quantized")
+    a, b = _quant_state(fp.model), _quant_state(q.model)
+    block0 = [k for k in a if ".layers.0." in k and k.endswith("input_scale")]
+    later = [k for k in a if ".layers.2." in k and k.endswith("input_scale")]
+    assert all(torch.equal(a[k], b[k]) for k in block0)  # block 0 sees the same inputs
+    assert any(not torch.equal(a[k], b[k]) for k in later)  # later blocks see quantized error
+    assert all(torch.allclose(a[k], b[k], rtol=0.2) for k in later)
+
+
+def test_find_blocks_is_generic():
+    assert find_blocks(_tiny("llama"))[0] == "model.layers"
+    assert find_blocks(_tiny("gpt2"))[0] == "transformer.h"
+    assert find_blocks(_tiny("opt"))[0] == "model.decoder.layers"
+
+
+def test_activation_store_round_trips_bfloat16(tmp_path):
+    s = ActivationStore(0, tmp_path)
+    t = torch.randn(3, 5).to(torch.bfloat16)
+    s.put(0, t)
+    assert s.spilled == 1 and torch.equal(s.get(0), t)
+    s.close()
