@@ -28,20 +28,28 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path.home() / ".cache/fp8ptq-bench/llmc-venv"
 LLMC_VERSION = "0.14.0.1"
 SCHEMES = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "GPTQ-FP8")
 
-# Runs inside the llm-compressor venv: argv = hf_dir, scheme, out_dir, calib_file, n, seq_len.
+# Runs inside the llm-compressor venv: argv = hf_dir, scheme, out_dir, calib_file, n, seq_len,
+# wikitext file, articles. After oneshot the model simulates its scheme (compressed-tensors'
+# fake-quantized weights *and* activations in forward), and fp8ptq's own evaluation code
+# (imported from this checkout through PYTHONPATH) scores it: the same harness as fp8ptq's rows.
+# Reloading the saved folder instead would go through transformers' compressed-tensors loader,
+# which on CPU decompresses the weights and drops activation quantization.
 CHILD = r'''
 import json, resource, sys, time
 t0 = time.perf_counter()
+from evals import run_tasks
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
-hf, scheme, out, calib, n, seq = sys.argv[1:7]
+hf, scheme, out, calib, n, seq, wiki, articles = sys.argv[1:9]
 n, seq = int(n), int(seq)
 model = AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
 tok = AutoTokenizer.from_pretrained(hf)
@@ -55,10 +63,13 @@ else:
 kw = {} if scheme in ("FP8_DYNAMIC", "FP8_BLOCK") else dict(
     dataset=ds, num_calibration_samples=n, max_seq_length=seq)
 oneshot(model=model, recipe=recipe, **kw)
+seconds = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+res = run_tasks(model, tok, ["wikitext"], data={"wikitext": wiki}, limit=int(articles),
+                seq_len=2048)
 model.save_pretrained(out, save_compressed=True)
 tok.save_pretrained(out)
-json.dump({"seconds": time.perf_counter() - t0,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+json.dump({"seconds": seconds, "peak_rss_mb": rss, "metrics": res.metrics},
           open(out + "/llmc_run.json", "w"))
 '''
 
@@ -90,17 +101,24 @@ def hf_folder(gguf: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype="float32")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.save_pretrained(out)
+    # transformers refuses to save a GGUF-loaded model; rebuild a plain one from its config.
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
-def run_llmc(py: Path, hf: Path, scheme: str, out: Path, calib: Path, n: int, seq: int) -> dict:
+def run_llmc(py: Path, hf: Path, scheme: str, out: Path, calib: Path, n: int, seq: int,
+             wiki: Path, articles: int) -> dict:
     dest = out / f"llmc-{scheme}"
     if not (dest / "llmc_run.json").exists():
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
         subprocess.run([str(py), "-c", CHILD, str(hf), scheme, str(dest), str(calib), str(n),
-                        str(seq)], check=True, env=env)
+                        str(seq), str(wiki), str(articles)], check=True, env=env)
     return {"scheme": scheme, "path": str(dest),
             **json.loads((dest / "llmc_run.json").read_text())}
 
@@ -124,15 +142,16 @@ def main() -> None:
     n = 8 if args.quick else 32
     hf = hf_folder(assets / "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
                    out / "smollm2-hf")
-    runs = [run_llmc(py, hf, s, out, calib, n, 512) for s in args.schemes.split(",")]
+    wiki, articles = assets / "wikitext-2-raw/wiki.test.raw", 1 if args.quick else 5
+    runs = [run_llmc(py, hf, s, out, calib, n, 512, wiki, articles)
+            for s in args.schemes.split(",")]
     for r in runs:
-        print(f"llm-compressor {r['scheme']}: {r['seconds']:.1f} s, peak RSS "
-              f"{r['peak_rss_mb']:.0f} MB (shared machine: noisy)")
+        print(f"llm-compressor {r['scheme']}: quantize {r['seconds']:.1f} s, peak RSS "
+              f"{r['peak_rss_mb']:.0f} MB (shared machine: noisy), {r['metrics']}")
     report = Path(args.json) if args.json else out / "compare.json"
     cmd = [sys.executable, "-m", "fp8ptq.cli", "eval", str(hf), "--tasks", "wikitext",
-           "--data", f"wikitext={assets / 'wikitext-2-raw/wiki.test.raw'}",
-           "--limit", "1" if args.quick else "5", "--seq-len", "2048",
-           "--compare", ",".join(["e4m3", *(r["path"] for r in runs)]),
+           "--data", f"wikitext={wiki}", "--limit", str(articles), "--seq-len", "2048",
+           "--compare", "e4m3",
            "--calib-data", str(calib), "--num-samples", str(n), "--calib-seq-len", "512",
            "--act-calib", "best", "--json", str(report)]
     t0 = time.perf_counter()
