@@ -1,10 +1,10 @@
-"""Trans-precision inference of a small CNN (seed 002 sec 3 / Table 1 analogue): accuracy of a
-MobileNet-style CNN trained on scikit-learn's digits, fp32 vs quantized, per format and scales.
+"""Trans-precision inference of a small CNN (Sun et al. 2019 sec 3 / Table 1 analogue): accuracy
+of a MobileNet-style CNN trained on scikit-learn's digits, fp32 vs quantized, per format and scales.
 
     python benchmarks/digits_cnn.py [--seeds 0,1,2] [--formats e4m3,hfp8,e5m2,e2m3fn,e4m0fn]
                                     [--calib-images 512] [--json PATH]
 
-Scales: ``cast`` = direct cast, scale 1 (no calibration: seed 002's trans-precision inference);
+Scales: ``cast`` = direct cast, scale 1 (no calibration: Sun et al.'s trans-precision inference);
 ``max`` = calibrated max scales (per-channel weights, per-tensor activations). Variants:
 ``direct``; ``+BN`` BatchNorm statistics re-tuned with quantization active (--bn-retune);
 ``+DW`` depthwise convolutions kept in high precision (--keep-depthwise); ``+BN+DW`` both;

@@ -160,9 +160,11 @@ def render(exps: dict, s, plt) -> str:
     wt = [WORD_PPL, TOKEN_PPL]
     wt_names = ["word ppl", "token ppl"]
     parts = [HEADER]
-    parts.append(section(exps["table5_smollm2"], s, "Seed 000 Table 5 analogue: SmolLM2-135M, "
-                         "WikiText-2", TABLE5_TEXT, wt, wt_names))
-    parts.append(section(exps["table5_minilm"], s, "Seed 000 Table 5 analogue: MiniLM SQuAD",
+    parts.append(section(exps["table5_smollm2"], s,
+                         "Micikevicius et al. 2022 Table 5 analogue: SmolLM2-135M, WikiText-2",
+                         TABLE5_TEXT, wt, wt_names))
+    parts.append(section(exps["table5_minilm"], s,
+                         "Micikevicius et al. 2022 Table 5 analogue: MiniLM SQuAD",
                          SQUAD_TEXT, ["squad.exact_match", "squad.f1"], ["EM", "F1"]))
     parts.append(section(exps["format_sweep"], s, "Format sweep", SWEEP_TEXT, wt, wt_names))
     png = sweep_plot(exps["format_sweep"], figs / "format_sweep.png", plt)
@@ -174,10 +176,11 @@ def render(exps: dict, s, plt) -> str:
                  "\n\n```bash\n"
                  + "\n".join(cmds) + "\n```\n\n")
     t8 = exps["table8_hif8_cast"]
-    parts.append(section(t8, s, "Seed 003 Table 8 analogue: HiF8 direct cast vs power-of-two "
-                         "scaling vs SmoothQuant", TABLE8_TEXT, wt, wt_names))
-    parts.append(section(exps["fig2_bias_sweep"], s, "Seed 000 Figure 2 analogue: exponent-bias "
-                         "sweep without calibration", FIG2_TEXT, wt, wt_names))
+    parts.append(section(t8, s, "Luo et al. 2024 Table 8 analogue: HiF8 direct cast vs "
+                         "power-of-two scaling vs SmoothQuant", TABLE8_TEXT, wt, wt_names))
+    parts.append(section(exps["fig2_bias_sweep"], s,
+                         "Micikevicius et al. 2022 Figure 2 analogue: exponent-bias sweep "
+                         "without calibration", FIG2_TEXT, wt, wt_names))
     parts.append(section(exps["fig2_bias_sweep_residual"], s, "... with residual inputs "
                          "quantized too", "", wt, wt_names))
     png = bias_plot(exps["fig2_bias_sweep"], exps["fig2_bias_sweep_residual"],
@@ -191,7 +194,8 @@ def render(exps: dict, s, plt) -> str:
 
 
 def digits_section(exp, s) -> str:
-    head = "## Seed 002 Table 1 analogue: digits CNN with BatchNorm re-tuning\n\n" + DIGITS_TEXT
+    head = ("## Sun et al. 2019 Table 1 analogue: digits CNN with BatchNorm re-tuning\n\n"
+            + DIGITS_TEXT)
     if not exp.result:
         return head + f"\n\n_not run yet_ (`{command(exp, s)}`)\n\n"
     rows = exp.result["rows"]
@@ -244,9 +248,9 @@ per-channel weight scales, static per-tensor activation scales, bf16 model. The 
 the 2 cores and their times are inflated (the format sweep and the calibrator runs ran alone).
 
 """
-TABLE5_TEXT = ("Baseline vs int8 vs E4M3 with the recipe of seed 000 sec 4.2: per-channel "
-               "weights, per-tensor activations, each activation's clip range the best of "
-               "max / percentile / MSE by that layer's output error (`--act-calib best`).")
+TABLE5_TEXT = ("Baseline vs int8 vs E4M3 with the recipe of Micikevicius et al. 2022 sec 4.2: "
+               "per-channel weights, per-tensor activations, each activation's clip range the "
+               "best of max / percentile / MSE by that layer's output error (`--act-calib best`).")
 SQUAD_TEXT = ("The same recipe on the extractive-QA MiniLM (fp16 weights, run in bf16; its "
               "README gives EM 54.8 / F1 67.6 on the full held-out split in fp32).")
 SWEEP_TEXT = ("Every format under the same recipe (max calibration). What it shows: the 3-bit "
@@ -264,23 +268,23 @@ CALIB_TEXT = ("What each activation calibrator buys on SmolLM2-135M, whose activ
               "layer output) is the only method that beats max for e4m3. For int8 the order "
               "reverses: MSE and best-of clip and help a lot, SmoothQuant helps, the power-of-two "
               "search (whose grid is too coarse for int8) hurts. SmoothQuant (alpha 0.5) does "
-              "not help the FP8 formats here; seed 003's gains were on models whose outliers "
+              "not help the FP8 formats here; Luo et al.'s gains were on models whose outliers "
               "exceed the format range, which does not happen with per-tensor scales. Costs: "
               "the calibrate+quantize column (same 32 x 512 tokens; max ~14 s).")
 TABLE8_TEXT = ("HiF8 direct cast (scale 1 for weights and activations, no calibration), against "
-               "the calibrated rows of the calibrator table (`max`, `pow2-search` = seed 003 "
-               "Algorithm 1, `smoothquant`). As in seed 003, HiF8's wide range makes the direct "
-               "cast usable without any calibration (+4.9% here), and the per-tensor "
+               "the calibrated rows of the calibrator table (`max`, `pow2-search` = Luo et al. "
+               "2024 Algorithm 1, `smoothquant`). As in Luo et al. 2024, HiF8's wide range makes "
+               "the direct cast usable without any calibration (+4.9% here), and the per-tensor "
                "power-of-two search (Algorithm 1) brings it to +3.2%, slightly better than max "
                "calibration (+3.4%); SmoothQuant does not help on this model.")
 FIG2_TEXT = ("No calibration (scale 1): E4M3 with its exponent bias shifted, which moves the "
              "whole representable range by powers of two (bias 3: max 7168; bias 11: max 28); "
              "GEMM inputs only, then GEMM and residual-add inputs (`--quantize-residual`). First "
-             "article only. Like seed 000 Figure 2, GEMM-only casting works across a range of "
-             "biases and fails when the range is too small (bias 11). Unlike the paper, "
-             "quantizing the residual stream breaks SmolLM2 at every bias: its residual stream "
-             "carries massive activations (thousands) next to small values, and e4m3 cannot "
-             "hold both; the paper's models did not have such outliers.")
+             "article only. Like Micikevicius et al. 2022 Figure 2, GEMM-only casting works "
+             "across a range of biases and fails when the range is too small (bias 11). Unlike "
+             "the paper, quantizing the residual stream breaks SmolLM2 at every bias: its "
+             "residual stream carries massive activations (thousands) next to small values, and "
+             "e4m3 cannot hold both; the paper's models did not have such outliers.")
 DIGITS_TEXT = ("A MobileNet-style CNN (BatchNorm, depthwise convolutions) trained on "
                "scikit-learn's digits (seconds on CPU), accuracy on the held-out split, mean of 3 "
                "training seeds. direct = quantized; bn = + BatchNorm re-tuning on 512 unlabeled "

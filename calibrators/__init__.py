@@ -1,34 +1,56 @@
-"""Calibrators: turn the statistics of one calibration pass into clip ranges (amax)."""
+"""Calibrators: turn the statistics of one calibration pass into clip ranges (amax).
 
-from fp8ptq.errors import UsageError
+Every calibrator is an entry of ``registry`` (its kind, its options); the built-in ones are
+registered here. ``activation_calibrator`` / ``weight_calibrator`` build statistics calibrators
+by name.
+"""
 
+from . import layerwise, registry
 from .max import CastCalibrator, MaxCalibrator, MaxWeightCalibrator
 from .mse import MseCalibrator, MseWeightCalibrator
 from .percentile import PercentileCalibrator
+from .registry import LAYER_AWARE, STATISTICS, CalibratorEntry, register
 
-ACTIVATION_CALIBRATORS = {"max": MaxCalibrator, "percentile": PercentileCalibrator,
-                          "mse": MseCalibrator, "cast": CastCalibrator}
-# Layer-output-aware activation calibrators (they need row samples and the weight):
-# implemented in ``layerwise``, listed here so names validate in one place.
-LAYERWISE_CALIBRATORS = ("best", "pow2-search")
-WEIGHT_CALIBRATORS = {"max": MaxWeightCalibrator, "mse": MseWeightCalibrator,
-                      "cast": CastCalibrator,
-                      # GPTQ (``gptq.py``): scales from max / MSE, then the error-compensating
-                      # column sweep over the calibration inputs' Hessian
-                      "gptq": MaxWeightCalibrator, "gptq-mse": MseWeightCalibrator}
-GPTQ_CALIBRATORS = ("gptq", "gptq-mse")
+_PERCENTILE = {"percentile": "percentile of |x| to clip at, in (0, 100]"}
+_POW2 = {"pow2_range": "exponents LOW,HIGH searched around the base scale"}
+_GPTQ = {"gptq_damp": "dampening, a fraction of the Hessian's mean diagonal",
+         "gptq_act_order": "columns in order of decreasing input energy",
+         "gptq_block": "lazy-update block (columns)"}
+
+register(CalibratorEntry("max", "activation", factory=MaxCalibrator))
+register(CalibratorEntry("percentile", "activation", factory=PercentileCalibrator,
+                         options=_PERCENTILE))
+register(CalibratorEntry("mse", "activation", factory=MseCalibrator))
+register(CalibratorEntry("cast", "activation", factory=CastCalibrator, help="scale 1"))
+register(CalibratorEntry("best", "activation", LAYER_AWARE, choose=layerwise.choose_best,
+                         options=_PERCENTILE, fallback="max"))
+register(CalibratorEntry("pow2-search", "activation", LAYER_AWARE,
+                         choose=layerwise.choose_pow2_search, options=_POW2, fallback="max"))
+register(CalibratorEntry("max", "weight", factory=MaxWeightCalibrator))
+register(CalibratorEntry("mse", "weight", factory=MseWeightCalibrator))
+register(CalibratorEntry("cast", "weight", factory=CastCalibrator, help="scale 1"))
+# GPTQ (``gptq.py``): scales from max / MSE, then the error-compensating column sweep over the
+# calibration inputs' Hessian -- so these read calibration data
+for _name, _scales in (("gptq", MaxWeightCalibrator), ("gptq-mse", MseWeightCalibrator)):
+    register(CalibratorEntry(_name, "weight", factory=_scales, options=_GPTQ, rounding="gptq",
+                             reads_data=True))
+
+# Views of the registry kept for callers that list names.
+ACTIVATION_CALIBRATORS = registry.names("activation", STATISTICS)
+LAYERWISE_CALIBRATORS = registry.names("activation", LAYER_AWARE)
+WEIGHT_CALIBRATORS = registry.names("weight")
+GPTQ_CALIBRATORS = tuple(n for n in WEIGHT_CALIBRATORS
+                         if registry.weight_entry(n).rounding == "gptq")
 
 
 def activation_calibrator(name: str, **options):
-    if name not in ACTIVATION_CALIBRATORS:
-        raise UsageError(f"unknown activation calibrator {name!r}; valid: "
-                         f"{', '.join([*ACTIVATION_CALIBRATORS, *LAYERWISE_CALIBRATORS])}")
-    cls = ACTIVATION_CALIBRATORS[name]
-    return cls(**options) if name == "percentile" else cls()
+    """A statistics activation calibrator; ``options`` outside its schema are ignored."""
+    return registry.activation_entry(name).build(**options)
 
 
-def weight_calibrator(name: str):
-    if name not in WEIGHT_CALIBRATORS:
-        raise UsageError(f"unknown weight calibrator {name!r}; valid: "
-                         f"{', '.join(WEIGHT_CALIBRATORS)}")
-    return WEIGHT_CALIBRATORS[name]()
+def weight_calibrator(name: str, **options):
+    return registry.weight_entry(name).build(**options)
+
+
+__all__ = ["activation_calibrator", "weight_calibrator", "registry", "CalibratorEntry",
+           "register", "STATISTICS", "LAYER_AWARE"]

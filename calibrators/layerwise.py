@@ -1,15 +1,16 @@
 """Calibrators that judge a scale by the error of the layer's OUTPUT, not its input.
 
-- ``best`` (seed 000 sec 4.2): per GEMM, the max, percentile and MSE input scales from the one
-  calibration pass compete; the one whose quantized output (quantized input x quantized weight)
-  is closest to the high-precision output on sampled input rows wins.
-- ``pow2-search`` (seed 003 Algorithm 1): layer by layer in forward order, search power-of-two
-  scales 2^-Ea for the input and 2^-Ew for the weight (Ea, Ew in ``recipe.pow2_range``) that
-  minimise the MSE of the layer output against the high-precision output, while every layer is
-  fed the quantized output of the layers before it. For formats whose precision is uniform across
-  the range (not HiF8) the exponents are searched around the power-of-two max scale instead of
-  around 1, so that the same range suits E4M3's max of 448 and int8's 127. With per-channel or
-  block weights only Ea is searched; the weight keeps its calibrated scales.
+- ``best`` (Micikevicius et al. 2022 sec 4.2): per GEMM, the max, percentile and MSE input
+  scales from the one calibration pass compete; the one whose quantized output (quantized input
+  x quantized weight) is closest to the high-precision output on sampled input rows wins.
+- ``pow2-search`` (Luo et al. 2024 Algorithm 1): layer by layer in forward order, search
+  power-of-two scales 2^-Ea for the input and 2^-Ew for the weight (Ea, Ew in
+  ``recipe.pow2_range``) that minimise the MSE of the layer output against the high-precision
+  output, while every layer is fed the quantized output of the layers before it. For formats
+  whose precision is uniform across the range (not HiF8) the exponents are searched around the
+  power-of-two max scale instead of around 1, so that the same range suits E4M3's max of 448 and
+  int8's 127. With per-channel or block weights only Ea is searched; the weight keeps its
+  calibrated scales.
 
 Both read the row samples kept by the single statistics pass (``StatsCollector``); the search
 also runs the first calibration batch once more. Convolutions compare input error instead of
@@ -25,11 +26,12 @@ import torch
 
 from fp8ptq.formats import fake_quantize
 from fp8ptq.granularity import PerTensor
+from fp8ptq.model.forward import run_batch
 from fp8ptq.model.gemm import CONV_TYPES, input_channel_dim, weight_2d, weight_from_2d
 from fp8ptq.observers import sample_rows
 from fp8ptq.scales import amax_to_scale
 
-from . import activation_calibrator
+from .registry import activation_entry
 
 
 @dataclass
@@ -43,10 +45,23 @@ class LayerChoice:
 
 
 def choose_layerwise(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
+    """Run the layer-aware calibrator ``recipe.act_calib`` names (dispatched by its registry
+    entry) on every target with a static input; ``{module name: LayerChoice}``."""
+    choose = activation_entry(recipe.act_calib).choose
+    if choose is None:
+        raise ValueError(f"{recipe.act_calib!r} is not a layer-aware calibrator")
     targets = [t for t in targets if t.act_format is not None and t.name in samples]
-    if recipe.act_calib == "best":
-        return {t.name: _best_of(t, stats[t.name], samples[t.name], recipe, gran, w_calib)
-                for t in targets}
+    return choose(model, targets, stats, samples, recipe, gran, w_calib, batches)
+
+
+def choose_best(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
+    """``best``: the statistics calibrators compete per layer on its output error."""
+    return {t.name: _best_of(t, stats[t.name], samples[t.name], recipe, gran, w_calib)
+            for t in targets}
+
+
+def choose_pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
+    """``pow2-search``: the layer-by-layer power-of-two search, on the first batch."""
     return _pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches[:1])
 
 
@@ -67,7 +82,8 @@ def _best_of(t, st, x, recipe, gran, w_calib) -> LayerChoice:
     w, w_q = _quantized_weight(t, gran, w_calib, recipe)
     best = None
     for name in ("max", "percentile", "mse"):
-        amax = activation_calibrator(name, percentile=recipe.percentile).amax(st, t.act_format)
+        calib = activation_entry(name)
+        amax = calib.build(**calib.options_from(recipe)).amax(st, t.act_format)
         scale = amax_to_scale(amax, t.act_format, pow2=recipe.scale_pow2)
         err = _output_error(t, x, fake_quantize(x, scale, t.act_format), w, w_q)
         if best is None or err < best.error:
@@ -84,8 +100,6 @@ def _base_exponent(amax: float, fmt) -> int:
 
 
 def _pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
-    from fp8ptq.pipeline import run_batch  # the pipeline imports this module lazily
-
     low, high = recipe.pow2_range
     exps = torch.arange(low, high + 1, dtype=torch.float32)
     search_weight = isinstance(gran, PerTensor)

@@ -20,7 +20,7 @@ class MaxWeightCalibrator:
 
 
 class CastCalibrator:
-    """Direct cast, no calibration: scale 1 (seed 003's 'direct-cast', seed 002's
+    """Direct cast, no calibration: scale 1 (Luo et al.'s 'direct-cast', Sun et al.'s
     trans-precision inference)."""
 
     name = "cast"

@@ -20,6 +20,8 @@ import click
 from fp8ptq import __version__, distributed
 from fp8ptq.errors import Fp8ptqError
 
+from . import eval_cmd, formats_cmd, quantize_cmd, sensitivity_cmd, validate_cmd
+
 
 class Interrupted(BaseException):
     """SIGINT / SIGTERM: unwinds like KeyboardInterrupt, so every ``finally`` and
@@ -141,18 +143,6 @@ def main(verbose, debug):
         quiet_libraries()
 
 
-def _register():
-    from . import formats_cmd
-
-    main.add_command(formats_cmd.formats)
-    for module in ("quantize_cmd", "eval_cmd", "sensitivity_cmd", "validate_cmd"):
-        try:
-            mod = __import__(f"{__package__}.{module}", fromlist=["command"])
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{module}":
-                raise
-            continue
-        main.add_command(mod.command)
-
-
-_register()
+for _command in (formats_cmd.formats, quantize_cmd.command, eval_cmd.command,
+                 sensitivity_cmd.command, validate_cmd.command):
+    main.add_command(_command)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from fp8ptq.calibrators import registry as calibrators
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from fp8ptq.placement import parse_placement
 from fp8ptq.recipe import Recipe
 
 
@@ -34,13 +36,13 @@ _SPECS = [
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
          help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
-    _opt("--weight-calib", help="Weight calibrator: max|mse|cast, or gptq|gptq-mse (GPTQ "
-         "error-compensating rounding with max / MSE scales; needs calibration data) [max]."),
+    _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} [max]."),
     _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
          "diagonal [0.01]."),
     _opt("--gptq-act-order", is_flag=True, default=None,
          help="GPTQ: quantize columns in order of decreasing input energy."),
-    _opt("--act-calib", help="Activation calibrator: max|percentile|mse|best|pow2-search|cast (cast = scale 1) [max]."),
+    _opt("--act-calib",
+         help=f"Activation calibrator: {calibrators.help_text('activation')} [max]."),
     _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
     _opt("--rounding", type=click.Choice(ROUNDINGS),
          help="Rounding of weights (default: the format's own)."),
@@ -149,8 +151,6 @@ def loading_options(f):
 
 def loading_from(kwargs: dict) -> dict:
     """Pops the ``loading_options`` flags into keyword arguments of ``job.load``."""
-    from fp8ptq.placement import parse_placement
-
     device_map, max_memory = kwargs.pop("device_map"), kwargs.pop("max_memory")
     folder = kwargs.pop("offload_folder")
     placement = None if device_map is None and max_memory is None else parse_placement(

@@ -15,9 +15,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from fp8ptq import __version__, distributed, job
+from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.validate import static_violations
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -54,8 +56,6 @@ def command(model, fmt, output, force, device, as_json, runtime, **flags):
 
 
 def _run(model, output, force, device, load_options, as_json, recipe, runtime=None):
-    from fp8ptq.checkpoint import save_quantized
-
     main_rank = distributed.is_main()
     timings = job.JobTimings()
     with progress_bars(enabled=not as_json and main_rank) as bars:
@@ -102,8 +102,6 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
 def runtime_check(result, runtime):
     """The static vLLM rules on the complete temporary checkpoint: violations become warnings
     in the report, or (``--runtime vllm``) an error before anything is written."""
-    from fp8ptq.validate import static_violations
-
     def check(tmp):
         errors = [x for x in static_violations(tmp, "vllm") if x.severity == "error"]
         if errors and runtime == "vllm":
@@ -165,6 +163,8 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "warnings": result.warnings,
         "experts": result.extras.get("experts", {}),
         "high_precision": result.extras.get("high_precision"),
+        "rotation": result.extras.get("rotation"),  # --rotate: method, kind, seed
+        "gptq": result.extras.get("gptq"),  # --weight-calib gptq: hessian_bytes, damp, ...
         "calibration": calib_facts(calib),
         "sizes": sizes,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},

@@ -83,7 +83,7 @@ def _delta_cell(value: float, delta: float, pct: float, interval: dict | None, m
             text += f", 95% CI {lo:+.3g}..{hi:+.3g}"
     else:
         text = f"{pct:+.1f}%" if math.isfinite(pct) else f"{delta:+.3g}"
-        if interval and math.isfinite(pct):
+        if interval and interval.get("pct_ci95") and math.isfinite(pct):
             lo, hi = interval["pct_ci95"]
             text += f", 95% CI {lo:+.1f}..{hi:+.1f}%"
     return f"{_number(value)} ({text})"

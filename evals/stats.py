@@ -6,7 +6,8 @@ byte ``-sum(loglikelihood) / (sum(bytes) ln 2)``, accuracy / EM / F1 means over 
 each task keeps, per sample, the additive columns its metrics are made of (``Records``), and
 a delta between two variants evaluated on the same samples gets a *paired* bootstrap interval:
 resample the samples with replacement (the same indices for both variants), recompute both
-metrics, take the 2.5th and 97.5th percentiles of the difference (Efron & Tibshirani, "An
+metrics, take the 2.5th and 97.5th percentiles of the difference (on up to 7 samples every
+distinct resample is enumerated with its exact probability instead) (Efron & Tibshirani, "An
 Introduction to the Bootstrap", 1993, ch. 13; Koehn, "Statistical Significance Tests for
 Machine Translation Evaluation", 2004, for the paired use). Pairing removes the between-sample
 variance both variants share, which is most of it: on WikiText a 2-article slice moves the
@@ -15,6 +16,7 @@ perplexity of every variant together.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -65,18 +67,55 @@ def paired_interval(base: Records, other: Records, metric: str, *, resamples: in
     if metric not in base.formulas or metric not in other.formulas or \
             base.ids != other.ids or len(base) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    index = rng.integers(0, len(base), size=(resamples, len(base)))
+    exact = exact_resamples(len(base))
+    if exact is not None:
+        index, weight = exact
+    else:
+        rng = np.random.default_rng(seed)
+        index = rng.integers(0, len(base), size=(resamples, len(base)))
+        weight = np.full(resamples, 1.0 / resamples)
     b, o = base.metric(metric, index), other.metric(metric, index)
     with np.errstate(divide="ignore", invalid="ignore"):
         delta, pct = o - b, 100.0 * (o - b) / np.abs(b)
-    ok = np.isfinite(delta) & np.isfinite(pct)
+    # separately: a resample whose baseline is 0 has a delta but no relative delta
+    ok, pok = np.isfinite(delta), np.isfinite(pct)
     if not ok.any():
         return None
-    lo, hi = np.percentile(delta[ok], [2.5, 97.5])
-    plo, phi = np.percentile(pct[ok], [2.5, 97.5])
-    return {"ci95": [float(lo), float(hi)], "pct_ci95": [float(plo), float(phi)],
-            "resamples": int(ok.sum())}
+    if exact is not None:
+        lo, hi = weighted_quantiles(delta[ok], weight[ok] / weight[ok].sum(), (0.025, 0.975))
+        plo, phi = weighted_quantiles(pct[pok], weight[pok] / weight[pok].sum(),
+                                      (0.025, 0.975)) if pok.any() else (None, None)
+    else:
+        lo, hi = np.percentile(delta[ok], [2.5, 97.5])
+        plo, phi = np.percentile(pct[pok], [2.5, 97.5]) if pok.any() else (None, None)
+    return {"ci95": [float(lo), float(hi)],
+            "pct_ci95": None if plo is None else [float(plo), float(phi)],
+            "resamples": int(ok.sum()), "exact": exact is not None}
+
+
+EXACT_MAX = 5000  # distinct resamples enumerated instead of drawn (n <= 7 samples)
+
+
+def exact_resamples(n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every distinct bootstrap resample of ``n`` samples (a multiset of indices) with its
+    probability under resampling with replacement, multinomial ``n! / prod(c_i!) / n**n``;
+    ``None`` when there are more than ``EXACT_MAX`` of them (C(2n-1, n)). On such tiny slices a
+    drawn bootstrap would add its own noise to an interval that can be computed exactly."""
+    if math.comb(2 * n - 1, n) > EXACT_MAX:
+        return None
+    rows = np.array(list(itertools.combinations_with_replacement(range(n), n)), dtype=np.int64)
+    counts = np.stack([(rows == i).sum(axis=1) for i in range(n)], axis=1)
+    log_w = math.lgamma(n + 1) - np.vectorize(math.lgamma)(counts + 1).sum(axis=1) \
+        - n * math.log(n)
+    return rows, np.exp(log_w)
+
+
+def weighted_quantiles(x: np.ndarray, w: np.ndarray, qs) -> list[float]:
+    """Lower quantiles of a discrete distribution: the smallest value whose cumulative
+    probability reaches q (up to rounding of the probabilities)."""
+    order = np.argsort(x, kind="stable")
+    cdf = np.cumsum(w[order])
+    return [float(x[order][min(np.searchsorted(cdf, q - 1e-12), len(x) - 1)]) for q in qs]
 
 
 # --- records from what the tasks return -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""BatchNorm re-tuning for trans-precision inference (seed 002 sec 3).
+"""BatchNorm re-tuning for trans-precision inference (Sun et al. 2019 sec 3).
 
 Quantizing the GEMM before a BatchNorm adds noise Q to its input Y: the BN input's variance grows
 to sigma_Y^2 + sigma_Q^2 (and its mean may shift), while the running statistics still describe
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .errors import DataError
+from .model.forward import run_batch
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -31,7 +32,6 @@ def retune_batchnorm(model: nn.Module, batches, progress=None) -> dict:
     Returns ``layers``, ``batches``, ``mean_shift`` (mean |new - old| running mean, averaged over
     layers), ``var_ratio`` (mean new/old running var, averaged over layers), and ``per_layer``.
     """
-    from .pipeline import run_batch  # the pipeline imports this module lazily
 
     bns = batchnorm_layers(model)
     if not bns:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import DataError, UsageError
+from .loading import hub_reachable
 
 DEFAULT_CALIB = "wikitext:wikitext-2-raw-v1:train"
 DEFAULT_TEXT_FIELD = "text"
@@ -142,8 +143,6 @@ def _load_hub_dataset(spec: str, field: str) -> list[str]:
     name, config, split = (spec.split(":", 2) + [None, None])[:3]
     try:
         import datasets
-
-        from .loading import hub_reachable
 
         # Unreachable and not in offline mode, load_dataset retries for ~25 s; fail at once.
         if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():

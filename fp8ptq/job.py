@@ -14,12 +14,13 @@ import torch
 from transformers import PreTrainedModel
 
 from . import distributed
-from .calibrators import GPTQ_CALIBRATORS
 from .data import build_calibration_set, load_texts, resolve_calib_spec
 from .errors import DataError, UsageError
-from .pipeline import QuantizeResult, calibration_passes, quantize_model, token_batches
+from .loading import is_torch_module_file, load_model
+from .model.forward import token_batches
+from .pipeline import QuantizeResult, quantize_model
+from .plan import build_plan, run_facts
 from .recipe import Recipe
-from .loading import is_torch_module_file
 from .vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,21 +58,16 @@ def resolve_device(device: str) -> str:
 
 def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
          trust_pickle: bool = False, trust_remote_code: bool = False):
-    from .loading import load_model
-
     return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
                       device_map=device_map, trust_pickle=trust_pickle,
                       trust_remote_code=trust_remote_code)
 
 
 def needs_calibration(recipe: Recipe) -> bool:
-    """Whether the recipe reads calibration data: static activation scales, or any stage that
-    observes activations (SmoothQuant, GPTQ's Hessians, attention / residual taps, BN
-    re-tuning)."""
-    static = recipe.act_granularity == "tensor" and (recipe.act_format or recipe.format) != "none"
-    return static or recipe.smoothquant is not None or recipe.bn_retune or \
-        recipe.quantize_attention or recipe.quantize_residual or \
-        recipe.weight_calib in GPTQ_CALIBRATORS
+    """Whether any stage of the job reads calibration data (the plan's run-level facts: static
+    inputs, SmoothQuant, attention / residual taps, BN re-tuning), known before the model
+    loads."""
+    return run_facts(recipe).needs_calibration
 
 
 def calibration_texts(recipe: Recipe, model_spec: str | None = None
@@ -102,13 +98,14 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
                     timings: JobTimings | None = None) -> QuantizeResult:
     """Quantize ``loaded.model`` in place. ``progress(total)`` returns a per-batch callback."""
     timings = timings or JobTimings()
+    plan = build_plan(loaded.model, recipe)
     batches, tick = None, None
     if calib is not None:
         batches = _batches(loaded.model, calib, recipe.batch_size)
-        n = len(distributed.shard(batches)) * calibration_passes(recipe)
+        n = len(distributed.shard(batches)) * plan.passes
         tick = progress(n) if progress else None
     with timings.timed("calibrate+quantize"):
-        result = quantize_model(loaded.model, recipe, batches, progress=tick)
+        result = quantize_model(loaded.model, recipe, batches, progress=tick, plan=plan)
     timings.seconds.update(result.seconds)
     return result
 
@@ -129,5 +126,5 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-__all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded", "needs_calibration",
-           "peak_rss_mb", "resolve_device", "DTYPES"]
+__all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded",
+           "needs_calibration", "peak_rss_mb", "resolve_device", "DTYPES"]

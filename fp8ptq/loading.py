@@ -9,43 +9,22 @@ import shutil
 import socket
 import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from torch import nn
 import transformers
 from safetensors import SafetensorError
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-)
+from transformers import AutoConfig, AutoTokenizer
 
+from .checkpoint import load_quantized
 from .errors import DataError, UsageError
+from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - re-exported
 from .placement import Placement
 from .safe_pickle import load_torch_file
-
-TASK_CLASSES = {
-    "causal-lm": AutoModelForCausalLM,
-    "qa": AutoModelForQuestionAnswering,
-    "seq-cls": AutoModelForSequenceClassification,
-    "base": AutoModel,
-}
-
-
-@dataclass
-class LoadedModel:
-    model: Any
-    tokenizer: Any
-    source: str  # what the user passed
-    kind: str  # "hub" | "local" | "gguf" | "torch" ("fp8ptq" from checkpoint.load_quantized)
-    resolved_path: str  # local folder, hub id, or for a .gguf its dequantized copy in the cache
-
+from .vision import TinyMobileNet
 
 def load_model(
     spec: str,
@@ -77,8 +56,6 @@ def load_model(
     if path.is_dir():
         check_model_folder(spec)
         if (path / "fp8ptq.json").is_file():
-            from .checkpoint import load_quantized
-
             return load_quantized(str(path), device=device, trust_pickle=trust_pickle)
         return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
     if path.exists():
@@ -126,21 +103,6 @@ def _looks_like_path(spec: str) -> bool:
         or (os.sep != "/" and os.sep in spec)
         or spec.endswith((".gguf", *TORCH_SUFFIXES))
     )
-
-
-def model_class(config, task: str | None = None):
-    """The Auto class for ``config``: ``task`` if given, else by ``config.architectures``."""
-    if task is not None:
-        return TASK_CLASSES[task]
-    architectures = getattr(config, "architectures", None) or []
-    for arch in architectures:
-        if arch.endswith("ForQuestionAnswering"):
-            return AutoModelForQuestionAnswering
-        if arch.endswith("ForSequenceClassification"):
-            return AutoModelForSequenceClassification
-        if arch.endswith(("ForCausalLM", "LMHeadModel")):
-            return AutoModelForCausalLM
-    return AutoModel
 
 
 def _load_pretrained(source, location, kind, *, dtype, device, device_map, task, **hub_kwargs):
@@ -196,10 +158,6 @@ def _load_torch_module(source, path: Path, *, dtype, device, trust_pickle=False)
     Trust: read without running code from the file (``fp8ptq.safe_pickle``): tensors, state
     dicts and modules made of torch.nn layers / built-in architectures load as they are; any
     other pickle needs ``trust_pickle`` (``--trust-pickle``)."""
-    from torch import nn
-
-    from .vision import TinyMobileNet
-
     obj = load_torch_file(path, trust_pickle=trust_pickle, what="model")
     if isinstance(obj, dict) and obj and all(torch.is_tensor(v) for v in obj.values()):
         obj = TinyMobileNet.from_state_dict(obj)

@@ -11,41 +11,30 @@ import torch
 from torch import nn
 
 from . import distributed
-from .calibrators import GPTQ_CALIBRATORS, activation_calibrator, weight_calibrator
+from .bn_retune import retune_batchnorm
 from .calibrators.gptq import gptq_codes
+from .calibrators.layerwise import choose_layerwise
+from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
-from .formats import FormatSpec, encode, get_format
-from .granularity import weight_granularity
+from .formats import encode
+from .model.forward import run_batch, token_batches  # noqa: F401 - re-exported
 from .hessian import HessianCollector
-from .model.experts import ExpertsInfo, find_experts, router_names
-from .model.gemm import (find_gemms, input_channel_dim, is_depthwise, kind, matches,
-                         set_submodule, weight_2d)
+from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
+from .plan import (SAMPLE_BATCHES, ModulePlan, QuantPlan, build_plan, plan_experts,  # noqa: F401
+                   plan_gemms, run_facts)
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
 from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
+from .smoothquant import apply_smoothquant
+from .taps import ActivationTaps
 
 
-@dataclass
-class Target:
-    name: str
-    module: nn.Module
-    weight_format: FormatSpec
-    act_format: FormatSpec | None
-
-
-@dataclass
-class ExpertsTarget:
-    """A module of fused 3-D expert weights (see ``fp8ptq.model.experts``)."""
-
-    name: str
-    module: nn.Module
-    info: ExpertsInfo
-    weight_format: FormatSpec
-    act_format: FormatSpec | None
+# The plan's module entries (``fp8ptq.plan``) are what the pipeline quantizes; the old names stay.
+Target = ExpertsTarget = ModulePlan
 
 
 @dataclass
@@ -74,52 +63,13 @@ class QuantizeResult:
     seconds: dict[str, float]
     warnings: list[str]
     extras: dict = field(default_factory=dict)  # reports of optional stages, by stage name
+    recipe: Recipe | None = None  # the recipe this result was quantized with
+    plan: QuantPlan | None = None  # what every module got (``fp8ptq.plan``)
 
 
-def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[Target], list[str]]:
-    """Which GEMMs get quantized, in which formats, and which are skipped."""
-    base_w = get_format(recipe.weight_format or recipe.format)
-    act_name = recipe.act_format or recipe.format
-    base_a = None if act_name == "none" else get_format(act_name)
-    targets, skipped = [], []
-    gemms = list(find_gemms(model))
-    edge = {gemms[0][0], gemms[-1][0]} if recipe.keep_first_last and gemms else set()
-    routers = set() if recipe.quantize_router else set(router_names(model))
-    for name, module in gemms:
-        if (isinstance(module, QuantGemm) or matches(name, recipe.skip_patterns) or name in edge
-                or name in routers or (recipe.keep_depthwise and is_depthwise(module))):
-            skipped.append(name)
-            continue
-        override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
-        if override == "none":
-            skipped.append(name)
-            continue
-        w_fmt = get_format(override) if override else base_w
-        a_fmt = (get_format(override) if override else base_a) if base_a is not None else None
-        targets.append(Target(name, module, w_fmt, a_fmt))
-    return targets, skipped
-
-
-def plan_experts(model: nn.Module, recipe: Recipe, skipped: list[str]) -> list[ExpertsTarget]:
-    """The fused-experts modules to quantize (``--skip`` / ``--override`` apply to their module
-    name, e.g. ``model.layers.0.mlp.experts``); skipped ones are appended to ``skipped``."""
-    base_w = get_format(recipe.weight_format or recipe.format)
-    act_name = recipe.act_format or recipe.format
-    base_a = None if act_name == "none" else get_format(act_name)
-    out = []
-    for name, module, info in find_experts(model):
-        override = next((f for p, f in recipe.overrides.items() if matches(name, [p])), None)
-        if matches(name, recipe.skip_patterns) or override == "none":
-            skipped.append(name)
-            continue
-        w_fmt = get_format(override) if override else base_w
-        a_fmt = (get_format(override) if override else base_a) if base_a is not None else None
-        out.append(ExpertsTarget(name, module, info, w_fmt, a_fmt))
-    return out
-
-
-LAYER_AWARE_CALIBRATORS = ("best", "pow2-search")
-SAMPLE_BATCHES = 2  # batches whose input rows are kept for layer-output-aware calibrators
+def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[ModulePlan], list[str]]:
+    """Which GEMMs get quantized, in which formats, and which are skipped (``plan.plan_gemms``)."""
+    return plan_gemms(model, recipe)
 
 
 def collect_stats(model: nn.Module, targets: list[Target], batches: list, progress=None,
@@ -153,19 +103,16 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     return collector
 
 
-def run_batch(model: nn.Module, batch):
-    return model(**batch) if isinstance(batch, dict) else model(batch)
-
-
 def calibration_passes(recipe: Recipe) -> int:
     """How many times the calibration batches go through the model (for progress bars)."""
-    return 1 + (recipe.smoothquant is not None) + recipe.bn_retune
+    return run_facts(recipe).passes
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
-                   progress=None) -> QuantizeResult:
+                   progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
-    needed for weight-only or dynamic per-token activations)."""
+    needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
+    (``build_plan(model, recipe)``)."""
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     rotation = None
@@ -174,50 +121,41 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
         materialize_offloaded(model)
         rotation = rotate_model(model, recipe.rotate, seed=recipe.seed)
         times["rotate"] = time.perf_counter() - t0
-    targets, skipped = plan_targets(model, recipe)
-    experts = plan_experts(model, recipe, skipped)
+        plan = None  # a plan made before the rotation misses the untied lm_head
+    plan = plan if plan is not None else build_plan(model, recipe)
+    recipe, facts = plan.recipe, plan.facts
+    targets, experts, skipped = plan.gemms, plan.experts, plan.skipped
     if not targets and not experts:
         raise UsageError("no GEMM module left to quantize (check --skip / --override)")
-    static_acts = recipe.act_granularity == "tensor" and any(
-        t.act_format for t in [*targets, *experts])
-    layer_aware = recipe.act_calib in LAYER_AWARE_CALIBRATORS
-    gptq = recipe.weight_calib in GPTQ_CALIBRATORS
-    if batches is None and (static_acts or recipe.smoothquant is not None or recipe.bn_retune
-                            or recipe.quantize_attention or recipe.quantize_residual or gptq):
+    if batches is None and facts.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
     extras: dict = {} if rotation is None else {"rotation": rotation}
-    if distributed.active() and recipe.bn_retune:
+    if distributed.active() and facts.bn_retune:
         raise UsageError("--bn-retune is not supported across processes (torchrun); run it in "
                          "one process")
 
     t0 = time.perf_counter()
-    if recipe.smoothquant is not None:
-        from .smoothquant import apply_smoothquant
-
+    if facts.smoothquant:
         materialize_offloaded(model)  # SmoothQuant folds its factors into the weights
         search = recipe.smoothquant == "auto"
         pre = collect_stats(model, targets, batches, progress,
                             sample_batches=SAMPLE_BATCHES if search else 0)
         extras["smoothquant"] = apply_smoothquant(model, targets, pre.stats,
-                                                  pre.row_samples() if search else {}, recipe,
+                                                  pre.row_samples() if search else {}, plan,
                                                   example=batches[0])
     times["smoothquant"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    taps = None
-    if recipe.quantize_attention or recipe.quantize_residual:
-        from .taps import ActivationTaps
-
-        taps = ActivationTaps(model, recipe)
+    taps = ActivationTaps(model, recipe) if facts.taps else None
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
-    hessians = HessianCollector({t.name: t.module for t in targets}) if gptq else None
+    hessians = HessianCollector({t.name: t.module for t in targets}) if facts.gptq else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
-                                      sample_batches=SAMPLE_BATCHES if layer_aware else 0,
+                                      sample_batches=SAMPLE_BATCHES if facts.layer_aware else 0,
                                       experts=observer, hessians=hessians)
         if taps is not None:
             distributed.reduce_stats(taps.stats)
@@ -226,16 +164,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     t0 = time.perf_counter()
     materialize_offloaded(model)  # accelerate-offloaded weights: in place before reading them
     stats = collector.stats if collector else {}
-    gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
-    w_calib = weight_calibrator(recipe.weight_calib)
+    gran = plan.weight_granularity()
+    w_calib = plan.weight_calibrator()
     chosen = {}
-    if layer_aware and static_acts:
-        from .calibrators.layerwise import choose_layerwise
-
+    if facts.layer_aware and facts.static_inputs:
         chosen = choose_layerwise(model, targets, stats, collector.row_samples(), recipe, gran,
                                   w_calib, batches[:SAMPLE_BATCHES])
-    a_calib = None if layer_aware else activation_calibrator(recipe.act_calib,
-                                                            percentile=recipe.percentile)
+    a_calib = None if facts.layer_aware else plan.act_calibrator()
     reports, all_warnings = [], []
     groups = fused_groups([t.name for t in targets]) if unify_fused(recipe, targets) else []
     unified = unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen)
@@ -252,31 +187,29 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     if groups:
         extras["fused_groups"] = unify_input_scales(model, groups, reports)
     if experts:
-        extras["experts"] = _quantize_all_experts(model, experts, recipe, gran, w_calib,
+        extras["experts"] = _quantize_all_experts(model, plan, gran, w_calib,
                                                   observer.stats if batches is not None else {},
                                                   all_warnings)
     if taps is not None:
-        extras["taps"] = taps.freeze(recipe)
+        extras["taps"] = taps.freeze(plan)
     times["quantize"] = time.perf_counter() - t0
 
-    if recipe.bn_retune:
-        from .bn_retune import retune_batchnorm
-
+    if facts.bn_retune:
         t0 = time.perf_counter()
         extras["bn_retune"] = retune_batchnorm(model, batches, progress)
         times["bn_retune"] = time.perf_counter() - t0
     extras["high_precision"] = high_precision_report(model)
-    return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras)
+    return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras,
+                          recipe=recipe, plan=plan)
 
 
-def _quantize_all_experts(model, experts: list[ExpertsTarget], recipe: Recipe, gran, w_calib,
-                          stats: dict, warnings: list[str]) -> dict:
+def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,
+                          warnings: list[str]) -> dict:
     """Quantize every fused-experts module. Layer-output-aware activation calibrators (best-of,
     pow2-search) search with one layer's cached input rows and weight; experts have one of each
-    per expert, so they use ``max`` here (recorded in the report)."""
-    name = recipe.act_calib
-    a_calib = activation_calibrator("max" if name in LAYER_AWARE_CALIBRATORS else name,
-                                    percentile=recipe.percentile)
+    per expert, so they use the entry's statistics fallback here (recorded in the report)."""
+    recipe, experts = plan.recipe, plan.experts
+    a_calib = plan.act_calibrator()
     out = {}
     unify = unify_fused(recipe, experts)
     for e in experts:
@@ -336,18 +269,19 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
                                 warnings=warnings)
     rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
-    if recipe.weight_calib in GPTQ_CALIBRATORS and hessian is not None:
+    gptq = weight_entry(recipe.weight_calib).rounding == "gptq"
+    if gptq and hessian is not None:
         codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
                            damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
                            block=recipe.gptq_block, rounding=recipe.rounding)
     else:
-        if recipe.weight_calib in GPTQ_CALIBRATORS:
+        if gptq:
             warnings.append("no Hessian (a convolution, or no calibration input): rounded to "
                             "nearest instead of GPTQ")
         codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
 
     input_scale, input_amax, input_sqnr = None, None, None
-    if t.act_format is not None and recipe.act_granularity == "tensor":
+    if t.input is not None and t.input.static:
         if stats is None or not stats.seen:
             warnings.append("saw no calibration tokens (unused module?)")
             input_amax = 0.0
@@ -366,7 +300,8 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
 
     q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
                   weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
-                  input_scale=input_scale, act_granularity=recipe.act_granularity)
+                  input_scale=input_scale,
+                  act_granularity=t.input.granularity if t.input else recipe.act_granularity)
     w_sqnr = sqnr_db(w2d, q.dequantized_weight_2d())
     set_submodule(model, t.name, q)
     return ModuleReport(
@@ -376,7 +311,8 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         weight_scale_max=float(w_scale.max()), weight_sqnr_db=w_sqnr,
         input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
         input_sqnr_db=input_sqnr, warnings=warnings,
-        act_calib=chosen.method if chosen is not None else recipe.act_calib)
+        act_calib=chosen.method if chosen is not None else
+        (t.input.calibrator if t.input else recipe.act_calib))
 
 
 # Shards that runtimes fuse into one GEMM (vLLM's ``packed_modules_mapping``: qkv_proj,
@@ -403,8 +339,8 @@ def unify_fused(recipe: Recipe, targets: list[Target]) -> bool:
     (e4m3 or int8 weights), i.e. when a runtime will fuse the shards."""
     if recipe.unify_fused_scales is not None:
         return recipe.unify_fused_scales
-    ct = (get_format("e4m3"), get_format("int8"))
-    return bool(targets) and all(t.weight_format in ct for t in targets)
+    return bool(targets) and all(t.weight_format.compressed_tensors_type is not None
+                                 for t in targets)
 
 
 def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen) -> dict:
@@ -451,9 +387,3 @@ def unify_input_scales(model: nn.Module, groups: list[list[str]], reports) -> li
         entry["weight_scale"] = [float(q.weight_scale.max()) for q in qs]
         out.append(entry)
     return out
-
-
-def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Iterable[dict]:
-    for i in range(0, input_ids.shape[0], batch_size):
-        ids = input_ids[i:i + batch_size].to(device)
-        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .formats import (FormatSpec, codes_as_torch_float8, decode, fake_quantize, get_format,
-                      to_torch_float8)
+                      scaled_mm_pair, to_torch_float8)
 from .model.gemm import kind, weight_from_2d
 from .scales import TINY
 
@@ -72,10 +72,8 @@ class QuantGemm(nn.Module):
         return self.inner(self.quantize_input(x), *args, **kwargs)
 
     def _can_scaled_mm(self) -> bool:
-        fp8 = ("e4m3", "e5m2")
-        return (self.kind in ("linear", "conv1d_hf") and self.weight_format.name in fp8
-                and self.act_format.name in fp8 and "e4m3" in (self.weight_format.name,
-                                                               self.act_format.name)
+        return (self.kind in ("linear", "conv1d_hf")
+                and scaled_mm_pair(self.weight_format, self.act_format)
                 and self.weight_granularity.name in ("tensor", "channel")
                 and torch.cuda.get_device_capability(self.weight_codes.device) >= (8, 9))
 

@@ -6,20 +6,33 @@ used), flags override them, and the merged recipe is recorded in ``fp8ptq.json``
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass, field
+import types
+import typing
 from pathlib import Path
+from typing import Any, Union
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .calibrators import registry as calibrators
 from .errors import UsageError
 from .formats import ROUNDINGS, get_format
 from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 
+# Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
+# compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
+# form ``GLOB: FORMAT`` (``--override GLOB=FORMAT``) sets both formats; ``none`` skips.
+OVERRIDE_KEYS = ("format", "weight_format", "act_format")
 
-@dataclass
-class Recipe:
+
+class Recipe(BaseModel):
+    """Every field is one line: its type (checked, with a plain message, from the annotation),
+    its default and a comment. Value checks that need more than a type are in ``_check``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False,
+                              arbitrary_types_allowed=True)
+
     format: str = "e4m3"
     weight_format: str | None = None  # default: ``format``
     act_format: str | None = None  # default: ``format``; "none" = weight-only
@@ -34,9 +47,10 @@ class Recipe:
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
     rounding: str | None = None  # default: the format's own
     scale_pow2: bool = False
-    skip: list[str] = field(default_factory=list)
+    skip: list[str] = Field(default_factory=list)
     quantize_lm_head: bool = False
-    overrides: dict[str, str] = field(default_factory=dict)  # glob -> format name or "none"
+    # glob -> format name / "none", or a partial plan {format, weight_format, act_format}
+    overrides: dict[str, Any] = Field(default_factory=dict)
     smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
     rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
     pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
@@ -56,117 +70,106 @@ class Recipe:
     seed: int = 0
     dtype: str = "bfloat16"
 
-    def __post_init__(self):
-        self.validate()
+    def __init__(self, *args, **data):
+        if args:  # positional construction, in field order (as the dataclass allowed)
+            data = {**dict(zip(type(self).model_fields, args)), **data}
+        super().__init__(**data)
 
-    def validate(self) -> None:
-        self._check_types()
+    @model_validator(mode="before")
+    @classmethod
+    def _types(cls, data: Any) -> Any:
+        """Recipe files are hand-written YAML: catch unknown keys and wrong types with a clear
+        ``UsageError`` (a bare string for ``skip`` would otherwise be split into one-character
+        globs). Types come from the annotations, so a new field needs no code here."""
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise UsageError(f"unknown recipe key(s): {', '.join(unknown)}; valid: "
+                             f"{', '.join(sorted(cls.model_fields))}")
+        data = dict(data)
+        for key, value in data.items():
+            data[key] = _check_type(key, value, cls.model_fields[key].annotation)
+        return data
+
+    @model_validator(mode="after")
+    def _values(self) -> "Recipe":
+        self.check_values()
+        return self
+
+    def check_values(self) -> None:
+        """The value checks: names, choices, ranges."""
         for name in (self.format, self.weight_format):
             if name is not None:
                 get_format(name)
         if self.act_format not in (None, "none"):
             get_format(self.act_format)
-        for pattern, fmt in self.overrides.items():
-            if fmt != "none":
-                try:
-                    get_format(fmt)
-                except UsageError as e:
-                    raise UsageError(f"override {pattern}={fmt}: {e}") from None
+        for pattern, value in self.overrides.items():
+            for fmt in override_formats(value).values():
+                if fmt != "none":
+                    try:
+                        get_format(fmt)
+                    except UsageError as e:
+                        raise UsageError(f"override {pattern}={fmt}: {e}") from None
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
-        from .calibrators import (ACTIVATION_CALIBRATORS, LAYERWISE_CALIBRATORS,
-                                  WEIGHT_CALIBRATORS)
-
-        _choice("act_calib", self.act_calib, (*ACTIVATION_CALIBRATORS, *LAYERWISE_CALIBRATORS))
-        _choice("weight_calib", self.weight_calib, tuple(WEIGHT_CALIBRATORS))
+        _choice("act_calib", self.act_calib, calibrators.names("activation"))
+        _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
         for key in ("block_size", "num_samples", "seq_len", "batch_size", "gptq_block"):
             if getattr(self, key) < 1:
                 raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.smoothquant is not None and self.smoothquant != "auto":
-            try:
-                self.smoothquant = float(self.smoothquant)
-            except ValueError:
-                raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
-                                 f"{self.smoothquant!r}") from None
             if not 0 <= self.smoothquant <= 1:
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
         if self.rotate is not None:
             _choice("rotate", self.rotate, ("hadamard",))
-        if len(self.pow2_range) != 2 or self.pow2_range[0] > self.pow2_range[1]:
+        if self.pow2_range[0] > self.pow2_range[1]:
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
-
-    def _check_types(self) -> None:
-        """Recipe files are hand-written YAML: catch wrong types with a clear message (a bare
-        string for ``skip`` would otherwise be split into one-character globs)."""
-        for key in STR_FIELDS:
-            _typed(key, getattr(self, key), str)
-        for key in OPTIONAL_STR_FIELDS:
-            if getattr(self, key) is not None:
-                _typed(key, getattr(self, key), str)
-        if self.smoothquant is not None and not isinstance(self.smoothquant, (str, int, float)) \
-                or isinstance(self.smoothquant, bool):
-            raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
-                             f"{self.smoothquant!r}")
-        for key in INT_FIELDS:
-            _typed(key, getattr(self, key), int)
-        for key in BOOL_FIELDS:
-            _typed(key, getattr(self, key), bool)
-        if self.unify_fused_scales is not None:
-            _typed("unify_fused_scales", self.unify_fused_scales, bool)
-        _typed("percentile", self.percentile, (int, float))
-        self.percentile = float(self.percentile)
-        _typed("gptq_damp", self.gptq_damp, (int, float))
-        self.gptq_damp = float(self.gptq_damp)
         if not 0 <= self.gptq_damp <= 1:
             raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
-        if isinstance(self.skip, str):
-            self.skip = [self.skip]
-        if not isinstance(self.skip, (list, tuple)) or not all(isinstance(p, str)
-                                                              for p in self.skip):
-            raise UsageError(f"skip must be a list of module-name globs, got {self.skip!r}")
-        self.skip = list(self.skip)
-        if not isinstance(self.overrides, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.overrides.items()):
-            raise UsageError("overrides must map module-name globs to format names or 'none', "
-                             f"got {self.overrides!r}")
-        try:
-            self.pow2_range = tuple(int(v) for v in self.pow2_range)
-        except (TypeError, ValueError):
-            raise UsageError(f"pow2_range must be two integers LOW, HIGH, got "
-                             f"{self.pow2_range!r}") from None
 
     @property
     def skip_patterns(self) -> list[str]:
         return list(self.skip) + ([] if self.quantize_lm_head else ["lm_head"])
 
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
+        data = self.model_dump()
         data["pow2_range"] = list(self.pow2_range)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Recipe":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise UsageError(f"unknown recipe key(s): {', '.join(unknown)}; valid: "
-                             f"{', '.join(sorted(known))}")
         return cls(**data)
 
     @classmethod
     def load(cls, path: str | Path) -> "Recipe":
         return cls.from_dict(load_recipe_dict(path))
 
+    def replace(self, **changes) -> "Recipe":
+        """A validated copy with ``changes``."""
+        return Recipe.from_dict({**self.to_dict(), **changes})
+
     def merged(self, **flags) -> "Recipe":
         """A copy with the given (non-None) flag values on top."""
         data = self.to_dict()
         data.update({k: v for k, v in flags.items() if v is not None})
         return Recipe.from_dict(data)
+
+
+def override_formats(value) -> dict[str, str]:
+    """An override's formats as ``{weight_format?, act_format?}``: a format name (or "none")
+    sets both; a partial plan sets what it names (``format`` = both)."""
+    if isinstance(value, str):
+        return {"weight_format": value, "act_format": value}
+    out = {k: value["format"] for k in ("weight_format", "act_format")} \
+        if "format" in value else {}
+    out.update({k: value[k] for k in ("weight_format", "act_format") if k in value})
+    return out
 
 
 def load_recipe_dict(path: str | Path) -> dict:
@@ -194,20 +197,74 @@ def load_recipe_dict(path: str | Path) -> dict:
     return data
 
 
-STR_FIELDS = ("format", "weight_granularity", "act_granularity", "weight_calib", "act_calib",
-              "dtype")
-OPTIONAL_STR_FIELDS = ("weight_format", "act_format", "rounding", "calib_data", "text_field",
-                       "rotate")
-INT_FIELDS = ("block_size", "num_samples", "seq_len", "batch_size", "seed", "gptq_block")
-BOOL_FIELDS = ("scale_pow2", "quantize_lm_head", "bn_retune", "keep_depthwise", "keep_first_last",
-               "quantize_attention", "quantize_residual", "calibrate_all_experts",
-               "quantize_router", "gptq_act_order")
+_WHAT = {int: "an integer", bool: "true or false", str: "a string", float: "a number"}
 
 
-def _typed(key, value, types) -> None:
+def _check_type(key: str, value, annotation):
+    """``value`` checked against a field's annotation, normalized (int -> float, a string ->
+    a one-element list, a list -> a tuple); a ``UsageError`` with a plain message otherwise."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - our own annotations
+    if key == "smoothquant":
+        return _smoothquant(value)
+    if key == "overrides":
+        return _overrides(value)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{key} must be a list of module-name globs, got {value!r}")
+        return list(value)
+    if origin is tuple:
+        try:
+            value = tuple(int(v) for v in value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{key} must be two integers LOW, HIGH, got {value!r}") from None
+        if len(value) != len(args):
+            raise UsageError(f"{key} must be LOW,HIGH with LOW <= HIGH, got {value}")
+        return value
+    if annotation is float:
+        _typed(key, value, (int, float))
+        return float(value)
+    if annotation in (int, bool, str):
+        _typed(key, value, annotation)
+    return value
+
+
+def _smoothquant(value):
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
+                         f"{value!r}") from None
+
+
+def _overrides(value):
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and (isinstance(v, str) or (
+            isinstance(v, dict) and v and set(v) <= set(OVERRIDE_KEYS)
+            and all(isinstance(x, str) for x in v.values())))
+        for k, v in value.items())
+    if not ok:
+        raise UsageError("overrides must map module-name globs to format names or 'none' (or "
+                         f"partial plans with keys {', '.join(OVERRIDE_KEYS)}), got {value!r}")
+    return dict(value)
+
+
+def _typed(key, value, types_) -> None:
     # bool is an int subclass: ``num_samples: true`` must not pass as 1
-    if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
-        what = {int: "an integer", bool: "true or false", str: "a string"}.get(types, "a number")
+    if not isinstance(value, types_) or (isinstance(value, bool) and types_ is not bool):
+        what = _WHAT.get(types_, "a number")
         raise UsageError(f"{key} must be {what}, got {value!r}")
 
 

@@ -23,9 +23,8 @@ with a rotation unless their gain is one, so the gains are folded into the follo
   Hadamard's incoherence up to O(1/sqrt(n))). The LayerNorm bias is folded into the following
   GEMMs' biases, or, before a bias-free lm_head, kept as the norm bias ``(b / g) Q``.
 
-Dimensions that are not powers of two use a Kronecker product ``H_2^k (x) H_m`` with a
-Paley/known Hadamard ``H_m`` when one is available for the odd factor (m = 1 here, i.e. powers
-of two, or a 12), and otherwise a random orthogonal matrix (QR of a Gaussian, sign-fixed): still
+Dimensions that are not powers of two use the Kronecker product of a Sylvester Hadamard and
+Paley's order-12 one, ``n = 2^a * 12^k`` (e.g. 576 = 4 x 12 x 12, SmolLM2's width), and otherwise a random orthogonal matrix (QR of a Gaussian, sign-fixed): still
 exact, only less structured. Tied embeddings are untied (the lm_head gets the final norm's gain).
 Rotation runs in float64 and stores float32, so the rotated model equals the original within
 float32 round-off before quantization (tested on tiny Llama, Qwen2 and GPT-2).
@@ -59,12 +58,8 @@ def _h12() -> torch.Tensor:
 def random_hadamard(n: int, generator: torch.Generator) -> torch.Tensor:
     """Orthogonal ``n x n`` (float64): random-sign Hadamard (Sylvester, or Sylvester x H12),
     or a random orthogonal matrix when no Hadamard construction of order ``n`` is known here."""
-    p = n & -n  # largest power of two dividing n
-    if n == p:
-        H = _sylvester(n)
-    elif n // p == 12 or (n % 12 == 0 and (n // 12) & (n // 12 - 1) == 0):
-        H = torch.kron(_sylvester(n // 12), _h12())
-    else:
+    H = _hadamard(n)
+    if H is None:
         A = torch.randn(n, n, generator=generator, dtype=torch.float64)
         Q, R = torch.linalg.qr(A)
         return Q * torch.sign(torch.diag(R)).unsqueeze(0)
@@ -212,13 +207,31 @@ def gen_fork(gen: torch.Generator) -> torch.Generator:
     return g
 
 
+def _twelves(n: int) -> int | None:
+    """k such that n = 2^a * 12^k (a Sylvester x Paley-12^k Hadamard exists), else None."""
+    k = 0
+    while n & (n - 1):
+        if n % 12:
+            return None
+        n, k = n // 12, k + 1
+    return k
+
+
+def _hadamard(n: int) -> torch.Tensor | None:
+    k = _twelves(n)
+    if k is None:
+        return None
+    H = _sylvester(n // 12 ** k)
+    for _ in range(k):
+        H = torch.kron(H, _h12())
+    return H
+
+
 def _kind(n: int) -> str:
-    p = n & -n
-    if n == p:
-        return "random Hadamard (Sylvester)"
-    if n % 12 == 0 and (n // 12) & (n // 12 - 1) == 0:
-        return "random Hadamard (Sylvester x Paley-12)"
-    return "random orthogonal (no Hadamard of this order)"
+    k = _twelves(n)
+    if k is None:
+        return "random orthogonal (no Hadamard of this order here)"
+    return "random Hadamard (Sylvester" + (f" x Paley-12^{k})" if k else ")")
 
 
 _ROTATORS = {"llama": _rotate_llama, "qwen2": _rotate_llama, "mistral": _rotate_llama,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .formats import FormatSpec, quantize_values
+from .observers import bin_centers
 
 TINY = torch.finfo(torch.float32).tiny
 
@@ -26,7 +27,8 @@ def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "ten
         amax = torch.where(bad, torch.full_like(amax, fmt.calibration_max), amax)
     scale = (amax / fmt.calibration_max).clamp(min=TINY)
     if pow2:
-        # Seed 004: a power-of-two scale is an exponent-bias shift. Round up so nothing clips.
+        # Perez et al. 2023: a power-of-two scale is an exponent-bias shift. Round up so
+        # nothing clips.
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale
 
@@ -43,8 +45,6 @@ def sqnr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
 def histogram_sqnr_db(stats, scale: float, fmt: FormatSpec) -> float:
     """SQNR of quantizing the distribution recorded in ``stats`` with ``scale`` (log-bin centres
     stand in for the values of each bin)."""
-    from .observers import bin_centers
-
     counts = stats.histogram
     nz = counts > 0
     if not bool(nz.any()):

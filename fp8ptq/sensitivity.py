@@ -39,17 +39,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .calibrators import activation_calibrator, weight_calibrator
+from .calibrators.layerwise import choose_layerwise
 from .checkpoint.jsonsafe import json_safe
 from .data import build_calibration_set
 from .errors import DataError, UsageError
 from .formats import get_format
-from .granularity import weight_granularity
 from .lm_probes import LogitsProbe, PerplexityProbe
 from .model.gemm import kind, set_submodule, weight_2d
 from .observers import bin_centers
-from .pipeline import (LAYER_AWARE_CALIBRATORS, SAMPLE_BATCHES, quantize_target, collect_stats,
-                       plan_targets)
+from .pipeline import collect_stats, plan_targets, quantize_target
+from .plan import SAMPLE_BATCHES, build_plan
 from .recipe import Recipe
 from .scales import sqnr_db
 
@@ -228,26 +227,22 @@ class FormatPlan:
 
 def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
     """``recipe`` with weights and activations in ``fmt`` (weight-only stays weight-only)."""
-    return dataclasses.replace(recipe, format=fmt, weight_format=None,
-                               act_format="none" if recipe.act_format == "none" else None)
+    return recipe.replace(format=fmt, weight_format=None,
+                          act_format="none" if recipe.act_format == "none" else None)
 
 
 def format_plan(model, recipe: Recipe, fmt: str, collector, batches) -> FormatPlan:
-    r = format_recipe(recipe, fmt)
-    weight_only = r.act_format == "none"
-    targets, _ = plan_targets(model, r)
-    gran = weight_granularity(r.weight_granularity, r.block_size)
-    w_calib = weight_calibrator(r.weight_calib)
-    layer_aware = r.act_calib in LAYER_AWARE_CALIBRATORS
+    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt``, with its calibrators built
+    and any layer-aware choice made once."""
+    plan = build_plan(model, format_recipe(recipe, fmt))
+    gran, w_calib = plan.weight_granularity(), plan.weight_calibrator()
     chosen = {}
-    if layer_aware and r.act_granularity == "tensor" and not weight_only:
-        from .calibrators.layerwise import choose_layerwise
-
-        chosen = choose_layerwise(model, targets, collector.stats, collector.row_samples(), r,
-                                  gran, w_calib, batches[:SAMPLE_BATCHES])
-    a_calib = None if layer_aware else activation_calibrator(r.act_calib,
-                                                             percentile=r.percentile)
-    return FormatPlan(r, {t.name: t for t in targets}, gran, w_calib, a_calib, chosen)
+    if plan.facts.layer_aware and plan.facts.static_inputs:
+        chosen = choose_layerwise(model, plan.gemms, collector.stats, collector.row_samples(),
+                                  plan.recipe, gran, w_calib, batches[:SAMPLE_BATCHES])
+    a_calib = None if plan.facts.layer_aware else plan.act_calibrator()
+    return FormatPlan(plan.recipe, {t.name: t for t in plan.gemms}, gran, w_calib, a_calib,
+                      chosen)
 
 
 @dataclass
@@ -381,11 +376,11 @@ def quantize_flags(recipe: Recipe, suggestion: Suggestion) -> list[str]:
     calibration-size flags) with the suggestion applied."""
     flags = ["--format", suggestion.format]
     default = Recipe()
-    for f in dataclasses.fields(Recipe):
-        value = getattr(recipe, f.name)
-        if f.name in NOT_SUGGESTED or value == getattr(default, f.name):
+    for name in Recipe.model_fields:
+        value = getattr(recipe, name)
+        if name in NOT_SUGGESTED or value == getattr(default, name):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
         elif isinstance(value, tuple):

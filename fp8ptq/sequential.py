@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from .errors import DataError, UsageError
 from .loading import model_class
 from .model.blocks import block_prefix, find_blocks
+from .model.experts import find_experts
 from .pipeline import QuantizeResult, high_precision_report, plan_targets, quantize_model
 from .recipe import Recipe
 
@@ -198,6 +199,9 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     residency counters)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
+    if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
+        raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
+                         "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
     model = build_empty(folder, dtype)
     found = find_blocks(model)
@@ -205,6 +209,10 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
         raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "
                          "layers); this one has none")
     list_name, blocks = found
+    fused = [name for name, _, _ in find_experts(model)]
+    if fused:  # transformers saves them per expert; the block loader reads fused names only
+        raise UsageError(f"sequential mode cannot load fused MoE experts yet ({fused[0]}); "
+                         "use the in-memory pipeline (drop --sequential)")
     source = SafetensorsSource(folder)
     loader = BlockLoader(model, source, dtype)
     loader.load_prefix("", exclude=f"{list_name}.")

@@ -56,9 +56,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .calibrators import weight_calibrator
 from .formats import fake_quantize
 from .granularity import PerBlock, PerTensor, weight_granularity
+from .model.forward import run_batch
 from .model.gemm import Conv1D, find_gemms, weight_2d, weight_from_2d
+from .plan import as_plan_parts
 from .scales import TINY, amax_to_scale
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0, 0.1, ..., 1.0
@@ -90,9 +93,12 @@ def smoothing_factors(act_amax: torch.Tensor, weight_amax: torch.Tensor,
     return s.float()
 
 
-def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict, recipe,
+def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict, plan,
                       example=None) -> dict:
     """Smooth ``model`` in place (norm -> GEMM groups among ``targets``) and return the report.
+
+    ``plan``: the run's ``QuantPlan`` (or, outside a run, its recipe): alpha, the weight
+    granularity and calibrator the scales will be chosen with.
 
     ``stats``: name -> ``TensorStats`` (per-channel input amax) of the targets; ``row_samples``:
     name -> float32 ``[rows, in_features]`` input rows (used by ``alpha="auto"``); ``example``: a
@@ -103,6 +109,7 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
     {producer: why}, ``unmatched`` (quantized GEMMs whose input is no module's output, e.g.
     ``o_proj``, ``down_proj``: nothing to fold into), ``smoothed`` (groups changed).
     """
+    recipe, _ = as_plan_parts(plan)
     alpha_opt = recipe.smoothquant
     report = {"alpha": alpha_opt, "groups": {}, "skipped": {}, "unmatched": [], "smoothed": 0}
     by_name = {t.name: t for t in targets}
@@ -123,8 +130,6 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
             m.training = flag
 
     gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
-    from .calibrators import weight_calibrator
-
     w_calib = weight_calibrator(recipe.weight_calib)
     for g in candidates:
         act_amax = _act_amax(g, stats)
@@ -185,8 +190,6 @@ def _trace_input(model, example):
 
 
 def _run(model, example):
-    from .pipeline import run_batch  # the pipeline imports this module lazily
-
     with torch.inference_mode():
         return run_batch(model, example)
 

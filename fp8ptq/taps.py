@@ -1,9 +1,10 @@
 """Activation taps beyond the GEMM inputs: the attention batched matmuls and the residual adds.
 
-Seed 000 (sec 4.2-4.3) quantizes the inputs of *every* GEMM at inference, the two attention
-batched matmuls included (Q, K for ``Q K^T``; the softmax probabilities P and V for ``P V``), and in
-one study the inputs of the residual additions too. ``QuantGemm`` only covers the weight GEMMs, so
-these taps add the rest, with static per-tensor scales calibrated in the same single pass:
+Micikevicius et al. 2022 (sec 4.2-4.3) quantizes the inputs of *every* GEMM at inference, the two
+attention batched matmuls included (Q, K for ``Q K^T``; the softmax probabilities P and V for
+``P V``), and in one study the inputs of the residual additions too. ``QuantGemm`` only covers
+the weight GEMMs, so these taps add the rest, with static per-tensor scales calibrated in the
+same single pass:
 
     taps = ActivationTaps(model, recipe)      # switches attention to "fp8ptq_eager"
     with taps.observing():                    # one calibration pass: TensorStats per tap
@@ -64,12 +65,13 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import Fp8ptqError, NumericsError, UsageError
 from .formats import fake_quantize, get_format
+from .calibrators.registry import activation_entry
 from .observers import TensorStats
+from .plan import as_plan_parts, taps_plan
 from .scales import amax_to_scale, histogram_sqnr_db
 
 ATTN_IMPLEMENTATION = "fp8ptq_eager"
 ATTENTION_ROLES = ("q", "k", "v", "p")
-_LAYER_AWARE = ("best", "pow2-search")
 
 # Residual branches per layer type: the first entry whose ``required`` submodules all exist in
 # a layer wins; ``optional`` ones are tapped when present; ``mid`` are post-LN norm outputs that
@@ -435,17 +437,19 @@ class ActivationTaps:
             if previous == "quantize":
                 self._install_residual_hooks()
 
-    def freeze(self, recipe) -> dict[str, dict]:
-        """Scales from the collected statistics; the taps quantize from now on.
+    def freeze(self, plan) -> dict[str, dict]:
+        """Scales from the collected statistics; the taps quantize from now on. ``plan``: the
+        run's ``QuantPlan`` (its ``taps`` entry), or a recipe.
 
         Returns ``{tap: {"kind", "amax", "scale", "format", "calib", "sqnr_db", "count",
         "warnings"}}``."""
-        from .calibrators import activation_calibrator
-
-        fmt_name = recipe.act_format if recipe.act_format not in (None, "none") else recipe.format
-        self._fmt = fmt = get_format(fmt_name)
-        calib_name = "max" if recipe.act_calib in _LAYER_AWARE else recipe.act_calib
-        calib = activation_calibrator(calib_name, percentile=recipe.percentile)
+        recipe, tap_plan = as_plan_parts(plan)
+        if tap_plan is None:  # a recipe without --quantize-attention/-residual: its act format
+            tap_plan = taps_plan(recipe, always=True)
+        self._fmt = fmt = tap_plan.format
+        calib_name = tap_plan.calibrator
+        entry = activation_entry(calib_name)
+        calib = entry.build(**entry.options_from(recipe))
         report = {}
         self._scales, self._scale_cache = {}, {}
         for name, st in self.stats.items():

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint.experts_io import SERVABLE
+from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
+from .checkpoint.verify import SCALE_SUFFIXES
 from .pipeline import FUSED_SHARDS
 
 RUNTIMES = ("vllm", "transformers")
@@ -79,8 +81,6 @@ class Report:
 
 
 def read_checkpoint(path) -> dict:
-    from .checkpoint.reader import _load_tensors, _read_config, read_metadata
-
     p = Path(path).expanduser()
     meta = read_metadata(p)
     return {"path": p, "meta": meta, "config": _read_config(p), "tensors": _load_tensors(p)}
@@ -121,6 +121,82 @@ def _scheme(ck) -> list[Violation]:
             out.append(Violation("static-input", name, "static activations without an "
                                  "input_scale", "re-quantize with calibration data"))
     return out
+
+
+# The 8-bit part of vLLM's ``CompressedTensorsConfig._get_scheme_from_parts``, as a table:
+# (weight type, weight strategies, input type, input strategy, input dynamic) -> vLLM scheme.
+# ``None`` input strategy/dynamic = weight-only. Weights must be 8-bit, symmetric and static in
+# every row (``_is_fp8_w8a8``, ``_is_static_tensor_w8a8``, ``_is_dynamic_token_w8a8``,
+# ``_is_fp8_w8a16``, ``_is_wNa16_group_channel``); static inputs must also be symmetric for FP8.
+VLLM_LINEAR_SCHEMES = (
+    ("float", ("tensor", "channel", "block"), "float", None, True, "CompressedTensorsW8A8Fp8"),
+    ("float", ("tensor", "channel", "block"), "float", "tensor", False,
+     "CompressedTensorsW8A8Fp8"),
+    ("float", ("tensor", "channel", "block"), None, None, None, "CompressedTensorsW8A16Fp8"),
+    ("int", ("tensor", "channel"), "int", "tensor", False, "CompressedTensorsW8A8Int8"),
+    ("int", ("tensor", "channel"), "int", "token", True, "CompressedTensorsW8A8Int8"),
+    ("int", ("channel", "group"), None, None, None, "CompressedTensorsWNA16"),
+)
+ACT_QUANT_FORMATS = ("naive-quantized", "int-quantized", "float-quantized")
+
+
+def vllm_linear_scheme(w, a) -> str | None:
+    """The vLLM scheme a (weights, input_activations) pair of ``QuantizationArgs`` selects, or
+    ``None`` where vLLM raises "No compressed-tensors compatible scheme was found"."""
+    if w is None or w.num_bits != 8 or not w.symmetric or w.dynamic:
+        return None
+    if w.type == "float" and w.strategy == "group" and w.group_size == 32 and \
+            w.scale_dtype == torch.uint8:  # _is_mxfp8: E8M0 scales, inputs as the kernel wants
+        return "CompressedTensorsW8A8Mxfp8"
+    if a is not None and (a.num_bits != 8 or a.type == "float" and not a.dynamic
+                          and not a.symmetric):
+        return None
+    for wt, ws, at, ast, adyn, scheme in VLLM_LINEAR_SCHEMES:
+        if w.type != wt or w.strategy not in ws:
+            continue
+        if a is None and at is None:
+            return scheme
+        if a is not None and at == a.type and bool(a.dynamic) == adyn and (
+                ast is None or a.strategy == ast):
+            return scheme
+    return None
+
+
+def _config_groups(ck) -> list[Violation]:
+    """What vLLM reads is ``config.json``, not fp8ptq.json: every config group's arguments,
+    parsed by compressed-tensors' own classes, must select a vLLM scheme."""
+    qc = ck["config"].get("quantization_config")
+    if ck["meta"]["layout"] != "compressed-tensors" or not qc:
+        return []
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        config = QuantizationConfig.model_validate(qc)
+    except Exception:  # noqa: BLE001 - reported by the transformers rule ct-config
+        return []
+    out = []
+    for group, scheme in config.config_groups.items():
+        where = f"{group} ({', '.join(scheme.targets)})"
+        a = scheme.input_activations
+        if vllm_linear_scheme(scheme.weights, a) is None:
+            w = scheme.weights
+            out.append(Violation("ct-scheme", where, "no vLLM scheme for weights "
+                                 f"{_args(w)} with inputs {_args(a)}: static activations must "
+                                 "be per-tensor and symmetric, weights static and symmetric",
+                                 "--act-granularity tensor or token (default e4m3 recipe)"))
+        fmt = scheme.format or config.format
+        if a is not None and fmt not in ACT_QUANT_FORMATS:
+            out.append(Violation("ct-format", where, f"format {fmt!r} is not an activation-"
+                                 "quantization format; vLLM would ignore the input scheme",
+                                 "re-write with fp8ptq quantize"))
+    return out
+
+
+def _args(q) -> str:
+    if q is None:
+        return "none"
+    return (f"{q.type}{q.num_bits}/{q.strategy}/{'dynamic' if q.dynamic else 'static'}/"
+            f"{'symmetric' if q.symmetric else 'asymmetric'}")
 
 
 def _block(ck) -> list[Violation]:
@@ -204,8 +280,6 @@ def _kv(ck) -> list[Violation]:
 
 
 def _scales(ck) -> list[Violation]:
-    from .checkpoint.verify import SCALE_SUFFIXES
-
     return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
                       "re-quantize (fp8ptq never writes one)")
             for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
@@ -242,6 +316,9 @@ RULES = [
     Rule("layout", "vllm", f"{VLLM_CT}: CompressedTensorsConfig (quant_method)", _layout),
     Rule("scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
          "_is_static_tensor_w8a8, _is_dynamic_token_w8a8", _scheme),
+    Rule("ct-scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
+         "_is_mxfp8, _is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
+         "_is_wNa16_group_channel; is_activation_quantization_format", _config_groups),
     Rule("block", "vllm", "vLLM compressed_tensors_w8a8_fp8.py / fp8_utils.py: block-FP8 "
          "(per-group dynamic activations, validate_fp8_block_shape)", _block),
     Rule("fused-scales", "vllm", "vLLM linear.py QKVParallelLinear / MergedColumnParallelLinear "
@@ -265,9 +342,7 @@ def reload_difference(path, tokens: int = 16, seed: int = 0) -> dict:
     ``from_pretrained`` (compressed-tensors), both in float32."""
     from transformers import AutoModelForCausalLM
 
-    from . import load
-
-    ours = load(path, dtype=torch.float32).model
+    ours = load_quantized(path, dtype=torch.float32).model
     vocab = getattr(ours.config, "vocab_size", 128)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

@@ -1,8 +1,8 @@
 """A small vision testbed for CNN quantization: scikit-learn's bundled 8x8 digits (no download),
 a MobileNet-style CNN with BatchNorm and depthwise convolutions, and image-tensor loading.
 
-Seed 002 (HFP8) studies trans-precision inference on MobileNetV2; ``TinyMobileNet`` has the same
-ingredients (BN after every conv, depthwise 3x3, inverted residuals) at a size that trains in
+Sun et al. 2019 (HFP8) studies trans-precision inference on MobileNetV2; ``TinyMobileNet`` has the
+same ingredients (BN after every conv, depthwise 3x3, inverted residuals) at a size that trains in
 seconds on a CPU.
 """
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .errors import DataError, UsageError
+from .pipeline import quantize_model
 
 TEST_FRACTION = 0.2
 BUILTIN_ARCHITECTURE = "digits-cnn"  # TinyMobileNet
@@ -254,8 +255,6 @@ def quantize_and_score(model: nn.Module, recipe, batches, images: torch.Tensor,
                        labels: torch.Tensor) -> tuple[float, float, object]:
     """Quantize a copy of ``model`` per ``recipe`` (calibrating on ``batches``) and score it on
     ``images``: (top-1 accuracy, ``relative_output_error`` against ``model``, QuantizeResult)."""
-    from .pipeline import quantize_model
-
     quantized = copy.deepcopy(model)
     result = quantize_model(quantized, recipe, batches)
     logits = predict(quantized, images)

@@ -1,5 +1,5 @@
-"""BatchNorm re-tuning (seed 002 sec 3), --keep-depthwise / --keep-first-last, and the CNN path
-of ``fp8ptq quantize`` (a .pt module, image calibration data, native checkpoint, reload).
+"""BatchNorm re-tuning (Sun et al. 2019 sec 3), --keep-depthwise / --keep-first-last, and the CNN
+path of ``fp8ptq quantize`` (a .pt module, image calibration data, native checkpoint, reload).
 
 The accuracy claims run on a MobileNet-style CNN trained on scikit-learn's digits. The margins
 were chosen from training seeds 0-7 (see benchmarks/digits_cnn.py for the full table): with
@@ -54,7 +54,7 @@ def digits():
 
 def direct_cast(digits, fmt, **options):
     """(accuracy, relative output error, QuantizeResult) of a scale-1 cast of a copy of the
-    trained CNN: no calibration of scales, per-tensor weights (seed 002's trans-precision
+    trained CNN: no calibration of scales, per-tensor weights (Sun et al.'s trans-precision
     inference). Cached per variant for the module."""
     key = (fmt, tuple(sorted(options.items())))
     if key not in digits.runs:

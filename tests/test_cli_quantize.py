@@ -342,3 +342,15 @@ def test_click_usage_errors_are_one_error_line(args, fragment):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
+
+
+def test_rotate_flag_is_recorded_and_the_checkpoint_reloads(assets, tmp_path):
+    """--rotate hadamard through the CLI: recorded in fp8ptq.json, lm_head untied in the
+    written config, and the checkpoint reloads as a standard Llama."""
+    out = tmp_path / "rot"
+    report = quantize_json(assets, out, "--rotate", "hadamard", "--dtype", "float32")
+    assert report["rotation"]["kind"].startswith("random Hadamard")
+    meta = read_metadata(out)
+    assert meta["recipe"]["rotate"] == "hadamard"
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert fp8ptq.load(out).model.config.model_type == "llama"

@@ -153,3 +153,46 @@ def test_prefix_token_none_scores_all_but_the_first_token(tmp_path, word_tokeniz
     assert tokens == len(ids) - 1
     assert ll == pytest.approx(direct, rel=1e-5)
     assert outcome.protocol["prefix_token"].startswith("none")
+
+
+def test_exact_bootstrap_on_tiny_slices_by_hand():
+    """Two questions, one flips from wrong to right: the resampled mean delta is 0, 1/2 or 1
+    with probabilities 1/4, 1/2, 1/4, so the 95% interval is [0, 1]. Three questions, one
+    flips: k of 3 draws hit it with probability C(3,k)(1/3)^k(2/3)^(3-k) = 8/27, 12/27, 6/27,
+    1/27; the 97.5% point is 1 (P(<= 2/3) = 26/27 < 0.975), the 2.5% point 0."""
+    from fp8ptq.evals.stats import exact_resamples
+
+    rows, w = exact_resamples(3)
+    assert len(rows) == math.comb(5, 3) and math.isclose(w.sum(), 1.0)
+    assert math.isclose(w[0], 1 / 27) and math.isclose(w[1], 3 / 27)  # (0,0,0), (0,0,1)
+    for acc_base, acc_q, want in (([0, 1], [1, 1], [0.0, 1.0]),
+                                  ([0, 1, 1], [1, 1, 1], [0.0, 1.0]),
+                                  ([1, 1, 1], [1, 1, 1], [0.0, 0.0])):
+        base = mean_records([{"acc": float(a)} for a in acc_base])
+        q = mean_records([{"acc": float(a)} for a in acc_q])
+        iv = paired_interval(base, q, "acc")
+        assert iv["exact"] and iv["ci95"] == want
+    # four questions, three flip: P(none drawn) = 1/256 < 2.5% <= P(at most one) = 13/256
+    three = paired_interval(mean_records([{"acc": a} for a in (0.0, 0.0, 0.0, 1.0)]),
+                            mean_records([{"acc": a} for a in (1.0, 1.0, 1.0, 1.0)]), "acc")
+    assert three["ci95"] == [0.25, 1.0]
+    assert three["pct_ci95"] is not None  # resamples with a 0 baseline have no relative delta
+
+
+def test_exact_and_drawn_bootstrap_agree():
+    from fp8ptq.evals import stats
+
+    rng = np.random.default_rng(3)
+    words = rng.integers(50, 150, 7)
+    ll = -3.0 * words + rng.normal(0, 20, 7)
+    base = wikitext_records(wiki(ll, words))
+    other = wikitext_records(wiki(ll - rng.normal(0.05, 0.05, 7) * words, words))
+    exact = paired_interval(base, other, "word_perplexity")
+    assert exact["exact"]
+    limit, stats.EXACT_MAX = stats.EXACT_MAX, 0
+    try:
+        drawn = paired_interval(base, other, "word_perplexity", resamples=20000)
+    finally:
+        stats.EXACT_MAX = limit
+    assert not drawn["exact"]
+    assert drawn["pct_ci95"] == pytest.approx(exact["pct_ci95"], abs=0.25)

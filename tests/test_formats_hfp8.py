@@ -1,7 +1,8 @@
 """IBM HFP8 forward format (1-4-3, exponent bias 4 on top of 7 = 11, max 30, flush below 2^-11).
 
 Reference: ml_dtypes.float8_e4m3b11fnuz has the same bias and specials but keeps subnormals;
-HFP8 as fp8ptq reads seed 002 has none, so the two agree wherever the exponent field is not 0.
+HFP8 as fp8ptq reads Sun et al. 2019 has none, so the two agree wherever the exponent field is
+not 0.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HiFloat8 (seed 003): code table, tapered precision, and its rounding modes.
+"""HiFloat8 (Luo et al. 2024): code table, tapered precision, and its rounding modes.
 
 The decode table is checked against an independent bit-string parser of the paper's Tables 1-3
 and the typical values of Table 4. Rounding is checked against brute-force references (nearest
@@ -35,14 +35,14 @@ SETTINGS = settings(max_examples=300, deadline=None, derandomize=True)
 
 
 def mant_bits(e: int) -> int:
-    """Seed 003 Table 3: mantissa width at exponent e (0 for the denormals)."""
+    """Luo et al. 2024 Table 3: mantissa width at exponent e (0 for the denormals)."""
     if e < -15:
         return 0
     return 3 if abs(e) <= 3 else 2 if abs(e) <= 7 else 1
 
 
 def paper_decode(code: int) -> float:
-    """Seed 003 Tables 2-3 and eqs. (1)-(2), parsed from the bit string."""
+    """Luo et al. 2024 Tables 2-3 and eqs. (1)-(2), parsed from the bit string."""
     sign = -1.0 if code & 0x80 else 1.0
     bits = f"{code & 0x7F:07b}"
     for prefix, d in (("11", 4), ("10", 3), ("01", 2), ("001", 1), ("0001", 0), ("0000", None)):
@@ -291,7 +291,7 @@ def test_property_decode_encode_is_quantize(x):
 
 
 # ------------------------------------------------------------------------------------------------
-# hybrid rounding (seed 003 eq. 3): TA where |E| < 4, simplified SR (SR14 / SR2) elsewhere
+# hybrid rounding (Luo et al. 2024 eq. 3): TA where |E| < 4, simplified SR (SR14 / SR2) elsewhere
 
 
 def _bitlevel_hybrid(x: np.ndarray, src_mbits: int, src_bias: int, sr_bits: int) -> np.ndarray:

@@ -137,7 +137,7 @@ def test_layer_aware_calibrators_pick_scales_no_worse_than_max(calib):
     assert err < base  # beats the direct cast the seed compares against
     assert all(m.act_calib.startswith(calib.split("-")[0]) for m in result.modules)
     if calib == "pow2-search":
-        for m in result.modules:  # powers of two, per seed 003 Algorithm 1
+        for m in result.modules:  # powers of two, per Luo et al. 2024 Algorithm 1
             for s in (m.input_scale, m.weight_scale_max):
                 assert torch.log2(torch.tensor(s)).frac() == 0
 

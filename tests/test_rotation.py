@@ -11,6 +11,7 @@ from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe
+from fp8ptq.sequential import quantize_sequential
 from fp8ptq.rotation import keep_ones, random_hadamard, rotate_model
 
 
@@ -20,11 +21,11 @@ def _gen(seed=0):
     return g
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 64, 12, 48, 96, 10, 20])
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 12, 48, 96, 576, 10, 20])
 def test_rotation_matrices_are_orthogonal(n):
     Q = random_hadamard(n, _gen())
     assert torch.allclose(Q @ Q.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
-    if n in (2, 8, 64, 12, 48, 96):  # Hadamard: every entry +-1/sqrt(n)
+    if n in (2, 8, 64, 12, 48, 96, 576):  # Hadamard: every entry +-1/sqrt(n)
         assert torch.allclose(Q.abs(), torch.full((n, n), n ** -0.5, dtype=torch.float64))
     K = keep_ones(Q)
     assert torch.allclose(K @ K.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
@@ -118,3 +119,9 @@ def test_pipeline_rotate_then_quantize_round_trips(tmp_path):
         assert torch.equal(fp8ptq.load(tmp_path / "ck").model(input_ids=IDS).logits, got)
     with pytest.raises(UsageError):
         Recipe(rotate="givens")
+
+
+def test_sequential_mode_refuses_rotation(tmp_path):
+    tiny("llama").save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="--rotate"):
+        quantize_sequential(tmp_path, Recipe(rotate="hadamard", act_format="none"), None)

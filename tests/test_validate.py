@@ -124,3 +124,56 @@ def test_model_card_in_every_output_and_update_card(A, tmp_path):
     res = CliRunner().invoke(main, ["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
                                     f"wikitext={wiki}", "--update-card"])
     assert res.exit_code == 2 and "needs MODEL to be an fp8ptq checkpoint" in res.stderr
+
+
+def _args(**kw):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    dynamic = kw.pop("force_dynamic", None)  # a config compressed-tensors itself refuses
+    q = QuantizationArgs(num_bits=8, **kw)
+    return q if dynamic is None else q.model_copy(update={"dynamic": dynamic})
+
+
+@pytest.mark.parametrize("w,a,scheme", [
+    (dict(type="float", strategy="channel"), dict(type="float", strategy="tensor"),
+     "CompressedTensorsW8A8Fp8"),
+    (dict(type="float", strategy="block", block_structure=[128, 128]),
+     dict(type="float", strategy="group", group_size=128, dynamic=True),
+     "CompressedTensorsW8A8Fp8"),
+    (dict(type="float", strategy="tensor"), None, "CompressedTensorsW8A16Fp8"),
+    (dict(type="int", strategy="channel"), dict(type="int", strategy="token", dynamic=True),
+     "CompressedTensorsW8A8Int8"),
+    # static activations must be per-tensor (vLLM's _is_fp8_w8a8 / _is_static_tensor_w8a8)
+    (dict(type="float", strategy="channel"), dict(type="float", strategy="channel"), None),
+    # ... and symmetric for FP8
+    (dict(type="float", strategy="channel"), dict(type="float", strategy="tensor",
+                                                  symmetric=False), None),
+    (dict(type="float", strategy="channel", force_dynamic=True), None, None),  # dynamic weights
+    (dict(type="float", strategy="group", group_size=32, scale_dtype=torch.uint8),
+     dict(type="float", strategy="group", group_size=32, dynamic=True),
+     "CompressedTensorsW8A8Mxfp8"),  # MXFP8: E8M0 (uint8) scales over 32 elements
+    (dict(type="float", strategy="group", group_size=32), None, None),  # float scales: not MX
+    (dict(type="int", strategy="block", block_structure=[128, 128]),
+     dict(type="int", strategy="token", dynamic=True), None),
+])
+def test_vllm_scheme_selection_table(w, a, scheme):
+    from fp8ptq.validate import vllm_linear_scheme
+
+    assert vllm_linear_scheme(_args(**w), None if a is None else _args(**a)) == scheme
+
+
+def test_config_json_that_vllm_cannot_serve_is_flagged(A, tmp_path):
+    assert quantize(A, tmp_path / "ck").exit_code == 0
+    cfg_path = tmp_path / "ck" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    assert groups and not [v for v in validate(tmp_path / "ck", ("vllm",), reload=False)
+                           .violations if v.rule == "ct-scheme"]
+    for g in groups.values():
+        g["input_activations"].update(dynamic=False, strategy="tensor", symmetric=False)
+    cfg_path.write_text(json.dumps(cfg))
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--runtime", "vllm",
+                                    "--no-reload"])
+    assert res.exit_code == 4, res.output
+    line = next(ln for ln in res.stdout.splitlines() if "[ct-scheme]" in ln)
+    assert "asymmetric" in line and "fix:" in line and "group_0" in line

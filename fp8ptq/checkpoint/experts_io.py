@@ -26,7 +26,7 @@ import re
 import torch
 from torch import nn
 
-from ..formats import get_format
+from .layout import ct_type
 from ..qexperts import QuantExperts
 
 SERVABLE = {("tensor", "tensor"), ("channel", "token")}
@@ -34,8 +34,8 @@ SERVABLE = {("tensor", "tensor"), ("channel", "token")}
 
 def ct_problem(name: str, q: QuantExperts) -> str | None:
     """Why these experts cannot be a compressed-tensors (vLLM fused-MoE) checkpoint, or None."""
-    e4m3 = get_format("e4m3")
-    if q.weight_format != e4m3 or (q.act_format is not None and q.act_format != e4m3):
+    if ct_type(q.weight_format) != "float" or (q.act_format is not None
+                                               and ct_type(q.act_format) != "float"):
         return f"{name}: fused-MoE compressed-tensors checkpoints are e4m3 only"
     if q.act_format is None:
         return f"{name}: weight-only fused experts have no vLLM FP8 MoE kernel"

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import DataError, Fp8ptqError, UsageError
 from ..formats import FormatSpec, get_format
 from ..granularity import weight_granularity
+from ..model.auto import LoadedModel, model_class
 from ..model.experts import experts_info
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
@@ -132,8 +133,6 @@ def _model_class(config):
         cls = getattr(transformers, arch, None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
-    from ..loading import model_class
-
     return model_class(config)
 
 
@@ -315,9 +314,5 @@ def _tokenizer(p: Path):
 
 
 def _loaded(model, tokenizer, p: Path):
-    try:
-        from ..loading import LoadedModel
-    except ImportError:  # pragma: no cover - loading.py is part of the package
-        return model, tokenizer
     return LoadedModel(model=model, tokenizer=tokenizer, source=str(p), kind="fp8ptq",
                        resolved_path=str(p.resolve()))

@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import DataError, Fp8ptqError
 from ..model.gemm import set_submodule
 from ..safe_pickle import load_torch_file
+from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 
 MODULE_KEY = "fp8ptq_module"
 SKELETON_NAME = "module_skeleton.pt"
@@ -35,7 +36,6 @@ def has_hf_config(model: nn.Module) -> bool:
 def module_config(model: nn.Module, quantized: list[str], directory: Path) -> dict:
     """Describe ``model``'s architecture for ``config.json``, writing the skeleton file into
     ``directory`` when the architecture is not built in."""
-    from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 
     if type(model) is TinyMobileNet:
         return {"builtin": BUILTIN_ARCHITECTURE, "kwargs": dict(model.arch_kwargs)}
@@ -53,7 +53,6 @@ def module_config(model: nn.Module, quantized: list[str], directory: Path) -> di
 def build_module(directory: Path, spec: dict, dtype: torch.dtype,
                  trust_pickle: bool = False) -> nn.Module:
     """The unquantized architecture ``spec`` describes, with uninitialised tensors."""
-    from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 
     if spec.get("builtin") == BUILTIN_ARCHITECTURE:
         return TinyMobileNet(**spec.get("kwargs", {})).to(dtype)

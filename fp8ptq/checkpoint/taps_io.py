@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import Fp8ptqError, NumericsError
 from ..formats import get_format
 from ..taps import ActivationTaps, kv_scales_from_report
+from .layout import LAYOUT_CT, ct_type
 
 
 def taps_report(result) -> dict | None:
@@ -40,8 +41,6 @@ def kv_cache_export(model: nn.Module, report: dict | None, layout: str
                     ) -> tuple[dict[str, torch.Tensor], dict | None, str | None]:
     """(k/v scale tensors, compressed-tensors ``kv_cache_scheme`` or None, note for
     fp8ptq.json) for ``report``, the taps' ``freeze`` report (None: no taps)."""
-    from .writer import LAYOUT_CT, _ct_type
-
     if not report:
         return {}, None, None
     for name, entry in report.items():
@@ -57,14 +56,14 @@ def kv_cache_export(model: nn.Module, report: dict | None, layout: str
     if layout != LAYOUT_CT:
         return tensors, None, "tensors <attention>.k_scale / .v_scale (all taps: fp8ptq.json)"
     fmt = get_format(next(iter(report.values()))["format"])
-    ct_type = _ct_type(fmt)
-    if ct_type is None:
+    kv_type = ct_type(fmt)
+    if kv_type is None:
         return {}, None, f"not written: compressed-tensors has no KV-cache type for {fmt.name}"
     odd = [a for a in kv if not _cached_attention(model.get_submodule(a))]
     if odd:
         return {}, None, (f"not written: compressed-tensors does not treat {odd[0]} as a "
                           "KV-cached attention module (all taps: fp8ptq.json)")
-    scheme = {"num_bits": 8, "type": ct_type, "symmetric": True, "group_size": None,
+    scheme = {"num_bits": 8, "type": kv_type, "symmetric": True, "group_size": None,
               "strategy": "tensor", "dynamic": False}
     return tensors, scheme, "kv_cache_scheme + tensors <attention>.k_scale / .v_scale"
 

@@ -24,28 +24,22 @@ import torch
 from torch import nn
 
 from ..errors import Fp8ptqError, NumericsError, UsageError
-from ..formats import get_format
 from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
+from ..version import __version__
 from .card import command_line
 from .card import write as write_card
 from .experts_io import checkpoint_keys, ct_problem, ct_tensors, router_modules
 from .jsonsafe import dumps, json_safe
+from .layout import (CT_FLOAT, CT_INT, CT_MIXED, CT_NAIVE, INDEX_NAME,  # noqa: F401 - re-exported
+                     LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME, ct_type)
 from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
 from .taps_io import kv_cache_export, taps_report
 
-LAYOUT_CT = "compressed-tensors"
-LAYOUT_NATIVE = "fp8ptq-native"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-META_NAME = "fp8ptq.json"
 SHARD_BYTES = 2 * 1024**3  # split model.safetensors only above this
 FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
                "rounding", "max", "torch_dtype")
 
-# compressed-tensors CompressionFormat values
-CT_FLOAT, CT_INT, CT_NAIVE, CT_MIXED = ("float-quantized", "int-quantized", "naive-quantized",
-                                        "mixed-precision")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,15 +54,6 @@ def quantized_experts(model: nn.Module) -> list[tuple[str, QuantExperts]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantExperts)]
 
 
-def _ct_type(spec) -> str | None:
-    """compressed-tensors ``type`` of a format, or None where compressed-tensors has none."""
-    if spec == get_format("e4m3"):
-        return "float"
-    if spec == get_format("int8"):
-        return "int"
-    return None
-
-
 def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
     """(layout, reason). compressed-tensors needs one 8-bit type throughout (e4m3 or int8, the
     activations the same type or unquantized) and ``nn.Linear`` modules: it quantizes only Linear
@@ -76,8 +61,8 @@ def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
     i.e. silently wrong, through transformers' default path."""
     types = set()
     for name, q in qmods:
-        wt = _ct_type(q.weight_format)
-        at = _ct_type(q.act_format) if q.act_format is not None else wt
+        wt = ct_type(q.weight_format)
+        at = ct_type(q.act_format) if q.act_format is not None else wt
         if wt is None or at != wt:
             act = q.act_format.name if q.act_format is not None else "none"
             return LAYOUT_NATIVE, (f"{name}: weight {q.weight_format.name} / activation {act} "
@@ -193,7 +178,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> list[str
 
 def _weight_args(q: QuantGemm) -> dict:
     gran = q.weight_granularity.name
-    args = {"num_bits": 8, "type": _ct_type(q.weight_format), "symmetric": True,
+    args = {"num_bits": 8, "type": ct_type(q.weight_format), "symmetric": True,
             "group_size": None, "strategy": gran, "dynamic": False}
     if gran == "block":
         args["block_structure"] = [q.weight_granularity.size, q.weight_granularity.size]
@@ -204,7 +189,7 @@ def _input_args(q: QuantGemm) -> dict | None:
     if q.act_format is None:
         return None
     token = q.act_granularity == "token"
-    return {"num_bits": 8, "type": _ct_type(q.act_format), "symmetric": True, "group_size": None,
+    return {"num_bits": 8, "type": ct_type(q.act_format), "symmetric": True, "group_size": None,
             "strategy": "token" if token else "tensor", "dynamic": token}
 
 
@@ -362,10 +347,13 @@ def _original_bytes(model: nn.Module) -> int:
 # entry point
 
 
-def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | None = None,
-                   calib: dict | None = None, force: bool = False,
+def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
+                   source: dict | None = None, calib: dict | None = None, force: bool = False,
                    tool_version: str | None = None, check=None) -> dict:
     """Write ``result.model`` (its ``QuantGemm`` modules) to ``out_dir`` and return size facts.
+
+    The recorded recipe is ``result.recipe`` (the one the model was quantized with) unless one
+    is passed; ``save_quantized(result, out_dir)`` is the short form.
 
     Everything is written into a temporary sibling directory first and renamed into place only
     when complete; an existing ``out_dir`` is refused unless ``force`` (then it is replaced only
@@ -374,7 +362,14 @@ def save_quantized(result, recipe, out_dir, *, tokenizer=None, source: dict | No
     writes nothing (``quantize --runtime vllm``).
     """
     if tool_version is None:
-        from .. import __version__ as tool_version
+        tool_version = __version__
+    if out_dir is None and isinstance(recipe, (str, os.PathLike)):
+        recipe, out_dir = None, recipe
+    if out_dir is None:
+        raise UsageError("save_quantized needs an output directory")
+    recipe = recipe if recipe is not None else getattr(result, "recipe", None)
+    if recipe is None:
+        raise UsageError("save_quantized needs the recipe the model was quantized with")
     model = result.model
     out = Path(out_dir).expanduser().absolute()
     if out.exists() or out.is_symlink():

@@ -3,10 +3,10 @@
 from .codec import (codes_as_torch_float8, decode, encode, fake_quantize, quantize_values,
                     to_torch_float8, torch_dtype)
 from .registry import PRESETS, get_format, preset_names
-from .spec import ROUNDINGS, FormatSpec
+from .spec import ROUNDINGS, FormatSpec, scaled_mm_pair
 
 __all__ = [
     "FormatSpec", "PRESETS", "ROUNDINGS", "get_format", "preset_names", "quantize_values",
     "encode", "decode", "fake_quantize", "to_torch_float8", "codes_as_torch_float8",
-    "torch_dtype",
+    "torch_dtype", "scaled_mm_pair",
 ]

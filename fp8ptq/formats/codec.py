@@ -88,7 +88,7 @@ def _round_up(whole, frac, rounding, src, src_exponent, generator):
     elif rounding == "stochastic":
         up = torch.rand(frac.shape, generator=generator, device=frac.device) < frac
     elif rounding == "hybrid":
-        # Seed 003 eq. (3): round half away where the source exponent |E| < 4, simplified
+        # Luo et al. 2024 eq. (3): round half away where the source exponent |E| < 4, simplified
         # stochastic rounding (SR14 for fp32 sources, SR2 for fp16/bf16) elsewhere.
         up = torch.where(src_exponent.abs() < 4, frac >= 0.5, _simplified_sr(frac, src))
     else:
@@ -97,7 +97,7 @@ def _round_up(whole, frac, rounding, src, src_exponent, generator):
 
 
 def _simplified_sr(frac, src):
-    """Seed 003 Fig. 2: the threshold comes from the source's own low bits, no RNG.
+    """Luo et al. 2024 Fig. 2: the threshold comes from the source's own low bits, no RNG.
 
     SR14 (fp32): fraction F14 = the 14 most significant discarded bits, threshold T14 = the 14
     least significant bits of the fp32 pattern. SR2 (fp16/bf16): F2 = the 2 most significant

@@ -75,7 +75,8 @@ def _ieee_like_layout(spec) -> Layout:
 
 
 def _hif8_values() -> list[float]:
-    """Seed 003 Tables 1-3: sign | dot (prefix code) | exponent (sign-magnitude, implicit 1) | mantissa."""
+    """Luo et al. 2024 Tables 1-3: sign | dot (prefix code) | exponent (sign-magnitude,
+    implicit 1) | mantissa."""
     values = []
     for code in range(256):
         sign = -1.0 if code & 0x80 else 1.0

@@ -9,6 +9,7 @@ from .spec import FormatSpec
 
 PRESETS: tuple[FormatSpec, ...] = (
     FormatSpec("e4m3", 4, 3, 7, "fn", torch_dtype="float8_e4m3fn", aliases=("e4m3fn", "fp8"),
+               compressed_tensors_type="float",
                description="OCP FP8 E4M3 (FN): no inf, NaN S.1111.111, max 448"),
     FormatSpec("e5m2", 5, 2, 15, "ieee", torch_dtype="float8_e5m2",
                description="OCP FP8 E5M2: IEEE-style inf/NaN, max 57344"),
@@ -16,9 +17,9 @@ PRESETS: tuple[FormatSpec, ...] = (
                description="E4M3 FNUZ (bias 8): one NaN 0x80, no -0, no inf, max 240"),
     FormatSpec("e5m2fnuz", 5, 2, 16, "fnuz", torch_dtype="float8_e5m2fnuz",
                description="E5M2 FNUZ (bias 16): one NaN 0x80, no -0, no inf, max 57344"),
-    # IBM HFP8 forward format (seed 002 sec 2.1): 1-4-3 with an extra exponent bias of 4 on top of
-    # the IEEE bias 7 (bias 11). The paper names no special values; the FNUZ convention is the
-    # one that yields its stated max of 30 (= 1.875 * 2^4). It quotes 2^-11 as the truncation
+    # IBM HFP8 forward format (Sun et al. 2019 sec 2.1): 1-4-3 with an extra exponent bias of 4 on
+    # top of the IEEE bias 7 (bias 11). The paper names no special values; the FNUZ convention is
+    # the one that yields its stated max of 30 (= 1.875 * 2^4). It quotes 2^-11 as the truncation
     # threshold, i.e. no subnormals: magnitudes below 2^-11 flush to 0, the smallest non-zero
     # value is the smallest normal 2^-10. Codes with exponent field 0 decode to 0.
     FormatSpec("hfp8", 4, 3, 11, "fnuz", subnormals=False,
@@ -26,7 +27,8 @@ PRESETS: tuple[FormatSpec, ...] = (
     # HiF8 fields are tapered (exponent 0-4 bits, mantissa 3-1 bits): the widest are listed.
     FormatSpec("hif8", 4, 3, 0, "hif8", rounding="half_away",
                description="Huawei HiFloat8: tapered 3/2/1-bit mantissa, denormals to 2^-22"),
-    FormatSpec("int8", 0, 7, 0, "int", description="symmetric int8 [-127, 127] (baseline)"),
+    FormatSpec("int8", 0, 7, 0, "int", description="symmetric int8 [-127, 127] (baseline)",
+               compressed_tensors_type="int"),
 )
 
 _BY_NAME = {n: s for s in PRESETS for n in (s.name, *s.aliases)}

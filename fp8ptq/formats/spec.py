@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from .layouts import build_layout
+
 ROUNDINGS = ("nearest_even", "half_away", "stochastic", "hybrid")
 
 # How the special values are encoded:
@@ -34,6 +36,9 @@ class FormatSpec:
     torch_dtype: str | None = None
     aliases: tuple[str, ...] = ()
     description: str = field(default="", compare=False)
+    # compressed-tensors ``QuantizationArgs.type`` when the format is one it stores ("float":
+    # OCP E4M3, "int": symmetric int8), else None: the checkpoint layouts ask this, not the name
+    compressed_tensors_type: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.specials not in SPECIALS:
@@ -54,13 +59,16 @@ class FormatSpec:
         return self.specials != "int"
 
     @property
+    def scaled_mm_operand(self) -> bool:
+        """Can ``torch._scaled_mm`` take codes of this format (the OCP FP8 dtypes)?"""
+        return self.torch_dtype in ("float8_e4m3fn", "float8_e5m2")
+
+    @property
     def num_codes(self) -> int:
         return 1 << self.bits
 
     @cached_property
     def layout(self):
-        from .layouts import build_layout
-
         return build_layout(self)
 
     # Range facts, read off the layout so they are right by construction.
@@ -137,3 +145,10 @@ class FormatSpec:
             "torch_dtype": self.torch_dtype,
             "description": self.description,
         }
+
+
+def scaled_mm_pair(weight: FormatSpec, act: FormatSpec | None) -> bool:
+    """Does ``torch._scaled_mm`` run this weight x activation pair (both OCP FP8, at least one
+    E4M3: E5M2 x E5M2 is not supported)?"""
+    return (act is not None and weight.scaled_mm_operand and act.scaled_mm_operand
+            and "float8_e4m3fn" in (weight.torch_dtype, act.torch_dtype))

@@ -1,0 +1,284 @@
+"""Comparing model variants, as a library: what ``fp8ptq eval --compare`` runs.
+
+``plan_variants`` turns a model and ``--compare`` items into ``Variant``s (baseline, other
+dtypes, formats quantized on the fly, checkpoint folders); ``calibration_files`` /
+``check_calib_overlap`` apply the policy that calibrating on evaluation text is refused unless
+allowed (it flatters the numbers); ``evaluate_variants`` loads, quantizes (through ``fp8ptq.job``,
+exactly as ``quantize`` would), evaluates and frees each variant in turn.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+
+from fp8ptq import job
+from fp8ptq.checkpoint.reader import read_metadata
+from fp8ptq.errors import UsageError
+from fp8ptq.formats import get_format
+from fp8ptq.loading import hub_offline
+from fp8ptq.recipe import Recipe
+
+from . import wikitext
+from .extractive_qa import is_extractive_qa
+from .harness import make_lm
+from .runner import run_tasks
+
+DTYPE_VARIANTS = {"baseline": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
+                  "fp16": "float16", "float16": "float16", "fp32": "float32", "float32": "float32"}
+
+@dataclass
+class Variant:
+    name: str
+    kind: str  # "baseline" | "dtype" | "quantized" | "checkpoint"
+    spec: str  # what job.load loads: a model spec or a checkpoint folder
+    recipe: Recipe  # dtype to load in; for "quantized" also how to quantize
+    meta: dict | None = None  # a checkpoint's fp8ptq.json
+
+
+# --- variants ----------------------------------------------------------------------------------
+
+
+def checkpoint_meta(spec: str) -> dict | None:
+    path = Path(spec).expanduser()
+    return read_metadata(path) if (path / "fp8ptq.json").is_file() else None
+
+
+def base_model_of(meta: dict) -> str | None:
+    """The model an fp8ptq checkpoint was quantized from, if it can still be loaded: the path the
+    user gave or its resolved copy if either exists, else a hub id that is cached or reachable."""
+    source = meta.get("source") or {}
+    for spec in (source.get("model"), source.get("path")):
+        if spec and Path(spec).expanduser().exists():
+            return spec
+    hub_id = source.get("model") if source.get("kind") == "hub" else None
+    if hub_id and (_in_hf_cache(hub_id) or not hub_offline()):
+        return hub_id
+    return None
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def plan_variants(model: str, model_meta: dict | None, compare: list[str],
+                  recipe: Recipe) -> tuple[list[Variant], list[str]]:
+    """The variants to evaluate, baseline first (if there is one), and notes for the report."""
+    notes: list[str] = []
+    variants: list[Variant] = []
+    base = model
+    if model_meta is not None:
+        base = base_model_of(model_meta)
+        if base is None:
+            source = model_meta.get("source") or {}
+            notes.append(f"no baseline: the base model of {model} "
+                         f"({source.get('model') or source.get('path') or 'not recorded'}) is "
+                         f"not reachable; deltas are relative to {_folder_name(model)}")
+        else:
+            variants.append(Variant("baseline", "baseline", base, recipe))
+        variants.append(Variant(_folder_name(model), "checkpoint", model, recipe, model_meta))
+    else:
+        variants.append(Variant("baseline", "baseline", model, recipe))
+
+    def need_base(item):
+        if base is None:
+            raise UsageError(f"--compare {item}: needs the base model of {model}, which is not "
+                             f"reachable")
+        return base
+
+    for item in compare:
+        if item.lower() in DTYPE_VARIANTS:
+            dtype = DTYPE_VARIANTS[item.lower()] or recipe.dtype
+            if dtype != recipe.dtype:
+                variants.append(Variant(item.lower(), "dtype", need_base(item),
+                                        recipe.merged(dtype=dtype)))
+            elif base is None:
+                need_base(item)
+        elif Path(item).expanduser().is_dir():
+            variants.append(Variant(_folder_name(item), "checkpoint", item, recipe,
+                                    read_metadata(item)))
+        else:
+            fmt = _format_name(item)
+            variants.append(Variant(fmt, "quantized", need_base(item), recipe.merged(format=fmt)))
+    return _unique_names(variants), notes
+
+
+def _format_name(item: str) -> str:
+    try:
+        return get_format(item).name
+    except UsageError as e:
+        raise UsageError(f"--compare {item!r} is neither a format, a dtype (bf16, fp16, fp32, "
+                         f"baseline) nor an fp8ptq checkpoint folder ({e})") from None
+
+
+def _folder_name(path: str) -> str:
+    return Path(path).expanduser().resolve().name
+
+
+def _unique_names(variants: list[Variant]) -> list[Variant]:
+    seen, out = set(), []
+    for v in variants:
+        key = (v.kind, v.spec, v.recipe.format if v.kind == "quantized" else None, v.recipe.dtype)
+        if key in seen:  # the same variant twice (e4m3 and fp8, a folder given twice)
+            continue
+        seen.add(key)
+        names = {u.name for u in out}
+        name, k = v.name, 2
+        while name in names:
+            name, k = f"{v.name}#{k}", k + 1
+        v.name = name
+        out.append(v)
+    return out
+
+
+# --- calibration vs evaluation data ------------------------------------------------------------
+
+
+def calibration_files(variants: list[Variant], recipe: Recipe) -> list[tuple[str, str]]:
+    """(who, path) of the calibration text behind each variant that has one."""
+    out = []
+    if recipe.calib_data and any(v.kind == "quantized" and job.needs_calibration(v.recipe)
+                                 for v in variants):
+        out.append(("calibration data", recipe.calib_data))
+    for v in variants:
+        source = ((v.meta or {}).get("calibration") or {}).get("source")
+        if v.kind == "checkpoint" and source:
+            out.append((f"the calibration data of {v.name}", source))
+    return out
+
+
+def check_calib_overlap(calib_files, data: dict[str, str], allow: bool) -> list[str]:
+    notes = []
+    for who, calib_path in calib_files:
+        calib = Path(calib_path).expanduser()
+        for task, path in data.items():
+            if calib.is_file() and os.path.samefile(calib, path):
+                what = f"{who} {calib_path} is also the {task} evaluation data"
+                if not allow:
+                    raise UsageError(f"{what}; calibrate on other text (e.g. wiki.train.raw) "
+                                     f"or pass --allow-calib-overlap")
+                notes.append(f"{what} (--allow-calib-overlap): its numbers are optimistic")
+    return notes
+
+
+# --- evaluation --------------------------------------------------------------------------------
+
+
+class _NoProgress:
+    """``progress`` stand-in: steps without display, no counters."""
+
+    def step(self, description: str):
+        return nullcontext()
+
+    def counter(self, description: str):
+        return None
+
+
+def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, tasks: list[str],
+                      notes: list[str], *, device: str, load_options=None,
+                      prefix_token: str = "auto", progress=None, **eval_kwargs):
+    """Load (and quantize) each variant, run the tasks, free it. Returns the report rows, the
+    protocol (the first variant's) and the calibration set shared by the quantized variants
+    (cut once from ``calib_texts``, what ``job.calibration_texts`` read), or None.
+    ``progress``: an object with ``step(description)`` (a context manager) and
+    ``counter(description)`` (``start(total) -> tick``), e.g. the CLI's progress bars."""
+    rows, protocol, calib, tokenizer = [], None, None, None
+    bars = progress if progress is not None else _NoProgress()
+    for v in variants:
+        timings = job.JobTimings()
+        with bars.step(f"{v.name}: loading {v.spec}"), timings.timed("load"):
+            loaded = job.load(v.spec, v.recipe, device=device, **(load_options or {}))
+        if v.kind == "quantized":
+            use_calib = job.needs_calibration(v.recipe)
+            if use_calib and calib is None:
+                with bars.step("tokenizing calibration data"), \
+                        timings.timed("calibration data"):
+                    calib = job.calibration_set(loaded, recipe, calib_texts)
+            job.quantize_loaded(loaded, v.recipe, calib if use_calib else None,
+                                timings=timings,
+                                progress=bars.counter(f"{v.name}: calibrating"))
+        tokenizer = loaded.tokenizer or tokenizer
+        if tokenizer is None:
+            raise UsageError(f"{v.spec} has no tokenizer files and no other variant gave one")
+        with bars.step(f"{v.name}: evaluating {', '.join(tasks)}"):
+            result = run_tasks(loaded.model, tokenizer, tasks, device=device,
+                               prefix_token=prefix_token, **eval_kwargs)
+        if not rows and "wikitext" in tasks:
+            notes += prefix_notes(loaded.model, tokenizer, prefix_token, eval_kwargs)
+        del loaded
+        _free_memory(device)
+        if protocol is None:
+            protocol = result.protocol
+        elif result.protocol != protocol:
+            notes.append(f"{v.name} was measured differently from {rows[0]['name']}: "
+                         f"{_protocol_diff(protocol, result.protocol)}")
+        rows.append(_row(v, result, timings))
+    return rows, protocol, calib
+
+
+def prefix_notes(model, tokenizer, prefix_token, eval_kwargs) -> list[str]:
+    """A note when the rolling log-likelihood's prefix token changes the baseline's perplexity
+    on the first document by more than 10% against no prefix at all."""
+    if is_extractive_qa(model):
+        return []
+    data = (eval_kwargs.get("data") or {}).get("wikitext")
+    if data is None:
+        return []
+    lm = make_lm(model, tokenizer, batch_size=1, seq_len=eval_kwargs.get("seq_len"),
+                 prefix_token=prefix_token)
+    ratio = wikitext.prefix_effect(lm, wikitext.read_articles(data)[0]["page"])
+    if abs(ratio - 1) <= 0.10:
+        return []
+    return [f"the prefix token changes the baseline's perplexity on the first document by "
+            f"{100 * (ratio - 1):+.0f}% against no prefix: a context the model does not expect "
+            "inflates perplexity and the size of every delta (try --prefix-token bos/eos)"]
+
+
+def _row(v: Variant, result, timings: job.JobTimings) -> dict:
+    meta_recipe = (v.meta or {}).get("recipe")
+    return {
+        "name": v.name,
+        "kind": v.kind,
+        "source": v.spec,
+        "dtype": (v.meta or {}).get("dtype") or v.recipe.dtype,
+        "metrics": result.metrics,
+        "records": result.records,  # per-sample columns: paired confidence intervals
+        "samples": result.samples,  # per-sample records for --samples
+        "seconds": round(sum(result.seconds.values()), 3),  # evaluation only, comparable
+        "recipe": v.recipe.to_dict() if v.kind == "quantized" else meta_recipe,
+        "timings": {**{k: round(s, 3) for k, s in timings.seconds.items()},
+                    "eval": {task: round(s, 3) for task, s in result.seconds.items()}},
+    }
+
+
+def _free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _protocol_diff(a: dict, b: dict) -> str:
+    diffs = [f"{task}.{key} {a.get(task, {}).get(key)!r} vs {b.get(task, {}).get(key)!r}"
+             for task in dict.fromkeys([*a, *b])
+             for key in dict.fromkeys([*a.get(task, {}), *b.get(task, {})])
+             if a.get(task, {}).get(key) != b.get(task, {}).get(key)]
+    return ", ".join(diffs)
+
+
+def protocol_lines(protocol: dict) -> list[str]:
+    def show(value):
+        return value if isinstance(value, (int, float, bool)) or value is None or \
+            (isinstance(value, str) and "\n" not in value) else json.dumps(value)
+
+    return [f"protocol {task}: " + ", ".join(f"{k}={show(v)}" for k, v in facts.items())
+            for task, facts in protocol.items()]

@@ -1,0 +1,147 @@
+"""No import cycles in the package: the graph of top-level imports (read from the source, not by
+importing) must be acyclic, and no fp8ptq module imports another inside a function (the way
+cycles used to be dodged)."""
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of the wheel, by dotted name, from pyproject's package-dir mapping."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = config.get("package-dir", {})
+    out = {}
+    for package in config["packages"]:
+        base = dirs.get(package)
+        if base is None:  # a sub-folder of a mapped parent
+            parent, _, leaf = package.rpartition(".")
+            base = str(Path(dirs.get(parent, parent.replace(".", "/"))) / leaf)
+        for path in sorted((ROOT / base).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            out[name] = path
+    return out
+
+
+def _is_package(name: str, modules) -> bool:
+    return modules[name].stem == "__init__"
+
+
+def _resolve(importer: str, level: int, module: str | None, modules) -> str:
+    if level == 0:
+        return module or ""
+    base = importer if _is_package(importer, modules) else importer.rpartition(".")[0]
+    for _ in range(level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{module}" if module else base
+
+
+def _known(name: str, modules) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _top_level(tree):
+    """Import statements executed at import time (module body, also inside top-level
+    if/try blocks, but not under ``if TYPE_CHECKING``), and those inside functions."""
+    top, local = [], []
+
+    def walk(nodes, in_function):
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                (local if in_function else top).append(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                walk(node.body, True)
+            elif isinstance(node, ast.ClassDef):
+                walk(node.body, in_function)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for child in getattr(node, field, []):
+                        walk(child.body if isinstance(child, ast.ExceptHandler) else [child],
+                             in_function)
+
+    walk(tree.body, False)
+    return top, local
+
+
+def _targets(importer: str, node, modules) -> set[str]:
+    out = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            out.add(_known(alias.name, modules))
+    else:
+        base = _resolve(importer, node.level, node.module, modules)
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            out.add(sub if sub in modules else _known(base, modules))
+    return {t for t in out if t is not None and t != importer}
+
+
+def import_graph(local: bool = False) -> dict[str, set[str]]:
+    modules = package_modules()
+    graph = {}
+    for name, path in modules.items():
+        top, inner = _top_level(ast.parse(path.read_text(), str(path)))
+        graph[name] = set().union(*[_targets(name, n, modules) for n in (inner if local else top)])
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_every_module_and_its_imports():
+    graph = import_graph()
+    assert {"fp8ptq.plan", "fp8ptq.calibrators.registry", "fp8ptq.cli.eval_cmd",
+            "fp8ptq.evals.compare", "fp8ptq.model.forward"} <= set(graph)
+    assert "fp8ptq.plan" in graph["fp8ptq.pipeline"]
+    assert "fp8ptq.model.forward" in graph["fp8ptq.calibrators.layerwise"]
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_in_the_package():
+    assert cycles(import_graph()) == []
+
+
+def test_no_function_local_imports_of_package_modules():
+    """Imports inside functions were how cycles were dodged; optional third-party imports
+    inside functions stay allowed."""
+    local = {m: sorted(t) for m, t in import_graph(local=True).items() if t}
+    assert local == {}
