@@ -92,7 +92,8 @@ def reduce_stats(stats: dict[str, TensorStats]) -> None:
     """Merge every rank's ``TensorStats`` in place (same keys on every rank)."""
     if not active() or not stats:
         return
-    names = sorted(stats)
+    seen: set[int] = set()  # modules sharing one TensorStats (same input) reduce it once
+    names = [n for n in sorted(stats) if not (id(stats[n]) in seen or seen.add(id(stats[n])))]
     dev = _device()
     widths = torch.tensor([0 if stats[n].channel_amax is None else stats[n].channel_amax.numel()
                            for n in names], dtype=torch.int64, device=dev)

@@ -106,6 +106,11 @@ class StatsCollector:
     With ``sample_batches`` > 0 it also keeps, from the first ``sample_batches`` batches, every
     ``row_stride``-th input row of each module: bounded samples for calibrators that measure
     the layer's output error (best-of, power-of-two search, SmoothQuant auto).
+
+    GEMMs that are called one after the other with the very same input tensor (q/k/v, gate/up,
+    an MoE's shared expert) are observed once: the later ones share the first one's
+    ``TensorStats`` (and samples) instead of repeating abs / amax / histogram on identical data.
+    ``aliases`` says who shares whose; statistics are the same as observing each separately.
     """
 
     def __init__(self, modules: dict[str, nn.Module], channel_dims: dict[str, int] | None = None,
@@ -118,6 +123,8 @@ class StatsCollector:
         # their samples must restore the order a single process would have kept them in
         self.samples: dict[str, list[tuple[int, torch.Tensor]]] = {name: [] for name in modules}
         self.batch_index = 0
+        self.aliases: dict[str, str] = {}  # module -> module whose statistics it shares
+        self._last: tuple | None = None  # (input tensor, name) of the previous observation
 
     @contextmanager
     def observing(self):
@@ -128,12 +135,32 @@ class StatsCollector:
         finally:
             for h in handles:
                 h.remove()
+            self._last = None
+
+    def _shares(self, name: str, x: torch.Tensor) -> bool:
+        """True when ``name`` sees the tensor the previous hook observed (and from now on
+        shares its statistics); the reference held to that tensor keeps its identity unique."""
+        if name in self.aliases:
+            return True
+        last = self._last
+        if last is not None and last[0] is x and last[1] != name and \
+                self.channel_dims.get(last[1], -1) == self.channel_dims.get(name, -1) and \
+                not self.stats[name].seen:
+            owner = self.aliases.get(last[1], last[1])
+            self.aliases[name] = owner
+            self.stats[name] = self.stats[owner]
+            self.samples[name] = self.samples[owner]
+            return True
+        self._last = (x, name)
+        return False
 
     def _hook(self, name):
         dim = self.channel_dims.get(name, -1)
 
         def hook(_module, args):
             if args and torch.is_tensor(args[0]):
+                if self._shares(name, args[0]):
+                    return
                 self.stats[name].update(args[0], dim)
                 if self.batch_index < self.sample_batches:
                     rows = sample_rows(args[0].detach(), dim, self.row_stride)

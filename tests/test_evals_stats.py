@@ -139,6 +139,9 @@ def test_prefix_token_none_scores_all_but_the_first_token(tmp_path, word_tokeniz
     from fp8ptq.evals.harness import make_lm
     from fp8ptq.evals.wikitext import evaluate_wikitext
 
+    import copy
+
+    word_tokenizer = copy.deepcopy(word_tokenizer)  # HFLM sets a pad token on the one it gets
     model = tiny("llama").float()
     text = " = a = \n the quick brown fox jumps over the lazy dog . \n"
     (tmp_path / "w.raw").write_text(text)

@@ -74,3 +74,15 @@ def test_fast_encode_matches_binary_search(name, saturate):
     back = codec.decode(got, spec)
     same = (back == q) | (torch.isnan(back) & torch.isnan(q))
     assert bool(same.all())
+
+
+@pytest.mark.parametrize("name", ["hif8", "hfp8", "e3m4", "e4m3", "int8"])
+def test_chunked_codec_is_bit_identical(name, monkeypatch):
+    spec = get_format(name)
+    x = _values(spec, n=2000, seed=5)
+    whole_q = codec.quantize_values(x, spec)
+    whole_c = codec.encode(x, spec)
+    monkeypatch.setattr(codec, "CHUNK_ELEMENTS", 1000)  # x has > 2 chunks: the chunked path
+    assert x.numel() > 2000
+    assert torch.equal(codec.quantize_values(x, spec).view(torch.int32), whole_q.view(torch.int32))
+    assert torch.equal(codec.encode(x, spec), whole_c)

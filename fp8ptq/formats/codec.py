@@ -34,6 +34,25 @@ def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None =
     Infinite inputs follow the same rule. NaN stays NaN unless ``nan_to_zero``.
     """
     rounding = rounding or spec.rounding
+    kw = dict(rounding=rounding, saturate=saturate, nan_to_zero=nan_to_zero, generator=generator)
+    return _elementwise_chunks(_quantize_dense, x, spec, torch.float32, kw)
+
+
+def _elementwise_chunks(fn, x, spec, out_dtype, kw):
+    """Apply the elementwise ``fn`` over flat chunks of ``CHUNK_ELEMENTS``: bit-identical to one
+    call, and on CPU several times faster for big tensors (the dozen float32 temporaries stay
+    in cache instead of page-faulting in fresh whole-tensor buffers). Stochastic rounding runs
+    in one call so its random stream does not depend on the chunking."""
+    if x.numel() < 2 * CHUNK_ELEMENTS or kw.get("rounding") == "stochastic":
+        return fn(x, spec, **kw)
+    flat = x.reshape(-1)
+    out = torch.empty(flat.shape, dtype=out_dtype, device=x.device)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        out[start:start + CHUNK_ELEMENTS] = fn(flat[start:start + CHUNK_ELEMENTS], spec, **kw)
+    return out.reshape(x.shape)
+
+
+def _quantize_dense(x, spec, *, rounding, saturate, nan_to_zero, generator):
     src = x
     x = x.float()
     if not spec.is_float:
@@ -108,11 +127,17 @@ def _quantize_int(x, spec, rounding, generator):
 
 def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
     """Quantize ``x`` (already divided by its scale) and return the codes as uint8."""
+    rounding = kwargs.get("rounding") or spec.rounding
+    return _elementwise_chunks(_encode_dense, x, spec, torch.uint8, dict(kwargs, rounding=rounding))
+
+
+def _encode_dense(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
     lay = spec.layout
     if _native_fast_path(spec, kwargs):
         codes = _native_round(x, spec, keep_dtype=True).view(torch.uint8)
         return torch.where(torch.isnan(x), lay.nan_code, codes) if lay.has_nan else codes
-    q = quantize_values(x, spec, **kwargs)
+    q = _quantize_dense(x, spec, **{"saturate": True, "nan_to_zero": False, "generator": None,
+                                    **kwargs})
     if not spec.is_float:
         return q.to(torch.int8).view(torch.uint8) if spec.bits == 8 else (
             q.to(torch.int64) & (spec.num_codes - 1)).to(torch.uint8)
