@@ -17,13 +17,13 @@ accepts it, with a note in the report): calibrating on the test text flatters th
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
 from rich.console import Console
 
 from fp8ptq import job
+from fp8ptq.atomic import write_file
 from fp8ptq.checkpoint.card import update_evaluation
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.evals import report, runner
@@ -190,9 +190,9 @@ def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=No
         doc = report.to_json(rows, protocol, recipe.to_dict()) | context
         for entry, row in zip(doc["variants"], rows):
             entry.update({k: row[k] for k in ("kind", "source", "dtype", "timings")})
-        _write_atomically(json_path, lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
+        write_file(json_path, lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
     if markdown_path:
-        _write_atomically(markdown_path, lambda p: p.write_text(report.to_markdown(rows, mode)))
+        write_file(markdown_path, lambda p: p.write_text(report.to_markdown(rows, mode)))
     if samples_path:
         def samples(p):
             with open(p, "w") as f:
@@ -201,9 +201,9 @@ def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=No
                         for rec in records:
                             f.write(json.dumps({"variant": row["name"], "task": task, **rec},
                                                default=str) + "\n")
-        _write_atomically(samples_path, samples)
+        write_file(samples_path, samples)
     if plot_path:
-        _write_atomically(plot_path, lambda p: report.plot_deltas(rows, p))
+        write_file(plot_path, lambda p: report.plot_deltas(rows, p))
 
 
 def apply_gates(rows: list[dict], gates: list[str], gate_on: str = "point") -> None:
@@ -216,16 +216,3 @@ def apply_gates(rows: list[dict], gates: list[str], gate_on: str = "point") -> N
     if failures:
         checks = len(gates) * (len(gated) - 1)
         raise GateFailure(f"{len(failures)} of {checks} gate checks failed")
-
-
-def _write_atomically(path, write) -> None:
-    """``write(tmp)`` a sibling temp file (same suffix), then rename it over ``path``."""
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

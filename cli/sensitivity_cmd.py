@@ -14,6 +14,7 @@ from rich.table import Table
 
 from fp8ptq import job
 from fp8ptq import sensitivity as sens
+from fp8ptq.atomic import write_text
 from fp8ptq.data import FILE_SUFFIXES, load_texts
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.formats import get_format
@@ -139,7 +140,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
         data = result.to_dict(model=model, recipe=recipe.to_dict(),
                               calibration=calib_facts(calib), quantize_command=command_line)
         text = json.dumps(data, indent=2, allow_nan=False)
-        sens.write_atomic(json_path, lambda tmp: tmp.write_text(text))
+        write_text(json_path, text)
     if plot_path:
         sens.plot(result, plot_path)
     print_report(console, result, top, command_line)

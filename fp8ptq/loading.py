@@ -5,10 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -19,6 +17,7 @@ import transformers
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer
 
+from .atomic import atomic_dir
 from .checkpoint import load_quantized
 from .errors import DataError, UsageError
 from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - re-exported
@@ -266,18 +265,8 @@ def _dequantize_gguf(gguf_path: Path, task: str | None):
 
 
 def _save_atomically(model, tokenizer, target: Path) -> None:
-    """Write the folder next to ``target`` and rename it into place, so a reader never sees
-    half a cache entry."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    """Write the cache entry next to ``target`` and rename it into place, so a reader never
+    sees half of one; another process that finished the same conversion first keeps its own."""
+    with atomic_dir(target, if_exists="keep") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first: keep theirs.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

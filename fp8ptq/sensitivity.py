@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import time
 from collections import Counter
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .atomic import write_file
 from .calibrators.layerwise import choose_layerwise
 from .checkpoint.jsonsafe import json_safe
 from .data import build_calibration_set
@@ -620,20 +620,6 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
 # files
 
 
-def write_atomic(path: str | Path, write) -> Path:
-    """``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise UsageError(f"folder of {path} does not exist")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def plot(result: SensitivityResult, path: str | Path, max_bars: int = 40) -> Path:
     """PNG: heatmap of weight / input / output SQNR per module x format, and the sensitivity
     ranking."""
@@ -670,7 +656,7 @@ def plot(result: SensitivityResult, path: str | Path, max_bars: int = 40) -> Pat
     ax_bar.set_title(f"sensitivity ranking ({result.level}, top {len(ranked)})")
     fig.tight_layout()
     try:
-        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     finally:
         plt.close(fig)
     return Path(path)

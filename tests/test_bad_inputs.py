@@ -408,7 +408,7 @@ def test_debug_shows_the_traceback(A, tmp_path):
 
 
 def test_stale_temporary_of_a_killed_run_is_removed(A, tmp_path):
-    from fp8ptq.checkpoint.writer import remove_stale_temporaries
+    from fp8ptq.atomic import remove_stale_temporaries
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

@@ -7,6 +7,7 @@ import torch
 from click.testing import CliRunner
 
 from fp8ptq import sensitivity as sens
+from fp8ptq.atomic import write_file
 from fp8ptq.cli.main import main
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.lm_probes import PerplexityProbe
@@ -296,14 +297,14 @@ def test_cli_block_sqnr_layer_aware_calibrator(model_dir, tmp_path):
 
 def test_write_atomic_keeps_old_file_on_failure(tmp_path):
     path = tmp_path / "out.json"
-    sens.write_atomic(path, lambda tmp: tmp.write_text("old"))
+    write_file(path, lambda tmp: tmp.write_text("old"))
 
     def fail(tmp):
         tmp.write_text("partial")
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        sens.write_atomic(path, fail)
+        write_file(path, fail)
     assert path.read_text() == "old" and [f.name for f in tmp_path.iterdir()] == ["out.json"]
 
 

@@ -10,12 +10,13 @@ evaluation section (between the markers) atomically.
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
 
 import yaml
+
+from ..atomic import write_text
 
 CARD_NAME = "README.md"
 EVAL_BEGIN = "<!-- fp8ptq:eval:begin -->"
@@ -104,7 +105,5 @@ def update_evaluation(folder: Path, markdown_table: str, protocol_lines: list[st
     head, rest = text.split(EVAL_BEGIN, 1)
     _, tail = rest.split(EVAL_END, 1)
     body = markdown_table.strip() + "\n\n" + "\n".join(f"- {p}" for p in protocol_lines)
-    tmp = card.with_name(f".{CARD_NAME}.tmp-{os.getpid()}")
-    tmp.write_text(f"{head}{EVAL_BEGIN}\n{body}\n{EVAL_END}{tail}")
-    os.replace(tmp, card)
+    write_text(card, f"{head}{EVAL_BEGIN}\n{body}\n{EVAL_END}{tail}")
     return card

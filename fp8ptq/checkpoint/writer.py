@@ -13,16 +13,14 @@ Two layouts (see ``README.md`` beside this file):
 from __future__ import annotations
 
 import datetime as _dt
-import errno
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..atomic import atomic_dir
 from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..qexperts import QuantExperts
 from ..qmodules import QuantGemm
@@ -391,84 +389,13 @@ def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
             result.warnings.append(f"written in the fp8ptq-native layout, not compressed-tensors "
                                    f"(vLLM would not serve it): {reason}")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out)))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)
+    with atomic_dir(out, if_exists="replace" if force else "fail") as tmp:
         facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
                        calib, tool_version, expert_keys)
         if check is not None:
             check(tmp)
-        _move_into_place(tmp, out, force)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise Fp8ptqError(f"no space left on device writing {out}; nothing was "
-                              "written") from None
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise UsageError(f"output directory {out} was created by another run while this "
-                             "one was writing; nothing was written (use --force to "
-                             "replace it)") from None
-        raise Fp8ptqError(f"cannot write {out}: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     facts["path"] = str(out)
     return facts
-
-
-def temporary_prefix(out: Path) -> str:
-    """Temporary folders are named after their output and the writing process,
-    ``.NAME.fp8ptq-tmp-PID-``, so that one left by a killed run (SIGKILL, power loss) can be
-    recognised and removed by the next run writing the same output."""
-    return f".{out.name}.fp8ptq-tmp-{os.getpid()}-"
-
-
-def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Remove temporary folders of ``out`` whose writing process no longer exists."""
-    removed = []
-    for tmp in out.parent.glob(f".{out.name}.fp8ptq-tmp-*"):
-        try:
-            pid = int(tmp.name.rsplit("fp8ptq-tmp-", 1)[1].split("-", 1)[0])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not _process_alive(pid):
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _move_into_place(tmp: Path, out: Path, force: bool = False) -> None:
-    """Rename the complete temporary folder into place. Without ``force`` an output that
-    appeared meanwhile (another run on the same ``--output`` finished first) is never
-    replaced: that run wins, this one fails cleanly."""
-    if not force or not out.exists():
-        if out.exists() or out.is_symlink():
-            raise OSError(errno.EEXIST, "output appeared while writing", str(out))
-        os.rename(tmp, out)  # atomic; fails (ENOTEMPTY) if another run got there in between
-        return
-    old = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out) + "old-"))
-    os.rmdir(old)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)  # put the previous checkpoint back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _experts_layout(model, qmods, experts) -> tuple[str, str, dict]:
