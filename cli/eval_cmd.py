@@ -23,7 +23,7 @@ import click
 from rich.console import Console
 
 from fp8ptq import job
-from fp8ptq.atomic import write_file
+from fp8ptq.atomic import check_writable, write_file
 from fp8ptq.checkpoint.card import update_evaluation
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.evals import report, runner
@@ -111,6 +111,9 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     _check_gate_syntax(gates, task_list, has_baseline)
     if plot_path and Path(plot_path).suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {plot_path}: expected a {', '.join(PLOT_SUFFIXES)} file")
+    for path in (json_path, markdown_path, plot_path, samples_path):
+        if path:
+            check_writable(path)  # before hours of evaluation, not after
     notes += check_calib_overlap(calibration_files(variants, recipe), data, allow_calib_overlap)
     # built-in names, data files, include path and lm-eval task names, before any model is loaded
     runner.check_request(task_list, data, include_path, extractive=False)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fp8ptq import __version__, distributed, job
+from fp8ptq.atomic import check_writable
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
@@ -139,6 +140,7 @@ def check_output(output, force: bool) -> None:
     if (out.exists() or out.is_symlink()) and not force:
         raise UsageError(f"output directory {out.absolute()} already exists (use --force to "
                          "replace it)")
+    check_writable(out)
 
 
 def absolute_calib_path(recipe):

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from fp8ptq import job
 from fp8ptq import sensitivity as sens
-from fp8ptq.atomic import write_text
+from fp8ptq.atomic import check_writable, write_text
 from fp8ptq.data import FILE_SUFFIXES, load_texts
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.formats import get_format
@@ -40,6 +40,7 @@ def _output_path(path: str | None, suffix: str | None = None) -> str | None:
     p = Path(path)
     if not p.parent.is_dir():
         raise UsageError(f"folder of {path} does not exist")
+    check_writable(p)
     if suffix and p.suffix.lower() != suffix:
         raise UsageError(f"--plot writes a PNG; give a path ending in {suffix}, got {path}")
     return path

@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from fp8ptq import job
-from fp8ptq.checkpoint.reader import read_metadata
+from fp8ptq.checkpoint.reader import check_checkpoint
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import hub_offline
@@ -47,8 +47,11 @@ class Variant:
 
 
 def checkpoint_meta(spec: str) -> dict | None:
+    """fp8ptq.json of checkpoint folder ``spec`` (None when it is not one), verified before
+    any variant is evaluated: a broken checkpoint fails the run up front, not after the
+    baseline has been evaluated."""
     path = Path(spec).expanduser()
-    return read_metadata(path) if (path / "fp8ptq.json").is_file() else None
+    return check_checkpoint(path) if (path / "fp8ptq.json").is_file() else None
 
 
 def base_model_of(meta: dict) -> str | None:
@@ -106,7 +109,7 @@ def plan_variants(model: str, model_meta: dict | None, compare: list[str],
                 need_base(item)
         elif Path(item).expanduser().is_dir():
             variants.append(Variant(_folder_name(item), "checkpoint", item, recipe,
-                                    read_metadata(item)))
+                                    check_checkpoint(item)))
         else:
             fmt = _format_name(item)
             variants.append(Variant(fmt, "quantized", need_base(item), recipe.merged(format=fmt)))

@@ -68,6 +68,20 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
     return removed
 
 
+def check_writable(path) -> None:
+    """Fail before any work (``UsageError``, exit 2) when ``path`` could not be written: its
+    nearest existing ancestor must be a folder this process may write into. Commands call this
+    up front, so a typo in ``--output`` / ``--json`` does not cost a whole calibration."""
+    p = Path(path).expanduser().absolute()
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"cannot write {p}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {p}: no permission to write in {parent}")
+
+
 @contextmanager
 def atomic_dir(out, *, if_exists: str = "fail") -> Iterator[Path]:
     """``with atomic_dir(OUT) as tmp:`` write the folder's files into ``tmp``; when the block

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import struct
@@ -20,10 +19,18 @@ from transformers import AutoConfig, AutoTokenizer
 from .atomic import atomic_dir
 from .checkpoint import load_quantized
 from .errors import DataError, UsageError
+from .files import read_json
 from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - re-exported
 from .placement import Placement
 from .safe_pickle import load_torch_file
 from .vision import TinyMobileNet
+
+# the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
+# "Expecting value: line 1 column 1" without a file name)
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json")
+REMOTE_CODE_HINTS = ("trust_remote_code", "custom code")
+
 
 def load_model(
     spec: str,
@@ -76,22 +83,26 @@ def check_model_spec(spec: str) -> None:
 
 
 def check_model_folder(spec: str) -> None:
-    """A model folder's config.json (or fp8ptq.json) must be a JSON object."""
+    """A model folder's config.json (or fp8ptq.json) and tokenizer files must parse: checked
+    here, where they are opened, so a broken one is one line naming the file and the place
+    (``config.json:1:2: Expecting property name``), not a traceback from deep inside
+    transformers."""
     path = Path(spec).expanduser()
     for name in ("fp8ptq.json", "config.json"):
-        f = path / name
-        if not f.is_file():
-            continue
-        try:
-            value = json.loads(f.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            where = f"{f}:{e.lineno}:{e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError) \
-                else f"{f}: not UTF-8 text"
-            raise DataError(f"cannot load model {spec!r}: {where}") from None
-        if not isinstance(value, dict):
-            raise DataError(f"cannot load model {spec!r}: {f} is not a JSON object")
-        return
-    raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
+        if (path / name).is_file():
+            try:
+                read_json(path / name)
+            except DataError as e:
+                raise DataError(f"cannot load model {spec!r}: {e}") from None
+            break
+    else:
+        raise UsageError(f"cannot load model {spec!r}: folder has no config.json")
+    for name in TOKENIZER_JSON:
+        if (path / name).is_file():
+            try:
+                read_json(path / name, expect=None)
+            except DataError as e:
+                raise DataError(f"cannot load a tokenizer for {spec!r}: {e}") from None
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -111,6 +122,11 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     try:
         config = AutoConfig.from_pretrained(location, **hub_kwargs)
     except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
+        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
+            raise UsageError(f"refusing to run the code that model {source!r} ships with "
+                             "(its config names its own Python modules); pass "
+                             "--trust-remote-code (trust_remote_code=True) only if you trust "
+                             "its source") from None
         raise DataError(f"cannot load model {source!r}: {_first_line(e)}") from None
     cls = model_class(config, task)
     if device_map is not None and not isinstance(device_map, Placement):

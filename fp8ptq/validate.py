@@ -26,7 +26,7 @@ import torch
 
 from .checkpoint.experts_io import SERVABLE
 from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
-from .checkpoint.verify import SCALE_SUFFIXES
+from .checkpoint.verify import SCALE_SUFFIXES, scale_problem
 from .pipeline import FUSED_SHARDS
 
 RUNTIMES = ("vllm", "transformers")
@@ -283,7 +283,7 @@ def _scales(ck) -> list[Violation]:
     return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
                       "re-quantize (fp8ptq never writes one)")
             for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
-            and v.is_floating_point() and not bool((torch.isfinite(v) & (v > 0)).all())]
+            and scale_problem(v)]
 
 
 def _fnuz_note(ck) -> list[Violation]:

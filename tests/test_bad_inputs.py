@@ -55,6 +55,11 @@ def A(tmp_path_factory, word_tokenizer):
     res = CliRunner().invoke(main, ["quantize", str(root / "llama"), "-o", str(root / "ckpt"),
                                     "--calib-data", str(root / "calib.txt"), *CALIB])
     assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["quantize", str(root / "llama"), "-o", str(root / "native"),
+                                    "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
+                                    *CALIB])
+    assert res.exit_code == 0, res.output
+    assert json.loads((root / "native" / "fp8ptq.json").read_text())["layout"] == "fp8ptq-native"
     return root
 
 
@@ -104,20 +109,85 @@ def model_case(prepare):
     return args
 
 
-def ckpt_case(key, fn):
+def eval_args(ck, A, tmp):
+    return ["eval", str(ck), "--tasks", "wikitext", "--data", f"wikitext={A / 'wiki.raw'}",
+            "--json", str(tmp / "out")]
+
+
+def ckpt_case(key, fn, source="ckpt"):
     """A checkpoint edited by ``fn`` on tensor ``key``, evaluated with ``eval``."""
     def args(tmp, A):
-        ck = edit_tensor(copy(A / "ckpt", tmp / "ck"), key, fn)
-        return ["eval", str(ck), "--tasks", "wikitext", "--data", f"wikitext={A / 'wiki.raw'}",
-                "--json", str(tmp / "out")]
+        return eval_args(edit_tensor(copy(A / source, tmp / "ck"), key, fn), A, tmp)
     return args
+
+
+def ckpt_edit(edit, source="ckpt"):
+    """A checkpoint folder changed by ``edit(folder, tmp)``, evaluated with ``eval``."""
+    def args(tmp, A):
+        ck = copy(A / source, tmp / "ck")
+        edit(ck, tmp)
+        return eval_args(ck, A, tmp)
+    return args
+
+
+def edit_json(name, fn):
+    def edit(ck, tmp):
+        doc = json.loads((ck / name).read_text())
+        fn(doc)
+        (ck / name).write_text(json.dumps(doc))
+    return edit
+
+
+def ct_group(fn):
+    return edit_json("config.json", lambda c: fn(c["quantization_config"]["config_groups"]
+                                                 ["group_0"]))
+
+
+def to_index(ck, tmp):
+    """A sharded layout whose index names a shard that is not there."""
+    (ck / "model.safetensors").rename(ck / "model-00001-of-00002.safetensors")
+    keys = load_file(ck / "model-00001-of-00002.safetensors")
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in keys}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def hostile_skeleton(ck, tmp):
+    from fp8ptq.checkpoint.skeleton import SKELETON_NAME
+
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["fp8ptq_module"] = {"skeleton": SKELETON_NAME, "class": "x.Y"}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    torch.save(Evil(tmp / "MARKER"), ck / SKELETON_NAME)
+
+
+def model_file(name, content):
+    """A model folder whose file ``name`` is replaced by ``content``."""
+    def prepare(tmp, A):
+        m = copy(A / "llama", tmp / "m")
+        (m / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        return m
+    return prepare
+
+
+def remote_code(tmp, A):
+    """A folder whose config names its own Python module: loading it would import (run) it."""
+    m = copy(A / "llama", tmp / "m")
+    cfg = json.loads((m / "config.json").read_text())
+    cfg.update(model_type="mine", auto_map={"AutoConfig": "configuration_mine.MineConfig",
+                                            "AutoModelForCausalLM": "modeling_mine.Mine"})
+    (m / "config.json").write_text(json.dumps(cfg))
+    for module in ("configuration_mine.py", "modeling_mine.py"):
+        (m / module).write_text(f"open({str(tmp / 'MARKER')!r}, 'w').close()\n")
+    return m
 
 
 def file_case(name, content, flag="--calib-data", command="quantize"):
     def args(tmp, A):
         f = tmp / name
         f.write_bytes(content if isinstance(content, bytes) else content.encode())
-        return [command, str(A / "llama"), "-o", str(tmp / "out"), flag, str(f), *CALIB] + (
+        out = ["-o", str(tmp / "out")] if command == "quantize" else ["--metric", "sqnr"]
+        return [command, str(A / "llama"), *out, flag, str(f), *CALIB] + (
             ["--calib-data", str(A / "calib.txt")] if flag != "--calib-data" else [])
     return args
 
@@ -126,12 +196,14 @@ def flags_case(*extra, command="quantize"):
     def args(tmp, A):
         base = {"quantize": ["quantize", str(A / "llama"), "-o", str(tmp / "out"),
                              "--calib-data", str(A / "calib.txt"), *CALIB],
+                "quantize-pt": ["quantize", str(A / "calib.txt"), "-o", str(tmp / "out"),
+                                "--calib-data", str(A / "calib.txt"), *CALIB],
                 "eval": ["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
                          f"wikitext={A / 'wiki.raw'}", "--json", str(tmp / "out")],
                 "sensitivity": ["sensitivity", str(A / "llama"), "--calib-data",
                                 str(A / "calib.txt"), "--metric", "sqnr", "--json",
                                 str(tmp / "out"), *CALIB]}[command]
-        return [*base, *extra]
+        return [*base, *(e.format(calib=A / "calib.txt") for e in extra)]
     return args
 
 
@@ -318,14 +390,73 @@ CASES = {
     "ckpt-inf-scale": (ckpt_case(f"{Q}.weight_scale", set_value(float("inf"))), 2,
                        "finite and > 0"),
     "ckpt-missing-tensor": (ckpt_case(f"{Q}.weight", drop), 2, f"{Q}.weight is missing"),
-    "ckpt-codes-dtype": (ckpt_case(f"{Q}.weight", wrong_dtype), 2, "stores codes as"),
+    "ckpt-codes-dtype": (ckpt_case(f"{Q}.weight", wrong_dtype), 2, "stores its codes as"),
     "ckpt-codes-shape": (ckpt_case(f"{Q}.weight", wrong_shape), 2, "has shape"),
     "ckpt-truncated": (ckpt_truncated, 2, "corrupt or truncated"),
     "ckpt-json-syntax": (ckpt_json("{broken"), 2, "fp8ptq.json:1:2"),
     "ckpt-json-not-ours": (ckpt_json('{"tool": "other"}'), 2, "not an fp8ptq checkpoint"),
     "ckpt-format-spec": (ckpt_format_spec, 2, "does not describe a format"),
     "ckpt-config-disagrees": (ckpt_config_disagrees, 2, "quantization_config"),
-    # sensitivity and formats
+    "ckpt-missing-input-scale": (ckpt_case(f"{Q}.input_scale", drop), 2,
+                                 f"{Q}.input_scale is missing"),
+    "ckpt-ct-type-disagrees": (ckpt_edit(ct_group(lambda g: g["weights"].update(type="int"))), 2,
+                               "group_0 says int weights"),
+    "ckpt-ct-strategy-disagrees": (ckpt_edit(ct_group(
+        lambda g: g["weights"].update(strategy="tensor"))), 2, "says tensor weight scales"),
+    "ckpt-ct-ignores-module": (ckpt_edit(edit_json("config.json", lambda c: c[
+        "quantization_config"]["ignore"].append(Q))), 2, f"no quantization_config group "
+        f"quantizes {Q}"),
+    "ckpt-ct-invalid": (ckpt_edit(ct_group(lambda g: g["weights"].update(num_bits="eight"))), 2,
+                        "does not validate"),
+    "ckpt-ct-no-act-scheme": (ckpt_edit(ct_group(lambda g: g.update(input_activations=None))),
+                              2, "has no input_activations"),
+    "ckpt-index-missing-shard": (ckpt_edit(to_index), 2, "model-00002-of-00002.safetensors is "
+                                 "missing"),
+    "ckpt-no-weights": (ckpt_edit(lambda ck, t: (ck / "model.safetensors").unlink()), 2,
+                        "has no model.safetensors"),
+    "ckpt-no-config": (ckpt_edit(lambda ck, t: (ck / "config.json").unlink()), 2,
+                       "config.json is missing"),
+    "ckpt-hostile-skeleton": (ckpt_edit(hostile_skeleton), 2, "--trust-pickle"),
+    "native-nan-weight-scale": (ckpt_case(f"{Q}.weight_scale", set_value(float("nan")),
+                                          "native"), 2, f"{Q}.weight_scale has"),
+    "native-codes-dtype": (ckpt_case(f"{Q}.weight_codes", lambda t, k: t.update(
+        {k: t[k].view(torch.int8)}) or t, "native"), 2, "stores its codes as uint8"),
+    "native-codes-shape": (ckpt_case(f"{Q}.weight_codes", wrong_shape, "native"), 2,
+                           "has shape"),
+    "native-bad-format": (ckpt_edit(edit_json("fp8ptq.json", lambda m: m["modules"][Q][
+        "weight_format"].update(exponent_bits="four")), "native"), 2,
+        "does not describe a format"),
+    "eval-compare-broken-ckpt": (lambda t, A: ["eval", str(A / "llama"), "--tasks", "wikitext",
+                                               "--data", f"wikitext={A / 'wiki.raw'}",
+                                               "--compare", str(edit_tensor(
+                                                   copy(A / "ckpt", t / "ck"), f"{Q}.input_scale",
+                                                   set_value(-1.0)))], 2, f"{Q}.input_scale"),
+    "eval-json-inside-file": (flags_case("--json", "{calib}/r.json", command="eval"), 2,
+                              "is a file, not a folder"),
+    # quantize: tokenizer, remote code, output
+    "tokenizer-config-not-json": (model_case(model_file("tokenizer_config.json", "{oops")), 2,
+                                  "tokenizer_config.json:1:2"),
+    "tokenizer-not-utf8": (model_case(model_file("tokenizer.json", b"\xff\xfe")), 2,
+                           "tokenizer.json: not UTF-8"),
+    "config-not-utf8": (model_case(model_file("config.json", b"\xff{}")), 2,
+                        "config.json: not UTF-8"),
+    "remote-code": (model_case(remote_code), 2, "--trust-remote-code"),
+    "output-inside-file": (lambda t, A: ["quantize", str(A / "llama"), "-o",
+                                         str(A / "calib.txt" / "out"), "--calib-data",
+                                         str(A / "calib.txt"), *CALIB], 2,
+                           "is a file, not a folder"),
+    "recipe-missing": (flags_case("--recipe", "/no/such/recipe.yaml"), 2, "not found"),
+    "calib-is-folder": (lambda t, A: ["quantize", str(A / "llama"), "-o", str(t / "out"),
+                                      "--calib-data", str(t), *CALIB], 2, "is a folder"),
+    "sequential-not-a-folder": (flags_case("--sequential", command="quantize-pt"), 2,
+                                "--sequential"),
+    # sensitivity, validate and formats
+    "sens-calib-not-utf8": (file_case("c.txt", b"\xff\xfe bad\n", command="sensitivity"), 2,
+                            "not UTF-8"),
+    "sens-json-inside-file": (flags_case("--json", "{calib}/r.json", command="sensitivity"), 2,
+                              "does not exist"),
+    "validate-missing": (lambda t, A: ["validate", "/no/such/ckpt"], 2, "not an fp8ptq"),
+    "formats-codes-without-name": (lambda t, A: ["formats", "--codes"], 2, "needs a format"),
     "sens-missing-model": (lambda t, A: ["sensitivity", "/no/such/model"], 2,
                            "cannot load model"),
     "sens-bad-target": (flags_case("--target-delta", "lots", command="sensitivity"), 2,
@@ -354,6 +485,21 @@ def test_bad_input_one_error_line_nothing_left(A, tmp_path, case):
 
 def test_cases_cover_forty_inputs():
     assert len(CASES) >= 40
+
+
+LOAD_CASES = sorted(c for c in CASES if c.startswith(("ckpt-", "native-")))
+
+
+@pytest.mark.parametrize("case", LOAD_CASES)
+def test_python_load_refuses_the_same_checkpoints(A, tmp_path, case):
+    """``fp8ptq.load`` (the Python API) refuses every broken checkpoint the CLI does, with the
+    same one-line message, before it builds a model."""
+    build, code, fragment = CASES[case]
+    ck = build(tmp_path, A)[1]
+    with pytest.raises(UsageError) as e:  # DataError is a UsageError: both exit 2
+        fp8ptq.load(ck)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "MARKER").exists()
 
 
 def test_hostile_pickle_runs_only_with_trust(A, tmp_path):

@@ -8,7 +8,6 @@ reloaded model computes exactly what the in-memory quantized model did.
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import DataError, Fp8ptqError, UsageError
-from ..formats import FormatSpec, get_format
+from ..files import read_json
 from ..granularity import weight_granularity
 from ..model.auto import LoadedModel, model_class
 from ..model.experts import experts_info
@@ -28,11 +27,8 @@ from ..qmodules import QuantGemm
 from .experts_io import pop_ct_tensors
 from .skeleton import MODULE_KEY, build_module
 from .taps_io import install_taps, pop_kv_tensors
-from .verify import verify, verify_config
+from .verify import format_from_facts, verify_checkpoint, weight_files  # noqa: F401
 from .writer import INDEX_NAME, LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME
-
-_SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")
-
 
 def read_metadata(path) -> dict:
     """The parsed ``fp8ptq.json`` of checkpoint folder ``path``."""
@@ -40,32 +36,12 @@ def read_metadata(path) -> dict:
     meta_file = p / META_NAME
     if not meta_file.is_file():
         raise UsageError(f"{path} is not an fp8ptq checkpoint (no {META_NAME})")
-    try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{meta_file}:{e.lineno}:{e.colno}: {e.msg}") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{meta_file}: not UTF-8 text") from None
+    meta = read_json(meta_file, expect=None)
     if not isinstance(meta, dict) or not isinstance(meta.get("modules", {}), dict):
         raise DataError(f"{meta_file} is not an fp8ptq checkpoint description")
     if meta.get("tool") != "fp8ptq" or meta.get("layout") not in (LAYOUT_CT, LAYOUT_NATIVE):
         raise UsageError(f"{meta_file} is not an fp8ptq checkpoint description")
     return meta
-
-
-def format_from_facts(facts: dict | None) -> FormatSpec | None:
-    """The ``FormatSpec`` an fp8ptq.json format entry describes (registry first, so presets keep
-    their names and aliases; rebuilt from the stored fields if the registry disagrees)."""
-    if facts is None:
-        return None
-    try:
-        spec = get_format(facts["name"])
-    except UsageError:
-        spec = None
-    if spec is not None and all(getattr(spec, k) == facts[k] for k in _SPEC_FIELDS if k in facts):
-        return spec
-    return FormatSpec(facts["name"], **{k: facts[k] for k in _SPEC_FIELDS},
-                      torch_dtype=facts.get("torch_dtype"))
 
 
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
@@ -80,33 +56,14 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_tensors(p: Path) -> dict[str, torch.Tensor]:
-    if (p / WEIGHTS_NAME).is_file():
-        return _load_file(p / WEIGHTS_NAME)
-    if (p / INDEX_NAME).is_file():
-        try:
-            index = json.loads((p / INDEX_NAME).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise DataError(f"{p / INDEX_NAME}: not a safetensors index") from None
-        tensors = {}
-        for fname in files:
-            tensors.update(_load_file(p / fname))
-        return tensors
-    raise DataError(f"{p} has no {WEIGHTS_NAME} (or {INDEX_NAME})")
+    tensors = {}
+    for file in weight_files(p):
+        tensors.update(_load_file(file))
+    return tensors
 
 
 def _read_config(p: Path) -> dict:
-    try:
-        raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{p}/config.json is missing") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{p}/config.json:{e.lineno}:{e.colno}: {e.msg}") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{p}/config.json: not UTF-8 text") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{p}/config.json is not a JSON object")
-    return raw
+    return read_json(p / "config.json")
 
 
 def _build_model(p: Path, dtype: torch.dtype, trust_pickle: bool = False) -> nn.Module:
@@ -158,6 +115,17 @@ def _as_dtype(dtype) -> torch.dtype:
     return value
 
 
+def check_checkpoint(path) -> dict:
+    """Verify checkpoint folder ``path`` (``verify.verify_checkpoint``: every tensor its
+    fp8ptq.json implies, with the right dtype and shape, finite positive scales, formats that
+    parse, a config.json that agrees) from the safetensors headers and the scale values alone;
+    returns its fp8ptq.json. ``DataError`` with the tensor and the rule otherwise."""
+    p = Path(path).expanduser()
+    meta = read_metadata(p)
+    verify_checkpoint(p, meta, _read_config(p))
+    return meta
+
+
 def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False):
     """Rebuild the quantized model stored in ``path``.
 
@@ -166,19 +134,10 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
     tokenizer or None, kind "fp8ptq"); ``read_metadata(path)`` gives the fp8ptq.json contents.
     """
     p = Path(path).expanduser()
-    meta = read_metadata(p)
+    meta = check_checkpoint(p)  # before anything is loaded or built
     layout = meta["layout"]
     dtype = _as_dtype(dtype or meta.get("dtype") or "float32")
     tensors = _load_tensors(p)
-    verify(meta, tensors, p)
-    verify_config(meta, _read_config(p), p)
-    for entry in meta["modules"].values():
-        for key in ("weight_format", "act_format"):
-            try:
-                format_from_facts(entry.get(key))
-            except (KeyError, TypeError, ValueError, Fp8ptqError) as e:
-                raise DataError(f"{p}/{META_NAME}: {key} of a module does not describe a "
-                                f"format ({e})") from None
 
     quant: dict[str, tuple] = {}
     for name, entry in meta["modules"].items():
