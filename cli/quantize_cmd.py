@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fp8ptq import __version__, distributed, job
-from fp8ptq.atomic import check_writable
+from fp8ptq.atomic import check_writable, scratch_dir
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
@@ -76,9 +76,9 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
                 texts = job.calibration_texts(recipe, model)
         calib, data_warnings, result = None, [], None
         if sequential is not None:
-            with timings.timed("calibrate+quantize"):
+            with timings.timed("calibrate+quantize"), scratch_dir(output) as scratch:
                 result, loaded, calib = quantize_folder(
-                    model, recipe, texts, propagate=sequential, spill_dir=Path(output).parent,
+                    model, recipe, texts, propagate=sequential, spill_dir=scratch,
                     progress=None)
             timings.seconds.update(result.seconds)
         else:

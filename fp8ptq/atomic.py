@@ -111,6 +111,22 @@ def atomic_dir(out, *, if_exists: str = "fail") -> Iterator[Path]:
 
 
 @contextmanager
+def scratch_dir(out) -> Iterator[Path]:
+    """A work folder beside ``out`` for the run's own temporary files (``--sequential``'s
+    spilled activations), named like a temporary of ``out`` so that one left by a killed run is
+    removed by the next; always removed when the block ends."""
+    out = Path(out).expanduser().absolute()
+    with _mapped(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temporary_prefix(out) + "scratch-"))
+    try:
+        yield tmp  # errors of the work itself are not write errors of ``out``: not mapped
+    finally:
+        _remove(tmp)
+
+
+@contextmanager
 def atomic_file(path) -> Iterator[Path]:
     """``with atomic_file(PATH) as tmp:`` write ``tmp`` (same folder, same suffix); when the
     block ends normally it replaces ``PATH``; on any exception it is removed and an existing

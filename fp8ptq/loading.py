@@ -119,15 +119,7 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id).
     ``device_map``: a strategy / dict, or a ``fp8ptq.placement.Placement`` (map, memory
     limits, offload folder) handed to accelerate."""
-    try:
-        config = AutoConfig.from_pretrained(location, **hub_kwargs)
-    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
-        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
-            raise UsageError(f"refusing to run the code that model {source!r} ships with "
-                             "(its config names its own Python modules); pass "
-                             "--trust-remote-code (trust_remote_code=True) only if you trust "
-                             "its source") from None
-        raise DataError(f"cannot load model {source!r}: {_first_line(e)}") from None
+    config = load_config(source, location, **hub_kwargs)
     cls = model_class(config, task)
     if device_map is not None and not isinstance(device_map, Placement):
         device_map = Placement(device_map=device_map)
@@ -140,11 +132,36 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     if not extra:
         model.to(device)
     model.eval()
+    return LoadedModel(model, load_tokenizer(source, location, **hub_kwargs), source, kind,
+                       location)
+
+
+def load_config(source, location, **hub_kwargs):
+    """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
+    transformers does not know, or a repository that ships its own code (refused unless
+    ``trust_remote_code``)."""
+    try:
+        return AutoConfig.from_pretrained(location, **hub_kwargs)
+    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
+        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
+            raise UsageError(f"refusing to run the code that model {source!r} ships with "
+                             "(its config names its own Python modules); pass "
+                             "--trust-remote-code (trust_remote_code=True) only if you trust "
+                             "its source") from None
+        raise DataError(f"cannot load model {source!r}: {_first_line(e)}") from None
+
+
+def load_tokenizer(source, location, **hub_kwargs):
+    """``AutoTokenizer.from_pretrained`` (with a pad token) or one line saying why not."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **hub_kwargs)
     except (OSError, ValueError, TypeError) as e:
-        raise UsageError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from e
-    return LoadedModel(model, _with_pad_token(tokenizer), source, kind, location)
+        raise UsageError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - the tokenizers (Rust) library raises plain Exception
+        if type(e).__module__.split(".")[0] != "tokenizers" and type(e) is not Exception:
+            raise
+        raise DataError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from None
+    return _with_pad_token(tokenizer)
 
 
 def _with_pad_token(tokenizer):

@@ -16,7 +16,6 @@ to memory-mapped files beyond it (in the output's temporary folder).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +24,12 @@ import numpy as np
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer
 
 from .errors import DataError, UsageError
-from .loading import LoadedModel, model_class
+from .files import read_json
+from .loading import LoadedModel, load_config, load_tokenizer, model_class
 from .model.blocks import block_prefix, find_blocks
 from .data import build_calibration_set, resolve_calib_spec
 from .model.experts import find_experts
@@ -92,15 +91,21 @@ class SafetensorsSource:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise DataError(f"{index}: not a safetensors index (no weight_map)")
             self.files = {k: self.folder / v for k, v in weight_map.items()}
         else:
             single = self.folder / "model.safetensors"
             if not single.is_file():
                 raise DataError(f"{folder}: no model.safetensors(.index.json); sequential mode "
                                 "reads safetensors checkpoints")
-            with safe_open(single, "pt") as f:
-                self.files = {k: single for k in f.keys()}
+            try:
+                with safe_open(single, "pt") as f:
+                    self.files = {k: single for k in f.keys()}
+            except SafetensorError as e:
+                raise DataError(f"{single}: corrupt or truncated safetensors file "
+                                f"({e})") from None
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -147,7 +152,7 @@ class BlockLoader:
 
 def build_empty(folder: str | Path, dtype: torch.dtype) -> nn.Module:
     """The model's architecture from its config, parameters on the meta device."""
-    config = AutoConfig.from_pretrained(folder)
+    config = load_config(str(folder), folder)
     with init_empty_weights(include_buffers=False):
         model = model_class(config).from_config(config, dtype=dtype)
     return model.eval()
@@ -284,9 +289,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(str(folder), folder)
     calib = None
     if texts is not None:
         calib = build_calibration_set(texts, tokenizer, num_samples=recipe.num_samples,

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from fp8ptq.atomic import (atomic_dir, atomic_file, remove_stale_temporaries, temporary_owner,
-                           write_file, write_text)
+from fp8ptq.atomic import (atomic_dir, atomic_file, check_writable, remove_stale_temporaries,
+                           scratch_dir, temporary_owner, write_file, write_text)
 from fp8ptq.errors import Fp8ptqError, UsageError
 
 
@@ -178,3 +178,20 @@ def test_an_interrupted_writer_leaves_nothing(tmp_path):
     proc.wait(timeout=30)
     assert proc.returncode != 0
     assert names(tmp_path) == []
+
+
+def test_scratch_folder_is_named_and_always_removed(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with scratch_dir(out) as scratch:
+            (scratch / "act.bin").write_bytes(b"x")
+            assert temporary_owner(scratch) == os.getpid() and "scratch-" in scratch.name
+            raise RuntimeError
+    assert names(tmp_path) == []
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("x")
+    check_writable(tmp_path / "new" / "deeper" / "out")  # folders are made when writing
+    with pytest.raises(UsageError, match="is a file, not a folder"):
+        check_writable(tmp_path / "f" / "deeper" / "out.json")

@@ -100,12 +100,13 @@ def wrong_shape(tensors, key):
 Q = "model.layers.0.self_attn.q_proj"
 
 
-def model_case(prepare):
+def model_case(prepare, *extra):
     """A broken MODEL for quantize: ``prepare(tmp, A)`` returns its path."""
     def args(tmp, A):
         model = prepare(tmp, A)
         calib = "digits" if model.suffix == ".pt" else str(A / "calib.txt")  # CNNs: images
-        return ["quantize", str(model), "-o", str(tmp / "out"), "--calib-data", calib, *CALIB]
+        return ["quantize", str(model), "-o", str(tmp / "out"), "--calib-data", calib, *CALIB,
+                *extra]
     return args
 
 
@@ -448,6 +449,12 @@ CASES = {
     "recipe-missing": (flags_case("--recipe", "/no/such/recipe.yaml"), 2, "not found"),
     "calib-is-folder": (lambda t, A: ["quantize", str(A / "llama"), "-o", str(t / "out"),
                                       "--calib-data", str(t), *CALIB], 2, "is a folder"),
+    "sequential-truncated-safetensors": (model_case(truncated_weights, "--sequential"), 2,
+                                         "corrupt or truncated"),
+    "sequential-unknown-model-type": (model_case(unknown_model_type, "--sequential"), 2,
+                                      "cannot load model"),
+    "sequential-remote-code": (model_case(remote_code, "--sequential"), 2,
+                               "--trust-remote-code"),
     "sequential-not-a-folder": (flags_case("--sequential", command="quantize-pt"), 2,
                                 "--sequential"),
     # sensitivity, validate and formats
@@ -547,10 +554,38 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_debug_shows_the_traceback(A, tmp_path):
+def test_debug_shows_the_traceback(A, tmp_path, monkeypatch):
     res = CliRunner().invoke(main, ["--debug", "quantize", "/no/such/model", "-o",
                                     str(tmp_path / "o")])
     assert res.exit_code != 0 and isinstance(res.exception, UsageError)
+    monkeypatch.setenv("FP8PTQ_DEBUG", "1")
+    res = CliRunner().invoke(main, ["eval", str(A / "llama"), "--tasks", "no_such_task_xyz"])
+    assert isinstance(res.exception, UsageError)  # raised, so the traceback is printed
+
+
+CHATTER = ("it/s", "%|", "Loading weights", "pretrained", "WARNING", "INFO", "TaskManager")
+
+
+def chatter(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if any(c in ln for c in CHATTER)]
+
+
+def test_quiet_by_default(A, tmp_path):
+    """A successful quantize and eval print no library chatter on stderr (transformers'
+    "Loading weights" bars, lm-eval's notes about ``pretrained``, tqdm bars) unless
+    ``--verbose``: a fresh process each, so no earlier test has silenced anything."""
+    ck = tmp_path / "ck"
+    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(ck),
+                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+    assert res.exit_code == 0 and chatter(res.stderr) == [], res.stderr
+    cli = [sys.executable, "-m", "fp8ptq.cli"]
+    quiet = subprocess.run([*cli, "eval", str(ck), "--tasks", "wikitext", "--data",
+                            f"wikitext={A / 'wiki.raw'}"], capture_output=True, text=True)
+    loud = subprocess.run([*cli, "--verbose", "eval", str(ck), "--tasks", "wikitext", "--data",
+                           f"wikitext={A / 'wiki.raw'}"], capture_output=True, text=True)
+    assert quiet.returncode == 0 and loud.returncode == 0, quiet.stderr + loud.stderr
+    assert chatter(quiet.stderr) == [], quiet.stderr
+    assert chatter(loud.stderr), loud.stderr  # the filter does see the libraries' lines
 
 
 def test_stale_temporary_of_a_killed_run_is_removed(A, tmp_path):
