@@ -18,7 +18,7 @@ import warnings
 import click
 
 from fp8ptq import __version__, distributed
-from fp8ptq.errors import Fp8ptqError
+from fp8ptq.errors import Fp8ptqError, first_line
 
 from . import eval_cmd, formats_cmd, quantize_cmd, sensitivity_cmd, validate_cmd
 
@@ -109,7 +109,7 @@ class Fp8ptqGroup(click.Group):
         except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback with --debug
             if debug:
                 raise
-            _fail(f"internal error: {type(e).__name__}: {_first_line(e)} (run with --debug "
+            _fail(f"internal error: {type(e).__name__}: {first_line(e)} (run with --debug "
                   "for the traceback and please report it)", 1)
         finally:
             for s, handler in previous.items():
@@ -118,12 +118,8 @@ class Fp8ptqGroup(click.Group):
 
 def _os_error_line(e: OSError) -> str:
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-    return f"{e.strerror or _first_line(e)}{where}"
+    return f"{e.strerror or first_line(e)}{where}"
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _fail(message: str, code: int):

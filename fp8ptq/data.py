@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DataError, UsageError
+from .errors import DataError, UsageError, first_line
 from .loading import hub_reachable
 
 DEFAULT_CALIB = "wikitext:wikitext-2-raw-v1:train"
@@ -130,12 +130,18 @@ def _as_text(value, field: str, where) -> str:
 
 
 def _read_parquet(path: Path, field: str) -> list[str]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    columns = pq.read_schema(path).names
-    if field not in columns:
-        raise DataError(f"{path}: no text column {field!r}; available columns: {', '.join(columns)}")
-    return [_as_text(v, field, path) for v in pq.read_table(path, columns=[field]).column(field).to_pylist()]
+    try:
+        columns = pq.read_schema(path).names
+        if field not in columns:
+            raise DataError(f"{path}: no text column {field!r}; available columns: "
+                            f"{', '.join(columns)}")
+        values = pq.read_table(path, columns=[field]).column(field).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:  # not parquet, truncated, unreadable
+        raise DataError(f"{path}: not a readable parquet file ({first_line(e)})") from None
+    return [_as_text(v, field, path) for v in values]
 
 
 def _load_hub_dataset(spec: str, field: str) -> list[str]:
@@ -232,3 +238,4 @@ def _separator_ids(tokenizer) -> list[int]:
         if token_id is not None:
             return [token_id]
     return tokenizer("\n\n", add_special_tokens=False, verbose=False)["input_ids"]
+

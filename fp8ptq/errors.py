@@ -25,3 +25,10 @@ class GateFailure(Fp8ptqError):
     """A quantized variant missed a ``--max-delta`` gate (exit 3)."""
 
     exit_code = 3
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (libraries' messages can span a screen), or
+    its type name when it has none: what goes after ``error:``."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

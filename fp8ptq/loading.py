@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from .atomic import atomic_dir
 from .checkpoint import load_quantized
-from .errors import DataError, UsageError
+from .errors import DataError, UsageError, first_line
 from .files import read_json
 from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - re-exported
 from .placement import Placement
@@ -128,7 +128,7 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
         model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
     except SafetensorError as e:  # a truncated or corrupt weights file
         raise DataError(f"cannot load model {source!r}: a safetensors file is corrupt or "
-                        f"truncated ({_first_line(e)})") from None
+                        f"truncated ({first_line(e)})") from None
     if not extra:
         model.to(device)
     model.eval()
@@ -148,7 +148,7 @@ def load_config(source, location, **hub_kwargs):
                              "(its config names its own Python modules); pass "
                              "--trust-remote-code (trust_remote_code=True) only if you trust "
                              "its source") from None
-        raise DataError(f"cannot load model {source!r}: {_first_line(e)}") from None
+        raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
 
 
 def load_tokenizer(source, location, **hub_kwargs):
@@ -156,11 +156,11 @@ def load_tokenizer(source, location, **hub_kwargs):
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, **hub_kwargs)
     except (OSError, ValueError, TypeError) as e:
-        raise UsageError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from None
+        raise UsageError(f"cannot load a tokenizer for {source!r}: {first_line(e)}") from None
     except Exception as e:  # noqa: BLE001 - the tokenizers (Rust) library raises plain Exception
         if type(e).__module__.split(".")[0] != "tokenizers" and type(e) is not Exception:
             raise
-        raise DataError(f"cannot load a tokenizer for {source!r}: {_first_line(e)}") from None
+        raise DataError(f"cannot load a tokenizer for {source!r}: {first_line(e)}") from None
     return _with_pad_token(tokenizer)
 
 
@@ -169,10 +169,6 @@ def _with_pad_token(tokenizer):
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --- torch-saved modules (CNNs) ----------------------------------------------------------
@@ -239,9 +235,9 @@ def _load_from_hub(spec, **load_kwargs) -> LoadedModel:
         if offline:
             raise UsageError(
                 f"cannot load model {spec!r}: not a local path and the Hugging Face hub is "
-                f"unreachable ({_first_line(e)})"
+                f"unreachable ({first_line(e)})"
             ) from e
-        raise UsageError(f"cannot load model {spec!r} from the Hugging Face hub: {_first_line(e)}") from e
+        raise UsageError(f"cannot load model {spec!r} from the Hugging Face hub: {first_line(e)}") from e
 
 
 # --- GGUF --------------------------------------------------------------------------------
@@ -280,7 +276,7 @@ def _check_gguf(gguf_path: Path) -> None:
     try:
         GGUFReader(str(gguf_path))
     except (ValueError, KeyError, IndexError, EOFError, OSError, struct.error) as e:
-        raise DataError(f"not a valid GGUF file ({gguf_path}): {_first_line(e)}") from None
+        raise DataError(f"not a valid GGUF file ({gguf_path}): {first_line(e)}") from None
 
 
 def _dequantize_gguf(gguf_path: Path, task: str | None):

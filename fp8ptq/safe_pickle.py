@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DataError
+from .errors import DataError, first_line
 
 SAFE_PREFIXES = ("torch.nn.modules.", "fp8ptq.vision.")
 SAFE_NAMES = {"collections.OrderedDict", "torch.nn.parameter.Parameter",
@@ -43,11 +43,11 @@ def load_torch_file(path: str | Path, *, trust_pickle: bool = False, what: str =
     except pickle.UnpicklingError as first:
         refused = first
     except Exception as e:  # not a torch file at all, truncated zip, ...
-        raise DataError(f"cannot load {what} {path}: {_first_line(e)}") from None
+        raise DataError(f"cannot load {what} {path}: {first_line(e)}") from None
     if not zipfile.is_zipfile(path):  # not torch's zip format: garbage or a legacy pickle
         if not trust_pickle:
             raise DataError(f"cannot load {what} {path}: not a torch.save zip file "
-                            f"({_first_line(refused)}); a legacy pickle loads only with "
+                            f"({first_line(refused)}); a legacy pickle loads only with "
                             "--trust-pickle")
         names = None
     else:
@@ -63,16 +63,12 @@ def load_torch_file(path: str | Path, *, trust_pickle: bool = False, what: str =
             refused = e
     if not trust_pickle:
         listed = ", ".join(sorted(n for n in names or [] if not _is_safe(n))[:3])
-        detail = f" (it names {listed})" if listed else f" ({_first_line(refused)})"
+        detail = f" (it names {listed})" if listed else f" ({first_line(refused)})"
         raise DataError(f"refusing to unpickle {what} {path}: loading it would run code named in "
                         f"the file{detail}; pass --trust-pickle (trust_pickle=True) only if "
                         "you trust its source")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # unpickling raises anything, e.g. a class that no longer exists
-        raise DataError(f"cannot load {what} {path}: {_first_line(e)}") from None
+        raise DataError(f"cannot load {what} {path}: {first_line(e)}") from None
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -704,3 +704,18 @@ def test_two_runs_on_one_output_one_wins_the_other_fails_cleanly(A, tmp_path, mo
     assert len(errors) == 1 and "created by another run" in errors[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in out.iterdir()] == ["fp8ptq.json"]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"builtin": "digits-cnn", "kwargs": {"no_such_argument": 1}}, "do not build the built-in"),
+    ({"builtin": "digits-cnn", "kwargs": "wide"}, "do not build the built-in"),
+    ({"class": "x.Y"}, "names neither a built-in architecture nor a skeleton"),
+    (["digits-cnn"], "is not a JSON object"),
+])
+def test_module_description_of_a_native_cnn_checkpoint_is_checked(tmp_path, spec, message):
+    """config.json's ``fp8ptq_module`` (a built-in architecture stored as data) is user data:
+    arguments that do not fit are one line, exit 2."""
+    from fp8ptq.checkpoint.skeleton import build_module
+
+    with pytest.raises(DataError, match=message):
+        build_module(tmp_path, spec, torch.float32)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import DataError, Fp8ptqError
+from ..errors import DataError, Fp8ptqError, first_line
 from ..model.gemm import set_submodule
 from ..safe_pickle import load_torch_file
 from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
@@ -54,11 +54,18 @@ def build_module(directory: Path, spec: dict, dtype: torch.dtype,
                  trust_pickle: bool = False) -> nn.Module:
     """The unquantized architecture ``spec`` describes, with uninitialised tensors."""
 
+    where = f"{directory}/config.json: {MODULE_KEY}"
+    if not isinstance(spec, dict):
+        raise DataError(f"{where} is not a JSON object")
     if spec.get("builtin") == BUILTIN_ARCHITECTURE:
-        return TinyMobileNet(**spec.get("kwargs", {})).to(dtype)
-    if "skeleton" not in spec:
-        raise Fp8ptqError(f"{directory}/config.json: {MODULE_KEY} names neither a built-in "
-                          "architecture nor a skeleton file")
+        kwargs = spec.get("kwargs", {})
+        try:
+            return TinyMobileNet(**kwargs).to(dtype)
+        except (TypeError, ValueError, RuntimeError) as e:  # arguments that do not fit
+            raise DataError(f"{where}: kwargs {kwargs!r} do not build the built-in "
+                            f"{BUILTIN_ARCHITECTURE} ({first_line(e)})") from None
+    if not isinstance(spec.get("skeleton"), str):
+        raise DataError(f"{where} names neither a built-in architecture nor a skeleton file")
     path = directory / spec["skeleton"]
     if not path.is_file():
         raise DataError(f"cannot rebuild {spec.get('class', 'the module')}: {path} is missing")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import DataError, UsageError
+from ..errors import DataError, UsageError, first_line
 from ..files import read_json
 from ..formats import FormatSpec, get_format
 from ..taps import kv_scales_from_report
@@ -299,7 +299,7 @@ def _check_ct_config(folder: Path, meta: dict, config: dict, index: TensorIndex)
                         f"{first.get('msg')})") from None
     except (ValueError, TypeError) as e:
         raise DataError(f"{where}: quantization_config does not validate "
-                        f"({_first_line(e)})") from None
+                        f"({first_line(e)})") from None
     ignore = set(parsed.ignore or [])
     for name, entry in (meta.get("modules") or {}).items():
         group = _group_of(name, entry, parsed.config_groups)
@@ -339,10 +339,6 @@ def _group_of(name: str, entry: dict, groups: dict):
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else "an unknown dtype"
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 __all__ = ["verify_checkpoint", "scale_problem", "format_from_facts", "expectations",
