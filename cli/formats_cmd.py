@@ -6,14 +6,13 @@ import json
 import math
 
 import click
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from fp8ptq.formats import PRESETS, decode, get_format
 
 from .tables import Column, fitted_table
-
-import torch
 
 
 def _pow2(v: float) -> str:

@@ -243,7 +243,8 @@ def check_gates(variants: list[dict], gates: list[str], gate_on: str = "point") 
                     how = f"; worse end of the 95% CI {sign * judged:+.3g}"
             if not judged <= limit:  # nan fails too
                 failures.append(
-                    f"{variant['name']}: {metric} {_number(value)} vs baseline {_number(reference)} "
+                    f"{variant['name']}: {metric} {_number(value)} vs baseline "
+                    f"{_number(reference)} "
                     f"({value - reference:+.3g}{how}) exceeds gate {gate} (allowed {limit:.3g} "
                     "worse)"
                 )

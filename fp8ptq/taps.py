@@ -63,9 +63,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .calibrators.registry import activation_entry
 from .errors import Fp8ptqError, NumericsError, UsageError
 from .formats import fake_quantize, get_format
-from .calibrators.registry import activation_entry
 from .observers import TensorStats
 from .plan import as_plan_parts, taps_plan
 from .scales import amax_to_scale, histogram_sqnr_db
@@ -89,7 +89,7 @@ RESIDUAL_SPECS = (
 )
 
 # attention module -> (taps, name) of the ActivationTaps that owns it
-_OWNERS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 _EAGER_CACHE: dict[type, object] = {}
 _IS_ATTENTION_CACHE: dict[type, bool] = {}
 
@@ -180,7 +180,8 @@ def register_attention_function() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
     except ImportError as e:  # pragma: no cover - transformers is a dependency
-        raise UsageError(f"--quantize-attention needs transformers' AttentionInterface ({e})")
+        raise UsageError(f"--quantize-attention needs transformers' AttentionInterface "
+                         f"({e})") from None
     AttentionInterface.register(ATTN_IMPLEMENTATION, fp8ptq_eager_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
     _REGISTERED = True

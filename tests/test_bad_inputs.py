@@ -21,11 +21,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny
 
 import fp8ptq
 from fp8ptq.cli.main import main
 from fp8ptq.errors import DataError, Fp8ptqError, UsageError
+from tiny_models import tiny
 
 HERE = Path(__file__).parent
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",

@@ -33,8 +33,15 @@ from fp8ptq.cli.main import main
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.pipeline import plan_targets, quantize_model
 from fp8ptq.recipe import Recipe
-from fp8ptq.vision import (TinyMobileNet, accuracy, image_batches, load_digits_data, predict,
-                           quantize_and_score, train_digits_cnn)
+from fp8ptq.vision import (
+    TinyMobileNet,
+    accuracy,
+    image_batches,
+    load_digits_data,
+    predict,
+    quantize_and_score,
+    train_digits_cnn,
+)
 
 SEED = 0
 CALIB_IMAGES = 512

@@ -3,15 +3,20 @@ atomic writes, scale guards, fp8ptq.json, OCP -> FNUZ conversion."""
 
 import errno
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 import fp8ptq
-from fp8ptq.checkpoint import (LAYOUT_CT, LAYOUT_NATIVE, fn_to_fnuz, load_quantized, read_metadata,
-                               save_quantized)
+from fp8ptq.checkpoint import (
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    fn_to_fnuz,
+    load_quantized,
+    read_metadata,
+    save_quantized,
+)
 from fp8ptq.checkpoint import writer as ckpt_writer
 from fp8ptq.errors import Fp8ptqError, NumericsError, UsageError
 from fp8ptq.pipeline import quantize_model, token_batches

@@ -6,8 +6,14 @@ import json
 
 import pytest
 import torch
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
@@ -95,7 +101,7 @@ def test_routers_stay_high_precision_unless_asked(tmp_path):
 
 def _force_router(model, allowed: list[int]):
     """Route every token only to the experts in ``allowed`` (the others never see a token)."""
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if type(module).__name__.endswith("TopKRouter"):
             def forward(hidden_states, module=module):
                 hidden_states = hidden_states.reshape(-1, module.hidden_dim)
@@ -115,7 +121,7 @@ def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
                     unify_fused_scales=False)
     result = quantize_model(model, recipe, batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
-    for proj, facts in layer["projections"].items():
+    for facts in layer["projections"].values():
         assert facts["experts_without_tokens"] == [3, 4, 5, 6, 7]
         scales = facts["input_scales"]
         assert all(s > 0 and s != float("inf") for s in scales)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import tiny
 
 from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
 from fp8ptq.placement import Placement, parse_device_map, parse_max_memory
+from tiny_models import tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"]

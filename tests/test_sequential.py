@@ -3,8 +3,16 @@
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
-                          OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from fp8ptq.model.blocks import find_blocks
 from fp8ptq.pipeline import quantize_model, token_batches
@@ -156,7 +164,8 @@ def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp
         assert res.exit_code == 0, (res.output, res.exception)
         assert json.loads(res.stdout)["peak_rss_mb"] > 0
         outs[mode] = out
-    a = {k: v for f in sorted(outs["memory"].glob("*.safetensors")) for k, v in load_file(f).items()}
+    a = {k: v for f in sorted(outs["memory"].glob("*.safetensors"))
+         for k, v in load_file(f).items()}
     b = {k: v for f in sorted(outs["sequential"].glob("*.safetensors"))
          for k, v in load_file(f).items()}
     assert set(a) == set(b) and any(k.endswith("input_scale") for k in a)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny
 
 from fp8ptq.cli.main import main
 from fp8ptq.validate import RULES, validate
+from tiny_models import tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "hello world and hello again"]
 CALIB = ["--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]

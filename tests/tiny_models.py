@@ -1,8 +1,16 @@
 """Tiny randomly initialised models of every architecture family we claim (shared by tests)."""
 
 import torch
-from transformers import (BertConfig, BertForQuestionAnswering, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
+from transformers import (
+    BertConfig,
+    BertForQuestionAnswering,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
 VOCAB = 128
 ARCHS = ("llama", "gpt2", "opt", "bert")
