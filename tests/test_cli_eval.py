@@ -10,12 +10,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
 
 from fp8ptq import job
-from fp8ptq.cli.main import main
 from fp8ptq.recipe import Recipe
-from tiny_models import tiny
+from tiny_models import invoke, tiny
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog .",
@@ -58,7 +56,7 @@ def calib_flags(f, seq_len_flag="--calib-seq-len"):
 
 
 def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+    return invoke([str(a) for a in args])
 
 
 def eval_wiki(f, model, *args):

@@ -92,10 +92,8 @@ def test_gate_on_ci_upper_fails_what_the_point_estimate_passes():
 
 
 def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_tokenizer):
-    from click.testing import CliRunner
 
-    from fp8ptq.cli.main import main
-    from tiny_models import tiny
+    from tiny_models import invoke, tiny
 
     tiny("llama").save_pretrained(tmp_path / "m")
     word_tokenizer.save_pretrained(tmp_path / "m")
@@ -109,7 +107,7 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
             "--dtype", "float32", "--json", str(tmp_path / "r.json"), "--samples",
             str(tmp_path / "s.jsonl"), "--markdown", str(tmp_path / "r.md"), "--prefix-token",
             "eos"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(args)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "95% CI" in res.stdout and "%, 95% CI" in res.stdout
     assert "prefix_token=eos" in res.stdout
@@ -126,7 +124,7 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
     base = [r for r in records if r["variant"] == "baseline"]
     ll, words = sum(r["loglikelihood"] for r in base), sum(r["words"] for r in base)
     assert math.exp(-ll / words) == pytest.approx(doc["variants"][0]["metrics"][key], rel=1e-6)
-    res = CliRunner().invoke(main, [*args[:-2], "--delta", "abs", "--json",
+    res = invoke([*args[:-2], "--delta", "abs", "--json",
                                     str(tmp_path / "r2.json")])
     assert res.exit_code == 0 and "%," not in res.stdout.split("protocol")[0]
 

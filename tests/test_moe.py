@@ -22,6 +22,7 @@ from fp8ptq.model.experts import expert_weight, find_experts, router_names
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qexperts import QuantExperts
 from fp8ptq.recipe import Recipe
+from tiny_models import invoke
 
 VOCAB, E = 128, 8
 IDS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
@@ -178,9 +179,7 @@ def test_skip_experts_by_glob_lists_them_in_high_precision():
 
 
 def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_tokenizer):
-    from click.testing import CliRunner
 
-    from fp8ptq.cli.main import main
 
     model_dir = tmp_path / "qwen2moe"
     tiny_moe("qwen2_moe").save_pretrained(model_dir)
@@ -190,11 +189,11 @@ def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_to
     out = tmp_path / "out"
     args = ["quantize", str(model_dir), "-o", str(out), "--calib-data", str(calib),
             "--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(args)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "model.layers.0.mlp.experts: 8 experts x 2 GEMMs" in res.output
     assert "left in high precision:" in res.output
-    res = CliRunner().invoke(main, [*args, "--force", "--json", "--routed-experts-only"])
+    res = invoke([*args, "--force", "--json", "--routed-experts-only"])
     report = json.loads(res.stdout)
     assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert report["high_precision"]["high_precision_fraction"] < 0.25

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..atomic import atomic_dir
 from ..errors import Fp8ptqError, UsageError
+from ..numbers import dumps, json_safe
 from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
 from ..version import __version__
@@ -60,7 +61,6 @@ from .contents import (
     plain_tensors,
     tied_quantized,
 )
-from .jsonsafe import dumps, json_safe
 from .layout import (  # noqa: F401 - re-exported
     CT_FLOAT,
     CT_INT,
