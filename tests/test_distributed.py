@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from test_moe import tiny_moe
 from tiny_models import tiny
 

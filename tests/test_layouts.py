@@ -13,10 +13,19 @@ from safetensors import safe_open
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import fp8ptq
-from fp8ptq.checkpoint import (CheckpointWriter, ShardWriter, check_checkpoint, choose_layout,
-                               describe_model, describe_plan, get_layout, model_type_of,
-                               read_metadata, save_quantized)
-from fp8ptq.checkpoint import layouts
+from fp8ptq.checkpoint import (
+    CheckpointWriter,
+    ShardWriter,
+    check_checkpoint,
+    choose_layout,
+    describe_model,
+    describe_plan,
+    get_layout,
+    layouts,
+    model_type_of,
+    read_metadata,
+    save_quantized,
+)
 from fp8ptq.checkpoint.contents import gemm_quant, plain_tensors
 from fp8ptq.checkpoint.layouts.native import NativeLayout
 from fp8ptq.errors import Fp8ptqError, UsageError

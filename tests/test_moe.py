@@ -6,8 +6,14 @@ import json
 
 import pytest
 import torch
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
@@ -16,6 +22,7 @@ from fp8ptq.model.experts import expert_weight, find_experts, router_names
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qexperts import QuantExperts
 from fp8ptq.recipe import Recipe
+from tiny_models import invoke
 
 VOCAB, E = 128, 8
 IDS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
@@ -95,7 +102,7 @@ def test_routers_stay_high_precision_unless_asked(tmp_path):
 
 def _force_router(model, allowed: list[int]):
     """Route every token only to the experts in ``allowed`` (the others never see a token)."""
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if type(module).__name__.endswith("TopKRouter"):
             def forward(hidden_states, module=module):
                 hidden_states = hidden_states.reshape(-1, module.hidden_dim)
@@ -115,7 +122,7 @@ def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
                     unify_fused_scales=False)
     result = quantize_model(model, recipe, batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
-    for proj, facts in layer["projections"].items():
+    for facts in layer["projections"].values():
         assert facts["experts_without_tokens"] == [3, 4, 5, 6, 7]
         scales = facts["input_scales"]
         assert all(s > 0 and s != float("inf") for s in scales)
@@ -172,9 +179,7 @@ def test_skip_experts_by_glob_lists_them_in_high_precision():
 
 
 def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_tokenizer):
-    from click.testing import CliRunner
 
-    from fp8ptq.cli.main import main
 
     model_dir = tmp_path / "qwen2moe"
     tiny_moe("qwen2_moe").save_pretrained(model_dir)
@@ -184,11 +189,11 @@ def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_to
     out = tmp_path / "out"
     args = ["quantize", str(model_dir), "-o", str(out), "--calib-data", str(calib),
             "--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(args)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "model.layers.0.mlp.experts: 8 experts x 2 GEMMs" in res.output
     assert "left in high precision:" in res.output
-    res = CliRunner().invoke(main, [*args, "--force", "--json", "--routed-experts-only"])
+    res = invoke([*args, "--force", "--json", "--routed-experts-only"])
     report = json.loads(res.stdout)
     assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert report["high_precision"]["high_precision_fraction"] < 0.25

@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_moe import batches, tiny_moe
 
 import fp8ptq
 from fp8ptq.checkpoint import check_checkpoint, save_quantized
@@ -18,6 +17,7 @@ from fp8ptq.checkpoint import verify as V
 from fp8ptq.errors import DataError
 from fp8ptq.pipeline import quantize_model
 from fp8ptq.recipe import Recipe
+from test_moe import batches, tiny_moe
 
 EXPERTS = "model.layers.0.mlp.experts"
 

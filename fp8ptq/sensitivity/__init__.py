@@ -31,14 +31,26 @@ result, its JSON and plot).
 
 from ..errors import UsageError
 from .report import DEFINITIONS, SCHEMA, Measure, SensitivityResult, UnitResult, plot
-from .run import (DEFAULT_EVAL_DATA, DEFAULT_STAT_FORMATS, METRICS, UNSUPPORTED, analyze,
-                  check_recipe, eval_windows)
-from .statistics import (FormatStats, ModuleStats, TensorSummary, summarize_input,
-                         summarize_weight)
-from .suggest import (NOT_SUGGESTED, Suggestion, parse_target, quantize_flags, suggest,
-                      target_value)
-from .swap import (FormatPlan, Swap, format_plan, format_recipe, format_stats, output_sqnr_db,
-                   swapped)
+from .run import (
+    DEFAULT_EVAL_DATA,
+    DEFAULT_STAT_FORMATS,
+    METRICS,
+    UNSUPPORTED,
+    analyze,
+    check_recipe,
+    eval_windows,
+)
+from .statistics import FormatStats, ModuleStats, TensorSummary, summarize_input, summarize_weight
+from .suggest import NOT_SUGGESTED, Suggestion, parse_target, quantize_flags, suggest, target_value
+from .swap import (
+    FormatPlan,
+    Swap,
+    format_plan,
+    format_recipe,
+    format_stats,
+    output_sqnr_db,
+    swapped,
+)
 from .units import LEVELS, Unit, group_units, layer_stack
 
 __all__ = ["analyze", "check_recipe", "eval_windows", "plot", "group_units", "layer_stack",

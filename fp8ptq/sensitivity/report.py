@@ -4,12 +4,11 @@ definitions of every statistic) and its plot."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..atomic import write_file
-from ..checkpoint.jsonsafe import json_safe
+from ..numbers import finite_or_nan, json_safe
 from .statistics import ModuleStats
 from .suggest import Suggestion
 
@@ -79,7 +78,7 @@ def plot(result: SensitivityResult, path: str | Path, max_bars: int = 40) -> Pat
 
     mods = result.modules
     cols = [(f, part) for f in result.stat_formats for part in ("weight", "input", "output")]
-    grid = np.array([[_finite(getattr(m.formats.get(f), f"{part}_sqnr_db", None))
+    grid = np.array([[finite_or_nan(getattr(m.formats.get(f), f"{part}_sqnr_db", None))
                       for f, part in cols] for m in mods], dtype=float)
     ranked = result.units[:max_bars]
     primary = result.formats[0]
@@ -93,7 +92,7 @@ def plot(result: SensitivityResult, path: str | Path, max_bars: int = 40) -> Pat
                       else 7)
     ax_map.set_title("SQNR (dB): W weight, I input, O output")
     fig.colorbar(image, ax=ax_map, fraction=0.05, pad=0.02)
-    deltas = [_finite(r.results[primary].delta) for r in ranked]
+    deltas = [finite_or_nan(r.results[primary].delta) for r in ranked]
     scale, unit = (100.0 / result.baseline, "% of baseline ppl") if result.metric == "ppl" \
         else (100.0, "% output noise / signal")
     ax_bar.barh(range(len(ranked)), [d * scale for d in deltas],
@@ -108,7 +107,3 @@ def plot(result: SensitivityResult, path: str | Path, max_bars: int = 40) -> Pat
     finally:
         plt.close(fig)
     return Path(path)
-
-
-def _finite(v):
-    return float(v) if v is not None and math.isfinite(v) else math.nan
