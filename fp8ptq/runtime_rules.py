@@ -13,7 +13,7 @@ import torch
 from .checkpoint.experts_io import SERVABLE
 from .checkpoint.layouts import get_layout
 from .checkpoint.reader import _load_tensors, _read_config, read_metadata
-from .checkpoint.verify import SCALE_SUFFIXES, scale_problem
+from .checkpoint.verify import SCALE_SUFFIXES, format_from_facts, scale_problem
 from .pipeline import FUSED_SHARDS
 
 TP_SIZES = (1, 2, 4, 8)
@@ -62,6 +62,12 @@ def _fmt(entry, key) -> str | None:
     return None if facts is None else facts.get("name")
 
 
+def _ct_type(entry, key) -> str | None:
+    """The compressed-tensors type ("float" / "int") of an fp8ptq.json format entry."""
+    spec = format_from_facts(entry.get(key))
+    return None if spec is None else spec.compressed_tensors_type
+
+
 def served(ck, runtime: str) -> bool:
     """Does ``runtime`` load this checkpoint's layout natively?"""
     return runtime in get_layout(ck["meta"]["layout"]).runtimes
@@ -84,9 +90,9 @@ def _scheme(ck) -> list[Violation]:
     tensor or channel weights; otherwise "No compressed-tensors compatible scheme was found"."""
     out = []
     for name, e in _modules(ck).items():
-        w, a = _fmt(e, "weight_format"), _fmt(e, "act_format")
+        a = _fmt(e, "act_format")
         wg, ag = e.get("weight_granularity"), e.get("act_granularity")
-        if w == "int8" and wg == "block":
+        if _ct_type(e, "weight_format") == "int" and wg == "block":
             out.append(Violation("scheme", name, "int8 with block weight scales has no vLLM "
                                  "scheme", "--weight-granularity channel"))
         if a is not None and ag == "tensor" and e.get("input_scale") is None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import fp8ptq
 from fp8ptq.checkpoint import (
@@ -35,16 +34,8 @@ from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from tiny_models import IDS, run, tiny
 
-
-def moe():
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts_per_tok=2, intermediate_size=128,
-        moe_intermediate_size=32, num_experts=4)).eval()
-
-
-BUILD = {"llama": lambda: tiny("llama"), "gpt2": lambda: tiny("gpt2"), "moe": moe}
+BUILD = {"llama": lambda: tiny("llama"), "gpt2": lambda: tiny("gpt2"),
+         "moe": lambda: tiny("qwen3_moe", num_experts=4)}
 CHOICES = [
     # (architecture, recipe, expected layout)
     ("llama", Recipe(dtype="float32"), "compressed-tensors"),

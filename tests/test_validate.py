@@ -74,9 +74,8 @@ def test_fused_shards_with_different_scales_are_flagged(A, tmp_path):
 
 def test_moe_reload_difference_is_measured_within_tolerance(tmp_path, word_tokenizer):
     """transformers does not quantize the inputs of fused experts: a real, small difference."""
-    from test_moe import tiny_moe
 
-    tiny_moe("qwen2_moe").save_pretrained(tmp_path / "moe")
+    tiny("qwen2_moe").save_pretrained(tmp_path / "moe")
     word_tokenizer.save_pretrained(tmp_path / "moe")
     (tmp_path / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     res = invoke(["quantize", str(tmp_path / "moe"), "-o", str(tmp_path / "ck"),

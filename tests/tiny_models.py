@@ -10,16 +10,25 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from fp8ptq.cli.main import main
 
 VOCAB = 128
 ARCHS = ("llama", "gpt2", "opt", "bert")
+
+MOE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, num_experts_per_tok=2)  # fused experts (transformers 5)
 
 # family -> (config class, model class, config fields of the default tiny model)
 FAMILIES = {
@@ -36,6 +45,13 @@ FAMILIES = {
             dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  ffn_dim=128, word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0,
                  pad_token_id=1)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM,
+                dict(MOE, intermediate_size=32, num_local_experts=8)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                  dict(MOE, intermediate_size=128, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, num_experts=8)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(MOE, intermediate_size=128, moe_intermediate_size=32, num_experts=8)),
     "bert": (BertConfig, BertForQuestionAnswering,
              dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128)),
