@@ -51,11 +51,11 @@ def A(tmp_path_factory, word_tokenizer):
     (root / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     (root / "wiki.raw").write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
     res = invoke(["quantize", str(root / "llama"), "-o", str(root / "ckpt"),
-                                    "--calib-data", str(root / "calib.txt"), *CALIB])
+                  "--calib-data", str(root / "calib.txt"), *CALIB])
     assert res.exit_code == 0, res.output
     res = invoke(["quantize", str(root / "llama"), "-o", str(root / "native"),
-                                    "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
-                                    *CALIB])
+                  "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
+                  *CALIB])
     assert res.exit_code == 0, res.output
     assert json.loads((root / "native" / "fp8ptq.json").read_text())["layout"] == "fp8ptq-native"
     return root
@@ -545,7 +545,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     res = invoke(["quantize", str(A / "llama"), "-o", str(tmp_path / "out"),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 1
     assert [ln for ln in res.stderr.splitlines() if ln.startswith("error:")] == [
         f"error: no space left on device writing {tmp_path / 'out'}; nothing was written"]
@@ -554,7 +554,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
 
 def test_debug_shows_the_traceback(A, tmp_path, monkeypatch):
     res = invoke(["--debug", "quantize", "/no/such/model", "-o",
-                                    str(tmp_path / "o")])
+                  str(tmp_path / "o")])
     assert res.exit_code != 0 and isinstance(res.exception, UsageError)
     monkeypatch.setenv("FP8PTQ_DEBUG", "1")
     res = invoke(["eval", str(A / "llama"), "--tasks", "no_such_task_xyz"])
@@ -574,7 +574,7 @@ def test_quiet_by_default(A, tmp_path):
     ``--verbose``: a fresh process each, so no earlier test has silenced anything."""
     ck = tmp_path / "ck"
     res = invoke(["quantize", str(A / "llama"), "-o", str(ck),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 0 and chatter(res.stderr) == [], res.stderr
     cli = [sys.executable, "-m", "fp8ptq.cli"]
     quiet = subprocess.run([*cli, "eval", str(ck), "--tasks", "wikitext", "--data",
@@ -696,7 +696,7 @@ def test_two_runs_on_one_output_one_wins_the_other_fails_cleanly(A, tmp_path, mo
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_then_other_run_finishes)
     res = invoke(["quantize", str(A / "llama"), "-o", str(out),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 2
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "created by another run" in errors[0]

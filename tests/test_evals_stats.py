@@ -125,7 +125,7 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
     ll, words = sum(r["loglikelihood"] for r in base), sum(r["words"] for r in base)
     assert math.exp(-ll / words) == pytest.approx(doc["variants"][0]["metrics"][key], rel=1e-6)
     res = invoke([*args[:-2], "--delta", "abs", "--json",
-                                    str(tmp_path / "r2.json")])
+                  str(tmp_path / "r2.json")])
     assert res.exit_code == 0 and "%," not in res.stdout.split("protocol")[0]
 
 

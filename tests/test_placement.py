@@ -47,7 +47,7 @@ def test_parsers():
 
 def quantize(assets, out, *extra):
     res = invoke(["quantize", str(assets / "llama"), "-o", str(out),
-                                    "--calib-data", str(assets / "calib.txt"), *CALIB, *extra])
+                  "--calib-data", str(assets / "calib.txt"), *CALIB, *extra])
     assert res.exit_code == 0, (res.output, res.exception)
     return load_file(out / "model.safetensors")
 
@@ -90,7 +90,7 @@ def test_auto_map_with_a_cpu_budget_offloads_and_still_works(assets, tmp_path):
 
 def test_bad_device_map_is_one_error_line(assets, tmp_path):
     res = invoke(["quantize", str(assets / "llama"), "-o", str(tmp_path / "o"),
-                                    "--device-map", "everywhere"])
+                  "--device-map", "everywhere"])
     assert res.exit_code == 2
     assert res.output.count("error:") == 1 and "--device-map" in res.output
     assert not (tmp_path / "o").exists()

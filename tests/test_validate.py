@@ -26,7 +26,7 @@ def A(tmp_path_factory, word_tokenizer):
 
 def quantize(A, out, *extra):
     res = invoke(["quantize", str(A / "llama"), "-o", str(out), "--calib-data",
-                                    str(A / "calib.txt"), *CALIB, *extra])
+                  str(A / "calib.txt"), *CALIB, *extra])
     return res
 
 
@@ -52,7 +52,7 @@ def test_default_e4m3_checkpoint_is_valid_and_reloads_identically(A, tmp_path):
 def test_violations_exit_4_one_line_each(A, tmp_path, extra, rule):
     assert quantize(A, tmp_path / "ck", *extra).exit_code == 0
     res = invoke(["validate", str(tmp_path / "ck"), "--runtime", "vllm",
-                                    "--no-reload"])
+                  "--no-reload"])
     assert res.exit_code == 4, res.output
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("invalid")]
     assert any(f"[{rule}]" in ln and "fix:" in ln for ln in lines), res.stdout
@@ -79,8 +79,8 @@ def test_moe_reload_difference_is_measured_within_tolerance(tmp_path, word_token
     word_tokenizer.save_pretrained(tmp_path / "moe")
     (tmp_path / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     res = invoke(["quantize", str(tmp_path / "moe"), "-o", str(tmp_path / "ck"),
-                                    "--calib-data", str(tmp_path / "calib.txt"), *CALIB,
-                                    "--weight-granularity", "tensor"])
+                  "--calib-data", str(tmp_path / "calib.txt"), *CALIB,
+                  "--weight-granularity", "tensor"])
     assert res.exit_code == 0, res.output
     report = validate(tmp_path / "ck")
     assert 0 < report.reload["relative"] <= report.reload["tolerance"]
@@ -113,13 +113,13 @@ def test_model_card_in_every_output_and_update_card(A, tmp_path):
     wiki = tmp_path / "wiki.raw"
     wiki.write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
     res = invoke(["eval", str(tmp_path / "ck"), "--tasks", "wikitext",
-                                    "--data", f"wikitext={wiki}", "--update-card"])
+                  "--data", f"wikitext={wiki}", "--update-card"])
     assert res.exit_code == 0, res.output
     card = (tmp_path / "ck" / "README.md").read_text()
     assert "Not evaluated yet" not in card and "| baseline |" in card and "95% CI" in card
     assert card.count("<!-- fp8ptq:eval:begin -->") == 1
     res = invoke(["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
-                                    f"wikitext={wiki}", "--update-card"])
+                  f"wikitext={wiki}", "--update-card"])
     assert res.exit_code == 2 and "needs MODEL to be an fp8ptq checkpoint" in res.stderr
 
 
@@ -170,7 +170,7 @@ def test_config_json_that_vllm_cannot_serve_is_flagged(A, tmp_path):
         g["input_activations"].update(dynamic=False, strategy="tensor", symmetric=False)
     cfg_path.write_text(json.dumps(cfg))
     res = invoke(["validate", str(tmp_path / "ck"), "--runtime", "vllm",
-                                    "--no-reload"])
+                  "--no-reload"])
     assert res.exit_code == 4, res.output
     line = next(ln for ln in res.stdout.splitlines() if "[ct-scheme]" in ln)
     assert "asymmetric" in line and "fix:" in line and "group_0" in line
