@@ -115,7 +115,8 @@ class CompressedTensorsLayout(Layout):
         if experts:
             return (f"nn.Linear and {len(experts)} fused-experts modules with e4m3 weights, "
                     "experts under transformers' per-expert checkpoint names")
-        return (f"all quantized modules are nn.Linear with {ct_type(modules[0].weight_format)} "
+        first = next(m for m in modules if not m.is_experts)
+        return (f"all quantized modules are nn.Linear with {ct_type(first.weight_format)} "
                 "8-bit weights")
 
     def refusal_warning(self, modules, reason, chosen):
