@@ -225,6 +225,14 @@ def test_an_exception_or_a_missing_close_leaves_nothing(tmp_path):
             ckpt.add_modules(e5m2.model)
             ckpt.close(e5m2.model, e5m2.recipe, result=e5m2)
     assert list(tmp_path.iterdir()) == []
+    # each module fits, the set does not (one 8-bit type per compressed-tensors checkpoint)
+    mixed = _quantized("llama", Recipe(dtype="float32", overrides={"*.down_proj": "int8"}))
+    assert choose_layout(describe_model(mixed.model)).reason == "float and int modules mixed"
+    with pytest.raises(Fp8ptqError, match="cannot store these modules: float and int modules"):
+        with CheckpointWriter.open(out, "compressed-tensors") as ckpt:
+            ckpt.add_modules(mixed.model)
+            ckpt.close(mixed.model, mixed.recipe, result=mixed)
+    assert list(tmp_path.iterdir()) == []
 
 
 class CodesAsQweight(NativeLayout):
