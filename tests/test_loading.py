@@ -18,6 +18,7 @@ from transformers import (
 from fp8ptq import loading
 from fp8ptq.errors import UsageError
 from fp8ptq.loading import LoadedModel, gguf_cache_dir, load_model, model_class
+from tiny_models import tiny
 
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
 MINILM = ASSETS / "models" / "minilm-squad"
@@ -25,16 +26,8 @@ SMOLLM_GGUF = ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.g
 
 
 def tiny_llama(tokenizer):
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny("llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                eos_token_id=tokenizer.eos_token_id)
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
@@ -34,17 +34,14 @@ def test_rotation_matrices_are_orthogonal(n):
 
 
 def _tiny(kind):
-    common = dict(vocab_size=97, num_hidden_layers=2)
     if kind == "llama":
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                          num_key_value_heads=2, tie_word_embeddings=True, **common)
+        model = tiny("llama", dtype=torch.float32, vocab_size=97, intermediate_size=96,
+                     num_key_value_heads=2, tie_word_embeddings=True)
     elif kind == "qwen2":
-        cfg = Qwen2Config(hidden_size=48, intermediate_size=80, num_attention_heads=4,
-                          num_key_value_heads=2, tie_word_embeddings=False, **common)
+        model = tiny("qwen2", dtype=torch.float32, vocab_size=97, hidden_size=48,
+                     intermediate_size=80, tie_word_embeddings=False)
     else:
-        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        model = tiny("gpt2", dtype=torch.float32, vocab_size=97, n_positions=64)
     with torch.no_grad():  # non-trivial norms (gains, biases) so folding is really exercised
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
