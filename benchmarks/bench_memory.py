@@ -5,8 +5,13 @@ generation never holds the model, into ``~/.cache/fp8ptq-bench/`` (never the rep
 Each mode runs in its own process; its peak RSS is read from ``getrusage``.
 
     python benchmarks/bench_memory.py --layers 16 --hidden 2048 --inter 5632   # ~1.9 GB bf16
-    python benchmarks/bench_memory.py --layers 32 --hidden 5120 --inter 13824 --only sequential
-                                                                         # ~28 GB: > this RAM
+
+The larger-than-RAM checkpoint (28.6 GB of bf16 on disk, 26.6 GiB: more than this 24 GB
+machine's RAM, so it never fits the page cache either) is ONE shared folder, generated once
+(13 min on the loaded 2-core box) and reused by every big-model measurement:
+
+    ~/.cache/fp8ptq-bench/llama-l44-h5120-i13824-v32000     (45 shards: embeddings + one per layer)
+    python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --generate-only
 """
 
 from __future__ import annotations
@@ -104,6 +109,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--only", choices=["sequential", "memory"], default=None)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--generate-only", action="store_true", help="Only make the checkpoint.")
     a = ap.parse_args()
     if a.child:
         mode, folder = a.child.split(":", 1)
@@ -112,6 +118,8 @@ def main():
     folder = generate(a.layers, a.hidden, a.inter)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(f"model {folder.name}: {size / 2**30:.2f} GiB on disk; calib {a.samples}x{a.seq}")
+    if a.generate_only:
+        return
     for mode in ([a.only] if a.only else ["sequential", "memory"]):
         out = subprocess.run([sys.executable, __file__, "--child", f"{mode}:{folder}",
                               "--samples", str(a.samples), "--seq", str(a.seq)],

@@ -26,6 +26,13 @@ class PerTensor:
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape([1] * w.dim())
 
+    row_step = 1  # rows of a 2-D weight that ``rows`` can start at a multiple of
+
+    def rows(self, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The part of ``scale`` that covers rows ``start:stop`` of the weight (for ``expand``
+        on that row slice)."""
+        return scale
+
 
 @dataclass(frozen=True)
 class PerChannel:
@@ -41,6 +48,11 @@ class PerChannel:
 
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape(-1, 1)
+
+    row_step = 1
+
+    def rows(self, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return scale.reshape(-1, 1)[start:stop]
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,13 @@ class PerBlock:
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         full = scale.repeat_interleave(self.size, 0).repeat_interleave(self.size, 1)
         return full[: w.shape[0], : w.shape[1]]
+
+    @property
+    def row_step(self) -> int:
+        return self.size
+
+    def rows(self, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return scale[start // self.size: math.ceil(stop / self.size)]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class QuantGemm(nn.Module):
     keep at least 8 significant bits, finer than any 8-bit format's code spacing. That exactness
     is checked at construction; where it fails (e.g. a generic format with more mantissa bits
     than the dtype), the codes are kept as well (``holds_codes``) so simulation stays exact.
+    A module whose weight is on the meta device (the model-free path builds the model without
+    weights) holds only the codes: it is written, never run.
     """
 
     def __init__(self, inner: nn.Module, *, weight_format: FormatSpec, weight_codes: torch.Tensor,
@@ -46,6 +48,10 @@ class QuantGemm(nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else
                              input_scale.float().reshape(1).clone())
         codes = weight_codes.to(torch.uint8)
+        if inner.weight.is_meta:
+            # a weightless module (the model-free path): the codes are all there is to hold
+            self._codes = codes
+            return
         dtype = inner.weight.dtype
         with torch.no_grad():
             inner.weight.data = weight_from_2d(inner, self._values(codes).to(dtype))
@@ -58,6 +64,12 @@ class QuantGemm(nn.Module):
     def weight_codes(self) -> torch.Tensor:
         """The weight's format codes (uint8, the 2-D GEMM view)."""
         return self._codes if self._codes is not None else self._reencode()
+
+    def release_codes(self) -> None:
+        """Keep only the codes' shape (a meta tensor): after the model-free path has written a
+        module of a weightless model, its codes leave memory."""
+        if self._codes is not None:
+            self._codes = torch.empty(self._codes.shape, dtype=torch.uint8, device="meta")
 
     @property
     def holds_codes(self) -> bool:
