@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -100,6 +102,69 @@ def run_one(mode: str, folder: str, samples: int, seq: int) -> dict:
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
+def copy_floor(folder: Path, out: Path) -> dict:
+    """The floor of the model-free path: a plain read + write of the same files (64 MiB at a
+    time, no computation), then ``sync`` so the bytes are on disk, as after the real run."""
+    out.mkdir(parents=True)
+    view = memoryview(bytearray(64 << 20))
+    n, t0 = 0, time.perf_counter()
+    for f in sorted(folder.iterdir()):
+        with open(f, "rb", buffering=0) as src, open(out / f.name, "wb", buffering=0) as dst:
+            while k := src.readinto(view):
+                dst.write(view[:k])
+                n += k
+    os.sync()
+    return _rate("floor: read + write", n, time.perf_counter() - t0)
+
+
+def model_free(folder: Path, out: Path, act: str, workers: int) -> dict:
+    """``quantize --model-free``: e4m3 channel weights, dynamic per-token or no activations."""
+    from fp8ptq.model_free_run import quantize_checkpoint
+    from fp8ptq.recipe import Recipe
+
+    recipe = Recipe(act_granularity="token") if act == "token" else Recipe(act_format="none")
+    t0 = time.perf_counter()
+    result, sizes = quantize_checkpoint(folder, recipe, out, workers=workers)
+    os.sync()
+    facts = result.extras["model_free"]
+    row = _rate(f"model-free ({act})", facts["bytes_read"], time.perf_counter() - t0)
+    row.update(written_gb=round(sizes["checkpoint_bytes"] / 1e9, 2),
+               busy_s=facts["busy_seconds"], workers=workers)
+    return row
+
+
+def _rate(mode: str, nbytes: int, seconds: float) -> dict:
+    return {"mode": mode, "seconds": round(seconds, 1), "read_gb": round(nbytes / 1e9, 2),
+            "gb_per_s": round(nbytes / 1e9 / seconds, 3),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def bench_model_free(folder: Path, act: str, workers: int) -> None:
+    """Floor and model-free, each in its own process, outputs deleted right after (disk is
+    shared); the model is larger than RAM, so neither run finds it in the page cache."""
+    rows = []
+    for mode in ("floor", "model-free"):
+        out = CACHE / f"out-{mode}"
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            rows.append(_child([f"{mode}:{folder}", "--out", str(out), "--act", act,
+                                "--workers", str(workers)]))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        print(json.dumps(rows[-1]), flush=True)
+    if all("gb_per_s" in r for r in rows):
+        print(f"model-free throughput = {rows[1]['gb_per_s'] / rows[0]['gb_per_s']:.0%} of the "
+              f"read + write floor ({rows[0]['gb_per_s']} GB/s)")
+
+
+def _child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                         text=True)
+    if out.returncode:
+        return {"mode": args[0].split(":")[0], "failed": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -107,18 +172,30 @@ def main():
     ap.add_argument("--inter", type=int, default=2816)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--only", choices=["sequential", "memory"], default=None)
+    ap.add_argument("--only", choices=["sequential", "memory", "model-free"], default=None)
+    ap.add_argument("--act", choices=["token", "none"], default="token",
+                    help="model-free: dynamic per-token e4m3 activations or weight-only")
+    ap.add_argument("--workers", type=int, default=2, help="model-free compute threads")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--child", default=None)
     ap.add_argument("--generate-only", action="store_true", help="Only make the checkpoint.")
     a = ap.parse_args()
     if a.child:
         mode, folder = a.child.split(":", 1)
-        print(json.dumps(run_one(mode, folder, a.samples, a.seq)))
+        if mode == "floor":
+            print(json.dumps(copy_floor(Path(folder), Path(a.out))))
+        elif mode == "model-free":
+            print(json.dumps(model_free(Path(folder), Path(a.out), a.act, a.workers)))
+        else:
+            print(json.dumps(run_one(mode, folder, a.samples, a.seq)))
         return
     folder = generate(a.layers, a.hidden, a.inter)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     print(f"model {folder.name}: {size / 2**30:.2f} GiB on disk; calib {a.samples}x{a.seq}")
     if a.generate_only:
+        return
+    if a.only == "model-free":
+        bench_model_free(folder, a.act, a.workers)
         return
     for mode in ([a.only] if a.only else ["sequential", "memory"]):
         out = subprocess.run([sys.executable, __file__, "--child", f"{mode}:{folder}",
