@@ -14,12 +14,14 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from fp8ptq import __version__, distributed, job
+from fp8ptq import __version__, distributed, job, model_free
 from fp8ptq.atomic import check_writable, scratch_dir
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.model_free import Selection
+from fp8ptq.model_free_run import quantize_checkpoint
 from fp8ptq.sequential import quantize_folder
 from fp8ptq.validate import static_violations
 
@@ -46,8 +48,15 @@ from .tables import Column, fitted_table
               show_default=True,
               help="--sequential: next block's inputs from the quantized block (as at inference) "
                    "or from the unquantized one (bit-identical to the in-memory pipeline).")
+@click.option("--model-free/--no-model-free", "model_free", default=None,
+              help="Quantize straight from the safetensors files without building the model "
+                   "(recipes that read no calibration data: weight-only or dynamic per-token "
+                   "activations). Default: taken by itself when the recipe and MODEL allow it; "
+                   "--model-free insists (an error says why it cannot), --no-model-free loads "
+                   "the model.")
 @recipe_options
-def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate, **flags):
+def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate,
+            model_free, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     load_options = loading_from(flags)
@@ -56,17 +65,75 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     check_output(output, force)
     check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
+    path = select_path(model, recipe, sequential, model_free, load_options)
+    if path.path == "model-free":
+        timings = job.JobTimings()
+        with timings.timed("plan"):
+            planned = _plan_model_free(path, recipe, model_free)
+        if planned is not None:  # no process group: rank 0 does it all, the others leave
+            if distributed.launched_rank() == 0:
+                _run_model_free(model, output, force, recipe, runtime, path, planned,
+                                timings, as_json)
+            return
+        path = Selection("in-memory", path.reason)
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
         _run(model, output, force, device, load_options, as_json, recipe, runtime,
-             (propagate if sequential else None))
+             (propagate if sequential else None), path)
     finally:
         distributed.shutdown()
 
 
+def select_path(model, recipe, sequential: bool, forced, load_options) -> Selection:
+    """in-memory, sequential or model-free (``fp8ptq.model_free.select``), and why."""
+    if sequential:
+        if forced:
+            raise UsageError("--model-free and --sequential are two different paths; use one")
+        return Selection("sequential", "--sequential")
+    if load_options.get("trust_remote_code"):
+        if forced:
+            raise UsageError("--model-free builds the model from transformers' own classes; "
+                             "drop --trust-remote-code or --model-free")
+        return Selection("in-memory", "--trust-remote-code loads the model's own code")
+    return model_free.select(model, recipe, forced=forced)
+
+
+def _plan_model_free(path: Selection, recipe, forced):
+    """The planned job, or None (``path.reason`` then says why) when the checkpoint does not
+    allow the path: then ``--model-free`` fails and the default loads the model instead."""
+    try:
+        return model_free.ModelFreeJob(path.folder, recipe)
+    except model_free.NotModelFree as e:
+        if forced:
+            raise UsageError(f"--model-free: {e}") from None
+        path.reason = f"model-free was not possible: {e}"
+        return None
+
+
+def _run_model_free(model, output, force, recipe, runtime, path: Selection, planned, timings,
+                    as_json) -> None:
+    with progress_bars(enabled=not as_json) as bars:
+        tick = bars.counter(f"quantizing -> {output}")(len(planned.units))
+        with timings.timed("quantize+write"):
+            result, sizes = quantize_checkpoint(
+                path.folder, recipe, output, force=force, job=planned, progress=tick,
+                source={"model": model, "kind": path.kind, "path": str(path.folder)},
+                tool_version=__version__,
+                check_factory=lambda r: runtime_check(r, runtime))
+    _emit(report_dict(result, output, sizes, timings, None), path, as_json)
+
+
+def _emit(report: dict, path: Selection, as_json: bool) -> None:
+    report["path"], report["path_reason"] = path.path, path.reason
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+
+
 def _run(model, output, force, device, load_options, as_json, recipe, runtime=None,
-         sequential=None):
+         sequential=None, path: Selection | None = None):
     main_rank = distributed.is_main()
     timings = job.JobTimings()
     with progress_bars(enabled=not as_json and main_rank) as bars:
@@ -112,10 +179,7 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
     report = report_dict(result, output, sizes, timings, calib)
     if distributed.active():
         report["ranks"] = distributed.world()
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    _emit(report, path or Selection("in-memory", "library call"), as_json)
 
 
 def runtime_check(result, runtime):
@@ -189,6 +253,7 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "sizes": sizes,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},
         "peak_rss_mb": round(job.peak_rss_mb(), 1),
+        "model_free": result.extras.get("model_free"),  # throughput facts of that path
     }
 
 
@@ -228,6 +293,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
     # calibrate+quantize is the sum of the pipeline stages listed beside it
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items()
                      if k != "calibrate+quantize" and (v >= 0.05 or k in ("load", "write")))
+    if report.get("path"):
+        console.print(f"path: {report['path']} ({report['path_reason']})", highlight=False)
     console.print(f"time: {secs}; peak RSS {report['peak_rss_mb']:.0f} MiB -> {report['output']}")
 
 

@@ -21,7 +21,9 @@ class PerTensor:
         return getattr(t.float(), how)().reshape(1)
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
-        return self.reduce(w.abs(), "amax")
+        # in the weight's own dtype, then float32: max is exact, and a bf16 weight needs no
+        # float32 copy of itself
+        return w.abs().amax().float().reshape(1)
 
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape([1] * w.dim())
@@ -44,7 +46,7 @@ class PerChannel:
         return getattr(t.float(), how)(dim=1, keepdim=True)
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
-        return self.reduce(w.abs(), "amax")
+        return w.abs().amax(dim=1, keepdim=True).float()
 
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape(-1, 1)

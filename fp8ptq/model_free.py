@@ -120,6 +120,8 @@ class ModelFreeJob:
         self.unify_experts = unify_fused(recipe, self.plan.experts)
         self._aliases()
         self.units = self._units()
+        self._buffers = {k: v for k, v in self.model.state_dict().items()  # before quantizing
+                         if k not in self.alias and k not in self.load_of and not v.is_meta}
 
     # -- which tensor is which ------------------------------------------------------------------
 
@@ -246,8 +248,7 @@ class ModelFreeJob:
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffers the checkpoint does not hold: the model's own values."""
-        return {k: v for k, v in self.model.state_dict().items()
-                if k not in self.alias and k not in self.load_of and not v.is_meta}
+        return dict(self._buffers)
 
     def result(self, outputs: list[UnitOutput], seconds: dict, facts: dict) -> QuantizeResult:
         """The ``QuantizeResult`` the in-memory pipeline would give, in plan order."""

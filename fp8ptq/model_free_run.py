@@ -19,13 +19,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from pathlib import Path
 
 import torch
 
+from .checkpoint import CheckpointWriter, choose_layout, describe_plan, model_type_of
+from .loading import load_tokenizer
 from .model_free import ModelFreeJob, UnitOutput
 from .pipeline import QuantizeResult
 from .qexperts import QuantExperts
 from .qmodules import QuantGemm
+from .recipe import Recipe
 
 _POLL = 0.1  # seconds between checks of the stop flag while waiting
 
@@ -90,7 +94,7 @@ class _Stages:
 
 def run(job: ModelFreeJob, writer, *, workers: int = 2, progress=None) -> QuantizeResult:
     """Quantize every unit of ``job`` into ``writer`` (a ``CheckpointWriter``, or anything with
-    ``add_modules(model, names, reports)`` and ``add_tensors(dict)``); ``progress(n)`` is called
+    ``add_modules(model, names, reports)`` and ``add_tensors(dict)``); ``progress()`` is called
     once per unit. Returns the result ``writer.close`` records."""
     workers = max(1, int(workers))
     stages = _Stages(job, workers)
@@ -116,7 +120,7 @@ def run(job: ModelFreeJob, writer, *, workers: int = 2, progress=None) -> Quanti
             stages.busy["write"] += time.perf_counter() - t1
             stages.slots.release()
             if progress is not None:
-                progress(1)
+                progress()
         writer.add_tensors(job.buffers())
     finally:
         stages.stop.set()
@@ -138,4 +142,37 @@ def _release(model, names) -> None:
             q.release_codes()
 
 
-__all__ = ["run"]
+def quantize_checkpoint(folder: str | Path, recipe: Recipe, output, *, force: bool = False,
+                        task: str | None = None, source: dict | None = None,
+                        tool_version: str | None = None, check_factory=None, workers: int = 2,
+                        progress=None, job: ModelFreeJob | None = None,
+                        max_shard_bytes: int | None = None) -> tuple[QuantizeResult, dict]:
+    """Quantize the safetensors checkpoint ``folder`` with ``recipe`` into ``output`` without
+    building the model; returns the result and the writer's size facts. ``job``: one planned
+    already (``ModelFreeJob(folder, recipe)``); ``check_factory(result)``: a check for the
+    complete temporary folder (``CheckpointWriter.close``). Nothing is left at ``output`` on
+    failure (an interruption included)."""
+    job = job or ModelFreeJob(folder, recipe, task=task)
+    tokenizer = _tokenizer(job.folder)
+    choice = choose_layout(describe_plan(job.plan), model_type=model_type_of(job.model))
+    with CheckpointWriter.open(output, choice, force=force,
+                               max_shard_bytes=max_shard_bytes) as ckpt:
+        result = run(job, ckpt, workers=workers, progress=progress)
+        sizes = ckpt.close(job.model, recipe, result=result, tokenizer=tokenizer,
+                           source=source or {"model": str(folder), "kind": "local",
+                                             "path": str(job.folder)},
+                           tool_version=tool_version,
+                           check=check_factory(result) if check_factory else None)
+    return result, sizes
+
+
+def _tokenizer(folder: Path):
+    """The checkpoint's tokenizer, copied into the output as the in-memory path does; a folder
+    without one gives a checkpoint without one."""
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                 "tokenizer.model", "vocab.json")):
+        return None
+    return load_tokenizer(str(folder), folder)
+
+
+__all__ = ["run", "quantize_checkpoint"]

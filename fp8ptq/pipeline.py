@@ -263,7 +263,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
     ``weight``: the weight, in the module's own layout, when the module holds none (the
     model-free path: a meta-device module; its ``QuantGemm`` then holds the codes)."""
     warnings: list[str] = []
-    w2d = weight_2d(t.module, weight).detach().float()
+    w2d = weight_2d(t.module, weight).detach()  # its own dtype: the sweep converts by chunks
     if weight_scale is not None:
         w_scale = weight_scale
     elif chosen is not None and chosen.weight_scale is not None:
@@ -273,6 +273,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
                                warnings=warnings)
     gptq = weight_entry(recipe.weight_calib).rounding == "gptq"
     if gptq and hessian is not None:
+        w2d = w2d.float()
         if not bool(torch.isfinite(w2d).all()):
             raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize "
                                 "it")
@@ -369,7 +370,7 @@ def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen,
             if c is not None and c.weight_scale is not None:
                 scales.append(c.weight_scale.reshape(-1).float())
                 continue
-            w2d = weight_2d(t.module, (weights or {}).get(name)).detach().float()
+            w2d = weight_2d(t.module, (weights or {}).get(name)).detach()
             scales.append(choose_scale(w2d, t.weight_format, gran, w_calib,
                                        pow2=recipe.scale_pow2).reshape(-1))
         shared = torch.stack(scales).max(dim=0).values

@@ -215,7 +215,7 @@ def quantize_experts(name: str, module: nn.Module, info: ExpertsInfo, *, weight_
         weights = expert_weight(module, info, proj).detach()
         codes, scales, sqnrs = [], [], []
         for e in range(info.num_experts):
-            w2d = weights[e].float()
+            w2d = weights[e]
             scale = choose_scale(w2d, weight_format, gran, w_calib, pow2=pow2,
                                  what=f"expert {e} {proj} weight", warnings=report.warnings)
             qw = quantize_weight(w2d, scale, weight_format, gran, rounding=rounding,
