@@ -14,13 +14,13 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from fp8ptq import __version__, distributed, job, model_free
+from fp8ptq import __version__, distributed, job, route
 from fp8ptq.atomic import check_writable, scratch_dir
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
+from fp8ptq.route import Selection
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
-from fp8ptq.model_free import Selection
 from fp8ptq.model_free_run import quantize_checkpoint
 from fp8ptq.sequential import quantize_folder
 from fp8ptq.validate import static_violations
@@ -59,65 +59,43 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
             model_free, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
+    budget = None  # a plain --max-memory SIZE: the process's budget (accelerate's CPU budget
+    if flags.get("device_map") is None:  # with --device-map, as on eval and sensitivity)
+        budget = route.process_budget(flags.get("max_memory"))
+        if budget is not None:
+            flags["max_memory"] = None
     load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)
     check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
-    path = select_path(model, recipe, sequential, model_free, load_options)
-    if path.path == "model-free":
-        timings = job.JobTimings()
-        with timings.timed("plan"):
-            planned = _plan_model_free(path, recipe, model_free)
-        if planned is not None:  # no process group: rank 0 does it all, the others leave
-            if distributed.launched_rank() == 0:
-                _run_model_free(model, output, force, recipe, runtime, path, planned,
-                                timings, as_json)
-            return
-        path = Selection("in-memory", path.reason)
+    timings = job.JobTimings()
+    with timings.timed("plan"):
+        path = route.choose(model, recipe, sequential=sequential, model_free=model_free,
+                            max_memory=budget,
+                            trust_remote_code=load_options.get("trust_remote_code", False))
+    if path.path == "model-free":  # no process group: rank 0 does it all, the others leave
+        if distributed.launched_rank() == 0:
+            _run_model_free(model, output, force, recipe, runtime, path, timings, as_json)
+        return
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
         _run(model, output, force, device, load_options, as_json, recipe, runtime,
-             (propagate if sequential else None), path)
+             propagate, path, timings)
     finally:
         distributed.shutdown()
 
 
-def select_path(model, recipe, sequential: bool, forced, load_options) -> Selection:
-    """in-memory, sequential or model-free (``fp8ptq.model_free.select``), and why."""
-    if sequential:
-        if forced:
-            raise UsageError("--model-free and --sequential are two different paths; use one")
-        return Selection("sequential", "--sequential")
-    if load_options.get("trust_remote_code"):
-        if forced:
-            raise UsageError("--model-free builds the model from transformers' own classes; "
-                             "drop --trust-remote-code or --model-free")
-        return Selection("in-memory", "--trust-remote-code loads the model's own code")
-    return model_free.select(model, recipe, forced=forced)
-
-
-def _plan_model_free(path: Selection, recipe, forced):
-    """The planned job, or None (``path.reason`` then says why) when the checkpoint does not
-    allow the path: then ``--model-free`` fails and the default loads the model instead."""
-    try:
-        return model_free.ModelFreeJob(path.folder, recipe)
-    except model_free.NotModelFree as e:
-        if forced:
-            raise UsageError(f"--model-free: {e}") from None
-        path.reason = f"model-free was not possible: {e}"
-        return None
-
-
-def _run_model_free(model, output, force, recipe, runtime, path: Selection, planned, timings,
+def _run_model_free(model, output, force, recipe, runtime, path: Selection, timings,
                     as_json) -> None:
     with progress_bars(enabled=not as_json) as bars:
-        tick = bars.counter(f"quantizing -> {output}")(len(planned.units))
+        tick = bars.counter(f"quantizing -> {output}")(len(path.job.units))
         with timings.timed("quantize+write"):
             result, sizes = quantize_checkpoint(
-                path.folder, recipe, output, force=force, job=planned, progress=tick,
+                path.folder, recipe, output, force=force, job=path.job, progress=tick,
+                max_shard_bytes=route.shard_bytes(path.budget), extras=path.facts(),
                 source={"model": model, "kind": path.kind, "path": str(path.folder)},
                 tool_version=__version__,
                 check_factory=lambda r: runtime_check(r, runtime))
@@ -125,28 +103,27 @@ def _run_model_free(model, output, force, recipe, runtime, path: Selection, plan
 
 
 def _emit(report: dict, path: Selection, as_json: bool) -> None:
-    report["path"], report["path_reason"] = path.path, path.reason
+    report.update(path.facts())
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         print_report(report)
 
 
-def _run(model, output, force, device, load_options, as_json, recipe, runtime=None,
-         sequential=None, path: Selection | None = None):
+def _run(model, output, force, device, load_options, as_json, recipe, runtime, propagate,
+         path: Selection, timings: job.JobTimings):
     main_rank = distributed.is_main()
-    timings = job.JobTimings()
     with progress_bars(enabled=not as_json and main_rank) as bars:
         texts = None
         if job.needs_calibration(recipe):
             with bars.step("reading calibration data"), timings.timed("calibration data"):
                 texts = job.calibration_texts(recipe, model)
         calib, data_warnings, result = None, [], None
-        if sequential is not None:
+        if path.path == "sequential":
             with timings.timed("calibrate+quantize"), scratch_dir(output) as scratch:
                 result, loaded, calib = quantize_folder(
-                    model, recipe, texts, propagate=sequential, spill_dir=scratch,
-                    progress=None)
+                    path.folder or model, recipe, texts, propagate=propagate,
+                    spill_dir=scratch, progress=None, **path.sequential_options())
             timings.seconds.update(result.seconds)
         else:
             with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
@@ -160,6 +137,7 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
         if result is None:
             result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                          progress=bars.counter("calibrating"))
+        route.record(result, path)
         result.warnings[:0] = data_warnings
         sizes, error = {}, None
         if main_rank:
@@ -179,7 +157,7 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
     report = report_dict(result, output, sizes, timings, calib)
     if distributed.active():
         report["ranks"] = distributed.world()
-    _emit(report, path or Selection("in-memory", "library call"), as_json)
+    _emit(report, path, as_json)
 
 
 def runtime_check(result, runtime):

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_module_tensor_to_device
 
-from . import distributed
 from .errors import DataError, UsageError
 from .formats import decode
 from .model.gemm import weight_from_2d
@@ -41,7 +40,7 @@ from .pipeline import (QuantizeResult, fused_groups, high_precision_report, quan
                        quantize_target, unified_weight_scales, unify_fused, unify_input_scales)
 from .plan import ModulePlan, build_plan, run_facts
 from .recipe import Recipe
-from .source import SafetensorsSource, build_empty, resolve_safetensors
+from .source import SafetensorsSource, build_empty
 from .weight_map import Load, SourceMap
 
 
@@ -270,40 +269,4 @@ class ModelFreeJob:
                               all_warnings, extras, recipe=self.recipe, plan=self.plan)
 
 
-@dataclass
-class Selection:
-    """Which path ``quantize`` takes, and why."""
-
-    path: str  # "model-free" | "in-memory"
-    reason: str
-    folder: Path | None = None
-    kind: str | None = None
-
-
-def select(spec: str, recipe: Recipe, *, forced: bool | None = None, task: str | None = None
-           ) -> Selection:
-    """``forced=True`` (``--model-free``): model-free or a ``UsageError`` naming why not;
-    ``False`` (``--no-model-free``): in-memory; ``None``: model-free when the recipe allows it
-    and ``spec`` is a safetensors checkpoint (local folder, hub snapshot, GGUF cache)."""
-    if forced is False:
-        return Selection("in-memory", "--no-model-free")
-    problem = refusal(recipe)
-    if problem:
-        if forced:
-            raise UsageError(f"--model-free: {problem}")
-        return Selection("in-memory", f"the recipe needs the model: {problem}")
-    found = resolve_safetensors(spec, task=task)
-    if isinstance(found, str):
-        if forced:
-            raise UsageError(f"--model-free reads safetensors checkpoints: {found}")
-        return Selection("in-memory", found)
-    folder, kind = found
-    why = "forced by --model-free" if forced else (
-        "the recipe reads no calibration data and the source is a safetensors checkpoint")
-    if distributed.active():
-        why += f"; rank 0 of {distributed.world()} writes it alone"
-    return Selection("model-free", why, folder, kind)
-
-
-__all__ = ["ModelFreeJob", "NotModelFree", "Selection", "Unit", "UnitOutput", "refusal",
-           "select"]
+__all__ = ["ModelFreeJob", "NotModelFree", "Unit", "UnitOutput", "refusal"]

@@ -146,18 +146,21 @@ def quantize_checkpoint(folder: str | Path, recipe: Recipe, output, *, force: bo
                         task: str | None = None, source: dict | None = None,
                         tool_version: str | None = None, check_factory=None, workers: int = 2,
                         progress=None, job: ModelFreeJob | None = None,
-                        max_shard_bytes: int | None = None) -> tuple[QuantizeResult, dict]:
+                        max_shard_bytes: int | None = None, extras: dict | None = None
+                        ) -> tuple[QuantizeResult, dict]:
     """Quantize the safetensors checkpoint ``folder`` with ``recipe`` into ``output`` without
     building the model; returns the result and the writer's size facts. ``job``: one planned
     already (``ModelFreeJob(folder, recipe)``); ``check_factory(result)``: a check for the
-    complete temporary folder (``CheckpointWriter.close``). Nothing is left at ``output`` on
-    failure (an interruption included)."""
+    complete temporary folder (``CheckpointWriter.close``); ``extras``: added to fp8ptq.json's
+    extras (the path selection). Nothing is left at ``output`` on failure (an interruption
+    included)."""
     job = job or ModelFreeJob(folder, recipe, task=task)
     tokenizer = _tokenizer(job.folder)
     choice = choose_layout(describe_plan(job.plan), model_type=model_type_of(job.model))
     with CheckpointWriter.open(output, choice, force=force,
                                max_shard_bytes=max_shard_bytes) as ckpt:
         result = run(job, ckpt, workers=workers, progress=progress)
+        result.extras.update(extras or {})
         sizes = ckpt.close(job.model, recipe, result=result, tokenizer=tokenizer,
                            source=source or {"model": str(folder), "kind": "local",
                                              "path": str(job.folder)},
