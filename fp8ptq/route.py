@@ -36,8 +36,8 @@ from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
 from . import distributed
-from .errors import UsageError
 from .checkpoint.shards import SHARD_BYTES
+from .errors import UsageError
 from .model.blocks import find_blocks
 from .model_free import ModelFreeJob, NotModelFree, refusal
 from .plan import build_plan, run_facts

@@ -25,13 +25,18 @@ import torch
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
+from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
 from .loading import LoadedModel, load_tokenizer
 from .model.blocks import block_prefix, find_blocks
-from .data import build_calibration_set, resolve_calib_spec
 from .model.experts import find_experts
-from .pipeline import (QuantizeResult, high_precision_report, plan_targets, quantize_model,
-                       token_batches)
+from .pipeline import (
+    QuantizeResult,
+    high_precision_report,
+    plan_targets,
+    quantize_model,
+    token_batches,
+)
 from .recipe import Recipe
 from .source import SafetensorsSource, build_empty  # noqa: F401 - re-exported
 

@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (WeightConverter, build_glob_alternation,
-                                             dot_natural_key, rename_source_key)
+from transformers.core_model_loading import (
+    WeightConverter,
+    build_glob_alternation,
+    dot_natural_key,
+    rename_source_key,
+)
 
 
 @dataclass

@@ -13,9 +13,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from test_distributed import fp8ptq_cmd
-from test_moe import tiny_moe
-from tiny_models import tiny
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8ptq import model_free_run
@@ -27,6 +24,9 @@ from fp8ptq.model_free_run import quantize_checkpoint
 from fp8ptq.pipeline import quantize_model
 from fp8ptq.recipe import Recipe
 from fp8ptq.source import SafetensorsSource
+from test_distributed import fp8ptq_cmd
+from test_moe import tiny_moe
+from tiny_models import tiny
 
 WEIGHT_ONLY = {"act_format": "none"}
 DYNAMIC = {"act_granularity": "token"}

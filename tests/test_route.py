@@ -8,13 +8,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import tiny
 
 from fp8ptq import route
 from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
 from fp8ptq.recipe import Recipe
 from fp8ptq.source import build_empty
+from tiny_models import tiny
 
 
 @pytest.fixture

@@ -59,8 +59,7 @@ def input_args(desc: ModuleDesc) -> dict | None:
 def _cached_attention(module: nn.Module) -> bool:
     """Would compressed-tensors' ``kv_cache_scheme`` give this module k_scale / v_scale?"""
     try:
-        from compressed_tensors.quantization.lifecycle.initialize import \
-            is_cached_attention_module
+        from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
     except ImportError:  # older compressed-tensors: no KV-cache scales written
         return False
     return bool(is_cached_attention_module(module))
@@ -116,7 +115,8 @@ class CompressedTensorsLayout(Layout):
         if experts:
             return (f"nn.Linear and {len(experts)} fused-experts modules with e4m3 weights, "
                     "experts under transformers' per-expert checkpoint names")
-        return (f"all quantized modules are nn.Linear with {ct_type(modules[0].weight_format)} "
+        first = next(m for m in modules if not m.is_experts)
+        return (f"all quantized modules are nn.Linear with {ct_type(first.weight_format)} "
                 "8-bit weights")
 
     def refusal_warning(self, modules, reason, chosen):
@@ -163,8 +163,11 @@ class CompressedTensorsLayout(Layout):
         """One config group per distinct scheme; a single group targets the class ``Linear``
         and ignores the Linear modules left unquantized (lm_head, routers...), several groups
         name their modules exactly."""
-        from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                                     QuantizationScheme)
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationConfig,
+            QuantizationScheme,
+        )
 
         gemms = [m for m in modules if not m.is_experts]
         groups: dict[str, dict] = {}
