@@ -40,6 +40,7 @@ from fp8ptq.evals.compare import (  # noqa: F401
 from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table, to_markdown
 from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
+from fp8ptq.usage import time_line, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -133,10 +134,13 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
             load_options=load_options, prefix_token=prefix_token, progress=bars)
     attach_intervals(rows)
     print_report(rows, protocol, notes, delta_mode)
+    stages = stage_seconds(rows)
+    Console(highlight=False).print(time_line(stages), markup=False)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,
-                                        "device": device}}
+                                        "device": device},
+               **usage(stages)}  # seconds per stage over every variant, peak_rss_mb
     write_reports(rows, protocol, recipe, context, json_path=json_path,
                   markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
                   mode=delta_mode)
@@ -188,6 +192,16 @@ def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str =
     console.print(render_table(rows, mode))
     for line in protocol_lines(protocol) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def stage_seconds(rows: list[dict]) -> dict[str, float]:
+    """Seconds per stage (load, calibrate+quantize, eval) summed over the variants."""
+    out: dict[str, float] = {}
+    for row in rows:
+        for stage, value in (row.get("timings") or {}).items():
+            value = sum(value.values()) if isinstance(value, dict) else value
+            out[stage] = out.get(stage, 0.0) + value
+    return out
 
 
 def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=None,

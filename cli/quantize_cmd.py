@@ -24,6 +24,7 @@ from fp8ptq.model_free_run import quantize_checkpoint
 from fp8ptq.numbers import finite_or_none, fmt_bytes, fmt_num, fmt_short
 from fp8ptq.route import Selection
 from fp8ptq.sequential import quantize_folder
+from fp8ptq.usage import time_line, usage
 from fp8ptq.validate import static_violations
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
@@ -229,8 +230,7 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "gptq": result.extras.get("gptq"),  # --weight-calib gptq: hessian_bytes, damp, ...
         "calibration": calib_facts(calib),
         "sizes": sizes,
-        "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},
-        "peak_rss_mb": round(job.peak_rss_mb(), 1),
+        **usage(timings.seconds),  # seconds, peak_rss_mb
         "model_free": result.extras.get("model_free"),  # throughput facts of that path
     }
 
@@ -268,12 +268,11 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"checkpoint {fmt_bytes(s['checkpoint_bytes'])} vs original "
                       f"{fmt_bytes(s['original_bytes'])} "
                       f"({s['checkpoint_bytes'] / s['original_bytes']:.2f}x)")
-    # calibrate+quantize is the sum of the pipeline stages listed beside it
-    secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items()
-                     if k != "calibrate+quantize" and (v >= 0.05 or k in ("load", "write")))
     if report.get("path"):
         console.print(f"path: {report['path']} ({report['path_reason']})", highlight=False)
-    console.print(f"time: {secs}; peak RSS {report['peak_rss_mb']:.0f} MiB -> {report['output']}")
+    # calibrate+quantize is the sum of the pipeline stages listed beside it
+    stages = {k: v for k, v in report["seconds"].items() if k != "calibrate+quantize"}
+    console.print(f"{time_line(stages, always=('load', 'write'))} -> {report['output']}")
 
 
 def report_columns(modules: list[dict], names: list[str]) -> list[Column]:

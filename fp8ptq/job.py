@@ -6,8 +6,6 @@ on the fly is quantized exactly as a written checkpoint would be.
 
 from __future__ import annotations
 
-import resource
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +19,7 @@ from .model.forward import token_batches
 from .pipeline import QuantizeResult, quantize_model
 from .plan import build_plan, run_facts
 from .recipe import Recipe
+from .usage import peak_rss_mb, timed
 from .vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,17 +30,8 @@ class JobTimings:
     seconds: dict[str, float] = field(default_factory=dict)
 
     def timed(self, key):
-        timings = self
-
-        class _T:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timings.seconds[key] = timings.seconds.get(key, 0.0) + time.perf_counter() - \
-                    self.t0
-
-        return _T()
+        """``with timings.timed("load"): ...`` adds the body's wall time to ``seconds``."""
+        return timed(self.seconds, key)
 
 
 def resolve_device(device: str) -> str:
@@ -120,10 +110,6 @@ def _batches(model, calib, batch_size: int) -> list:
     if isinstance(calib, ImageCalibrationSet):
         return image_batches(calib.images.to(param.device, param.dtype), batch_size)
     return list(token_batches(calib.input_ids, batch_size, param.device))
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 __all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded",

@@ -6,15 +6,13 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from fp8ptq import route
-from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
 from fp8ptq.recipe import Recipe
 from fp8ptq.source import build_empty
-from tiny_models import tiny
+from tiny_models import invoke, tiny
 
 
 @pytest.fixture
@@ -98,7 +96,7 @@ def test_choose_by_budget(src):
 
 
 def _quantize(*args):
-    res = CliRunner().invoke(main, ["quantize", *map(str, args), "--json"])
+    res = invoke(["quantize", *args, "--json"])
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
 
@@ -125,8 +123,7 @@ def test_cli_budget_too_small_for_in_memory_runs_sequential(src, calib, tmp_path
     assert all(torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
                            b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k])
                for k in a)
-    res = CliRunner().invoke(main, ["quantize", str(src), *map(str, common[1:]), "-o",
-                                    str(tmp_path / "t"), "--max-memory", "600MB"])
+    res = invoke(["quantize", *common, "-o", tmp_path / "t", "--max-memory", "600MB"])
     assert res.exit_code == 0
     text = " ".join(res.stdout.split())
     assert "path: sequential (weights" in text and "exceed --max-memory 0.60 GB" in text
@@ -134,12 +131,10 @@ def test_cli_budget_too_small_for_in_memory_runs_sequential(src, calib, tmp_path
 
 
 def test_cli_max_memory_forms(src, calib, tmp_path):
-    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "x"),
-                                    "--max-memory", "0=20GiB,cpu=64GiB"])
+    res = invoke(["quantize", src, "-o", tmp_path / "x", "--max-memory", "0=20GiB,cpu=64GiB"])
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert res.exit_code == 2 and len(errors) == 1 and "needs --device-map" in errors[0]
-    res = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "x"),
-                                    "--max-memory", "lots"])
+    res = invoke(["quantize", src, "-o", tmp_path / "x", "--max-memory", "lots"])
     assert res.exit_code == 2 and "--max-memory" in res.stderr
     free = _quantize(src, "-o", tmp_path / "free", "--act-format", "none", "--max-memory", "1GB")
     assert free["path"] == "model-free" and free["max_memory_bytes"] == 10**9
