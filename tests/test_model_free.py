@@ -13,7 +13,6 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8ptq import model_free_run
 from fp8ptq.checkpoint import save_quantized
@@ -25,7 +24,6 @@ from fp8ptq.pipeline import quantize_model
 from fp8ptq.recipe import Recipe
 from fp8ptq.source import SafetensorsSource
 from test_distributed import fp8ptq_cmd
-from test_moe import tiny_moe
 from tiny_models import tiny
 
 WEIGHT_ONLY = {"act_format": "none"}
@@ -34,16 +32,8 @@ BLOCK = {"weight_granularity": "block", "block_size": 32, "act_granularity": "to
 TENSOR = {"weight_granularity": "tensor", "act_granularity": "token"}  # fused scales unified
 
 
-def tied_llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, intermediate_size=128,
-                                        tie_word_embeddings=True)).eval()
-
-
 def build(name):
-    return tied_llama() if name == "tied-llama" else (
-        tiny_moe(name) if name in ("mixtral", "qwen2_moe", "qwen3_moe") else tiny(name))
+    return tiny("llama", tie_word_embeddings=True) if name == "tied-llama" else tiny(name)
 
 
 def save_source(name, folder, tokenizer):

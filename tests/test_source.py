@@ -17,7 +17,6 @@ from fp8ptq.scales import sqnr_db
 from fp8ptq.source import SafetensorsSource, build_empty, resolve_safetensors
 from fp8ptq.weight_map import SourceMap
 from fp8ptq.weight_quant import quantize_weight
-from test_moe import tiny_moe
 from tiny_models import tiny
 
 
@@ -110,7 +109,7 @@ def test_gguf_resolves_to_its_converted_cache(tmp_path, monkeypatch):
 def test_source_map_builds_what_from_pretrained_builds(arch, tmp_path):
     """Per-expert checkpoint tensors are fused by transformers' own converters, renamed keys
     (Mixtral's block_sparse_moe) found: every parameter equal, in from_pretrained's dtype."""
-    model = tiny_moe(arch)
+    model = tiny(arch)
     folder = _saved(model, tmp_path / arch, "50KB")
     src = SafetensorsSource(folder)
     meta = build_empty(folder, torch.bfloat16)
