@@ -12,6 +12,10 @@ machine's RAM, so it never fits the page cache either) is ONE shared folder, gen
 
     ~/.cache/fp8ptq-bench/llama-l44-h5120-i13824-v32000     (45 shards: embeddings + one per layer)
     python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --generate-only
+
+``--only model-free`` measures the model-free path against the read + write floor on it, and
+``--only eval`` the peak RSS of ``fp8ptq eval`` on a 262,144-token-vocabulary model at context
+2048 (target: model bytes + 2 GB).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 CACHE = Path.home() / ".cache" / "fp8ptq-bench"
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+SMOLLM2 = ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+WIKI = ASSETS / "wikitext-2-raw" / "wiki.test.raw"
 
 
 def generate(layers: int, hidden: int, inter: int, vocab: int = 32000) -> Path:
@@ -157,6 +164,48 @@ def bench_model_free(folder: Path, act: str, workers: int) -> None:
               f"read + write floor ({rows[0]['gb_per_s']} GB/s)")
 
 
+def big_vocab_model() -> Path:
+    """A 262,144-token vocabulary on a small Llama (hidden 640, 18 layers: ~268M parameters,
+    0.54 GB of bf16, tied embeddings - the shape of Gemma-3-270M), random weights, SmolLM2's
+    tokenizer (its ids are all < 262,144). Generated once into the cache."""
+    folder = CACHE / "llama-v262144-h640-l18"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                      num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                      max_position_embeddings=2048, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name).save_pretrained(folder)
+    return folder
+
+
+def bench_eval(limit: int, batch_size: int | None) -> dict:
+    """``fp8ptq eval`` of the big-vocabulary model on WikiText at context 2048 (the batch size
+    chosen from free memory unless given): its peak RSS (the command's own ``peak_rss_mb``)
+    against the target model bytes + 2 GB."""
+    folder = big_vocab_model()
+    model_bytes = (folder / "model.safetensors").stat().st_size
+    out = CACHE / "eval-bench.json"
+    cmd = [sys.executable, "-m", "fp8ptq.cli", "eval", str(folder), "--tasks", "wikitext",
+           "--data", f"wikitext={WIKI}", "--seq-len", "2048", "--limit", str(limit),
+           "--json", str(out)] + (["--batch-size", str(batch_size)] if batch_size else [])
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        return {"mode": "eval", "failed": res.stderr.strip().splitlines()[-1:]}
+    doc = json.loads(out.read_text())
+    out.unlink()
+    peak = doc["peak_rss_mb"] * 2**20
+    return {"mode": "eval (vocab 262144, context 2048)", "model_gb": round(model_bytes / 1e9, 3),
+            "peak_rss_gb": round(peak / 1e9, 3),
+            "bound_gb": round((model_bytes + 2 * 2**30) / 1e9, 3),
+            "within_bound": peak <= model_bytes + 2 * 2**30,
+            "tokens": doc["protocol"].get("tokens") if isinstance(doc.get("protocol"), dict)
+            else None, "seconds": doc["seconds"], "batch_size": batch_size or "auto"}
+
+
 def _child(args: list[str]) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
                          text=True)
@@ -172,7 +221,10 @@ def main():
     ap.add_argument("--inter", type=int, default=2816)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--only", choices=["sequential", "memory", "model-free"], default=None)
+    ap.add_argument("--only", choices=["sequential", "memory", "model-free", "eval"],
+                    default=None)
+    ap.add_argument("--limit", type=int, default=3, help="eval: WikiText articles")
+    ap.add_argument("--batch-size", type=int, default=None, help="eval [from free memory]")
     ap.add_argument("--act", choices=["token", "none"], default="token",
                     help="model-free: dynamic per-token e4m3 activations or weight-only")
     ap.add_argument("--workers", type=int, default=2, help="model-free compute threads")
@@ -188,6 +240,9 @@ def main():
             print(json.dumps(model_free(Path(folder), Path(a.out), a.act, a.workers)))
         else:
             print(json.dumps(run_one(mode, folder, a.samples, a.seq)))
+        return
+    if a.only == "eval":
+        print(json.dumps(bench_eval(a.limit, a.batch_size)))
         return
     folder = generate(a.layers, a.hidden, a.inter)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))

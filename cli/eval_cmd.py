@@ -135,7 +135,8 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     attach_intervals(rows)
     print_report(rows, protocol, notes, delta_mode)
     stages = stage_seconds(rows)
-    Console(highlight=False).print(time_line(stages), markup=False)
+    shown = {k: v for k, v in stages.items() if k != "calibrate+quantize"}  # its parts shown
+    Console(highlight=False).print(time_line(shown), markup=False, soft_wrap=True)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,

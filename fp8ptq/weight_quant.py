@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import NumericsError
-from .formats import FormatSpec, decode, encode, torch_dtype
+from .formats import FormatSpec, decode, encode
 from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
@@ -55,7 +55,7 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
         chunk = max(rows, 1)
     signal = noise = 0.0
     amax = 0.0
-    native = torch_dtype(fmt)  # decode by torch's own float8 cast where it has the format
+    dequantize = _decoder(fmt)
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
         x = w2d[start:stop].float()
@@ -67,8 +67,7 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
         s = gran.expand(gran.rows(scale, start, stop), x)
         c = encode(x / s, fmt, **kw)
         codes[start:stop] = c
-        deq = c.view(native).float() if native is not None else decode(c, fmt)
-        d = x - deq.mul_(s)
+        d = x - dequantize(c).mul_(s)
         noise += _sum_squares(d)
         signal += _sum_squares(x)
     if noise == 0:
@@ -78,10 +77,59 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
     return QuantizedWeight(codes, scale, amax, sqnr)
 
 
+_HALF: dict[str, tuple[int, float] | None] = {}
+
+
+def half_layout(fmt: FormatSpec) -> tuple[int, float] | None:
+    """``(shift, factor)`` when every finite value of the 8-bit float format ``fmt`` is the
+    float16 whose bits are ``sign << 15 | magnitude << shift``, times ``factor`` (a power of
+    two): true of e4m3 (7, 2^8), e5m2 (8, 1), e4m3fnuz (7, 2^7) and small IEEE-like ExMy formats,
+    whose exponent and mantissa fields sit inside float16's and whose subnormals are float16
+    subnormals too. Found by trying
+    the shifts and verified on all 256 codes against the format's own table, so a format it does
+    not hold for (HiF8, HFP8, e5m2fnuz, int8) gets None, never a wrong value."""
+    if fmt.name in _HALF:
+        return _HALF[fmt.name]
+    found = None
+    if fmt.bits == 8 and fmt.is_float:
+        codes = torch.arange(256, dtype=torch.int16)
+        table = decode(codes.to(torch.uint8), fmt)
+        finite = torch.isfinite(table)
+        nonzero = finite & (table != 0)
+        for shift in range(9):
+            half = (((codes & 0x80) << 8) | ((codes & 0x7F) << shift)).view(torch.float16).float()
+            if not bool((half[nonzero] != 0).all()):
+                continue
+            factor = float(table[nonzero][0] / half[nonzero][0])
+            if factor > 0 and math.log2(factor).is_integer() and \
+                    torch.equal(half[finite] * factor, table[finite]):
+                found = (shift, factor)
+                break
+    _HALF[fmt.name] = found
+    return found
+
+
+def _decoder(fmt: FormatSpec):
+    """Codes -> float32 values for the SQNR sums: through float16 bits where ``half_layout``
+    holds (a few integer ops and the hardware half -> float conversion: ~6x faster on CPU than
+    torch's float8 -> float32 cast, and the same values), else the format's table."""
+    layout = half_layout(fmt)
+    if layout is None:
+        return lambda c: decode(c, fmt)
+    shift, factor = layout
+
+    def dequantize(c: torch.Tensor) -> torch.Tensor:
+        i = c.to(torch.int16)
+        half = ((i & 0x80) << 8) | ((i & 0x7F) << shift)
+        return half.view(torch.float16).float().mul_(factor)
+
+    return dequantize
+
+
 def _sum_squares(x: torch.Tensor) -> float:
     """Sum of squares, the same whatever the number of threads: each row is reduced by one
     thread (float64 accumulation), then the few row sums in order."""
     return float(x.square().sum(dim=1, dtype=torch.float64).sum()) if x.numel() else 0.0
 
 
-__all__ = ["QuantizedWeight", "choose_scale", "quantize_weight", "CHUNK_ELEMENTS"]
+__all__ = ["QuantizedWeight", "choose_scale", "half_layout", "quantize_weight", "CHUNK_ELEMENTS"]

@@ -12,11 +12,12 @@ from safetensors.torch import load_file, save_file
 from fp8ptq import loading
 from fp8ptq.errors import DataError, NumericsError
 from fp8ptq.formats import decode, encode, get_format
+from fp8ptq.formats.registry import preset_names
 from fp8ptq.granularity import weight_granularity
 from fp8ptq.scales import sqnr_db
 from fp8ptq.source import SafetensorsSource, build_empty, resolve_safetensors
 from fp8ptq.weight_map import SourceMap
-from fp8ptq.weight_quant import quantize_weight
+from fp8ptq.weight_quant import _decoder, half_layout, quantize_weight
 from tiny_models import tiny
 
 
@@ -125,7 +126,7 @@ def test_source_map_builds_what_from_pretrained_builds(arch, tmp_path):
 
 
 @pytest.mark.parametrize("gran", ["tensor", "channel", "block"])
-@pytest.mark.parametrize("fmt", ["e4m3", "hif8", "int8"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e4m3fnuz", "hif8", "int8"])
 def test_weight_sweep_matches_whole_matrix_arithmetic(gran, fmt):
     torch.manual_seed(0)
     w = (torch.randn(300, 150) * torch.rand(300, 1)).to(torch.bfloat16)
@@ -136,7 +137,27 @@ def test_weight_sweep_matches_whole_matrix_arithmetic(gran, fmt):
     codes = encode(wf / g.expand(scale, wf), spec)
     assert torch.equal(q.codes, codes)
     want = sqnr_db(wf, decode(codes, spec) * g.expand(scale, wf))
-    assert q.sqnr_db == pytest.approx(want, rel=1e-9) and q.amax == float(wf.abs().max())
+    assert q.sqnr_db == pytest.approx(want, rel=1e-8) and q.amax == float(wf.abs().max())
+
+
+def test_half_layout_decodes_every_finite_code_exactly():
+    """The SQNR sweep decodes through float16 bits where that is exact; the layouts are the
+    hand-derived ones (float16 bias 15: e4m3 bias 7 -> 2^8, e4m3fnuz bias 8 -> 2^7, e5m2 is
+    float16's top byte); HiF8, HFP8, e5m2fnuz (finite values at float16's inf exponent) and
+    int8 keep their table."""
+    want = {"e4m3": (7, 256.0), "e5m2": (8, 1.0), "e4m3fnuz": (7, 128.0)}
+    codes = torch.arange(256, dtype=torch.uint8)
+    for name in preset_names():
+        spec = get_format(name)
+        assert half_layout(spec) == want.get(name), name
+        table = decode(codes, spec)
+        finite = torch.isfinite(table)
+        got = _decoder(spec)(codes)
+        assert torch.equal(got[finite], table[finite]), name
+    e3m4 = get_format("e3m4")  # a generic ExMy with IEEE specials: bias 3 -> 2^12
+    assert half_layout(e3m4) == (6, 4096.0)
+    table = decode(codes, e3m4)
+    assert torch.equal(_decoder(e3m4)(codes)[torch.isfinite(table)], table[torch.isfinite(table)])
 
 
 def test_weight_sweep_is_thread_count_independent_and_refuses_nan():
