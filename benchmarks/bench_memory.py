@@ -35,9 +35,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 CACHE = Path.home() / ".cache" / "fp8ptq-bench"
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
-SMOLLM2 = ASSETS / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-WIKI = ASSETS / "wikitext-2-raw" / "wiki.test.raw"
+ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"  # --assets
+SMOLLM2 = "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
+WIKI = "wikitext-2-raw/wiki.test.raw"
 
 
 def generate(layers: int, hidden: int, inter: int, vocab: int = 32000) -> Path:
@@ -164,7 +164,7 @@ def bench_model_free(folder: Path, act: str, workers: int) -> None:
               f"read + write floor ({rows[0]['gb_per_s']} GB/s)")
 
 
-def big_vocab_model() -> Path:
+def big_vocab_model(assets: Path) -> Path:
     """A 262,144-token vocabulary on a small Llama (hidden 640, 18 layers: ~268M parameters,
     0.54 GB of bf16, tied embeddings - the shape of Gemma-3-270M), random weights, SmolLM2's
     tokenizer (its ids are all < 262,144). Generated once into the cache."""
@@ -178,19 +178,20 @@ def big_vocab_model() -> Path:
                       num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                       max_position_embeddings=2048, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name).save_pretrained(folder)
+    gguf = assets / SMOLLM2
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
     return folder
 
 
-def bench_eval(limit: int, batch_size: int | None) -> dict:
+def bench_eval(limit: int, batch_size: int | None, assets: Path = ASSETS) -> dict:
     """``fp8ptq eval`` of the big-vocabulary model on WikiText at context 2048 (the batch size
     chosen from free memory unless given): its peak RSS (the command's own ``peak_rss_mb``)
     against the target model bytes + 2 GB."""
-    folder = big_vocab_model()
+    folder = big_vocab_model(assets)
     model_bytes = (folder / "model.safetensors").stat().st_size
     out = CACHE / "eval-bench.json"
     cmd = [sys.executable, "-m", "fp8ptq.cli", "eval", str(folder), "--tasks", "wikitext",
-           "--data", f"wikitext={WIKI}", "--seq-len", "2048", "--limit", str(limit),
+           "--data", f"wikitext={assets / WIKI}", "--seq-len", "2048", "--limit", str(limit),
            "--json", str(out)] + (["--batch-size", str(batch_size)] if batch_size else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
@@ -224,6 +225,7 @@ def main():
     ap.add_argument("--only", choices=["sequential", "memory", "model-free", "eval"],
                     default=None)
     ap.add_argument("--limit", type=int, default=3, help="eval: WikiText articles")
+    ap.add_argument("--assets", type=Path, default=ASSETS, help="the offline assets folder")
     ap.add_argument("--batch-size", type=int, default=None, help="eval [from free memory]")
     ap.add_argument("--act", choices=["token", "none"], default="token",
                     help="model-free: dynamic per-token e4m3 activations or weight-only")
@@ -242,7 +244,7 @@ def main():
             print(json.dumps(run_one(mode, folder, a.samples, a.seq)))
         return
     if a.only == "eval":
-        print(json.dumps(bench_eval(a.limit, a.batch_size)))
+        print(json.dumps(bench_eval(a.limit, a.batch_size, a.assets)))
         return
     folder = generate(a.layers, a.hidden, a.inter)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
