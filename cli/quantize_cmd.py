@@ -71,7 +71,8 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     # Everything that can be checked without the model fails here, before a long load.
-    check_output(output, force)
+    if distributed.launched_rank() == 0:  # the writer (torchrun stops the others if it fails);
+        check_output(output, force)  # a late rank of a model-free run may find its output made
     check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
     timings = job.JobTimings()
