@@ -8,6 +8,7 @@ Variants, evaluated one after another (each freed before the next is loaded):
   baseline's own dtype add nothing).
 * ``--compare FORMAT``: MODEL freshly loaded and quantized like ``fp8ptq quantize`` would with
   the same recipe flags; one calibration set is tokenized once and shared.
+* ``--compare SCHEME``: the same with a named preset (``fp8ptq schemes``) over the recipe flags.
 * ``--compare DIR``: an fp8ptq checkpoint folder, named by its folder name.
 
 A calibration file that is also an evaluation file is refused (``--allow-calib-overlap``
@@ -51,7 +52,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
                    "--include-path.")
 @click.option("--compare", default="",
               help="Comma-separated variants besides the baseline: formats to quantize MODEL to "
-                   "(int8, e4m3, ...), dtypes (bf16, fp16, fp32) or fp8ptq checkpoint folders.")
+                   "(int8, e4m3, ...), schemes (fp8-dynamic, fp8-block, ...: fp8ptq schemes), "
+                   "dtypes (bf16, fp16, fp32) or fp8ptq checkpoint folders.")
 @click.option("--data", "data_items", multiple=True, metavar="TASK=PATH",
               help="Local data: wikitext=wiki.test.raw, squad=dev.json (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), help="First N documents/questions per task.")

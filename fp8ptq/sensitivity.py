@@ -44,11 +44,12 @@ from .checkpoint.jsonsafe import json_safe
 from .data import build_calibration_set
 from .errors import DataError, UsageError
 from .formats import get_format
+from .hessian import HessianCollector
 from .lm_probes import LogitsProbe, PerplexityProbe
 from .model.gemm import kind, set_submodule, weight_2d
 from .observers import bin_centers
-from .pipeline import collect_stats, plan_targets, quantize_target
-from .plan import SAMPLE_BATCHES, build_plan
+from .pipeline import collect_stats, plan_targets, quantize_target, target_granularity
+from .plan import SAMPLE_BATCHES, build_plan, reads_data
 from .recipe import Recipe
 from .scales import sqnr_db
 
@@ -231,10 +232,10 @@ def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
                           act_format="none" if recipe.act_format == "none" else None)
 
 
-def format_plan(model, recipe: Recipe, fmt: str, collector, batches) -> FormatPlan:
-    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt``, with its calibrators built
-    and any layer-aware choice made once."""
-    plan = build_plan(model, format_recipe(recipe, fmt))
+def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches) -> FormatPlan:
+    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
+    with its calibrators built and any layer-aware choice made once."""
+    plan = build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
     gran, w_calib = plan.weight_granularity(), plan.weight_calibrator()
     chosen = {}
     if plan.facts.layer_aware and plan.facts.static_inputs:
@@ -254,9 +255,11 @@ class Swap:
 
 
 @contextmanager
-def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict):
+def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict,
+            hessians: HessianCollector | None = None):
     """Quantize ``names`` as ``quantize`` would, yield the ``Swap``s, then put the originals
-    back (``QuantGemm`` replaces the inner weight's data; the original tensor is kept)."""
+    back (``QuantGemm`` replaces the inner weight's data; the original tensor is kept).
+    ``hessians``: the calibration pass's GPTQ Hessians, for plans whose weights use GPTQ."""
     saved, swaps = [], []
     try:
         for name in names:
@@ -264,9 +267,12 @@ def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict):
             w = t.module.weight
             saved.append((name, t.module, w.data, w.requires_grad))
             original_2d = weight_2d(t.module).detach()
-            report = quantize_target(model, t, plan.recipe, plan.granularity,
+            gptq = hessians is not None and reads_data(t)
+            report = quantize_target(model, t, plan.recipe,
+                                      target_granularity(t, plan.granularity),
                                       plan.weight_calib, plan.act_calib, stats.get(name),
-                                      plan.chosen.get(name))
+                                      plan.chosen.get(name),
+                                      hessian=hessians.hessian(name) if gptq else None)
             swaps.append(Swap(name, report, model.get_submodule(name), original_2d))
         yield swaps
     finally:
@@ -457,16 +463,18 @@ def _ticker(progress, description: str, total: int):
     return tick or (lambda: None)
 
 
-class _Session:
-    """State shared by the sweeps: the statistics of the one calibration pass, the units, and
-    one ``FormatPlan`` per format."""
+class Session:
+    """State shared by the sweeps: the statistics of the one calibration pass (with GPTQ's
+    Hessians when ``hessians``), the units, and one ``FormatPlan`` per format or recipe."""
 
-    def __init__(self, model, recipe, batches, targets, level, progress):
+    def __init__(self, model, recipe, batches, targets, level, progress, hessians: bool = False):
         self.model, self.recipe, self.batches, self.progress = model, recipe, batches, progress
         self.level = level
+        self.hessians = HessianCollector({t.name: t.module for t in targets}) \
+            if hessians else None
         self.collector = collect_stats(model, targets, batches,
                                        _ticker(progress, "calibrating", len(batches)),
-                                       sample_batches=SAMPLE_BATCHES)
+                                       sample_batches=SAMPLE_BATCHES, hessians=self.hessians)
         self.rows = self.collector.row_samples()
         names = [t.name for t in targets]
         self.units = group_units(model, names, level)
@@ -479,9 +487,12 @@ class _Session:
                         for t in targets}
         self._plans: dict[str, FormatPlan] = {}
 
-    def plan(self, fmt: str) -> FormatPlan:
+    def plan(self, fmt: str, recipe: Recipe | None = None) -> FormatPlan:
+        """The plan of format ``fmt`` over the session's recipe, or (``recipe`` given) of that
+        recipe, cached under the name ``fmt``."""
         if fmt not in self._plans:
-            self._plans[fmt] = format_plan(self.model, self.recipe, fmt, self.collector,
+            self._plans[fmt] = format_plan(self.model, recipe or self.recipe,
+                                           None if recipe is not None else fmt, self.collector,
                                            self.batches)
         return self._plans[fmt]
 
@@ -489,7 +500,7 @@ class _Session:
     def quantized(self, unit: Unit, fmt: str):
         plan = self.plan(fmt)
         present = [n for n in unit.modules if n in plan.targets]
-        with swapped(self.model, plan, present, self.collector.stats) as swaps:
+        with swapped(self.model, plan, present, self.collector.stats, self.hessians) as swaps:
             yield swaps
 
     def sweep(self, fmt: str, probe, metric: str | None, baseline) -> dict[str, Measure]:
@@ -558,7 +569,7 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
         raise UsageError("no GEMM module left to analyze (check --skip / --override)")
 
     times, t_start = {}, time.perf_counter()
-    session = _Session(model, recipe, batches, targets, level, progress)
+    session = Session(model, recipe, batches, targets, level, progress)
     times["calibrate"] = time.perf_counter() - t_start
     t0 = time.perf_counter()
     probe, baseline, eval_facts, warnings = None, None, {}, []

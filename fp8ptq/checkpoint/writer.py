@@ -36,7 +36,7 @@ from .taps_io import kv_cache_export, taps_report
 
 SHARD_BYTES = 2 * 1024**3  # split model.safetensors only above this
 FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
-               "rounding", "max", "torch_dtype")
+               "rounding", "max", "torch_dtype", "mx_block")
 
 
 
@@ -68,6 +68,8 @@ def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
         if q.kind != "linear":
             return LAYOUT_NATIVE, (f"{name}: a {q.kind} module; compressed-tensors quantizes "
                                    "nn.Linear only")
+        if "group" in (q.weight_granularity.name, q.act_granularity):
+            return LAYOUT_NATIVE, f"{name}: group / MX scales are written in the native layout"
         types.add(wt)
     if len(types) != 1:
         return LAYOUT_NATIVE, "float and int modules mixed"
@@ -286,8 +288,9 @@ def _module_entry(name: str, q: QuantGemm, report, layout: str) -> dict:
         "weight_format": format_facts(q.weight_format),
         "act_format": format_facts(q.act_format),
         "weight_granularity": gran.name,
-        "block_size": getattr(gran, "size", None) if gran.name == "block" else None,
+        "block_size": getattr(gran, "size", None) if gran.name in ("block", "group") else None,
         "act_granularity": q.act_granularity if q.act_format is not None else None,
+        "act_group_size": q.act_group_size,
         "weight_shape": list(q.inner.weight.shape),
         "weight_codes_shape": list(q.weight_codes.shape),
         "weight_scale_shape": list(q.weight_scale.shape),
