@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.experts_io import SERVABLE
+from .checkpoint.layouts import get_layout
 from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
 from .checkpoint.verify import SCALE_SUFFIXES, scale_problem
 from .pipeline import FUSED_SHARDS
@@ -95,11 +96,16 @@ def _fmt(entry, key) -> str | None:
     return None if facts is None else facts.get("name")
 
 
+def _served(ck, runtime: str) -> bool:
+    """Does ``runtime`` load this checkpoint's layout natively?"""
+    return runtime in get_layout(ck["meta"]["layout"]).runtimes
+
+
 # --- vLLM rules ---------------------------------------------------------------------------------
 
 
 def _layout(ck) -> list[Violation]:
-    if ck["meta"]["layout"] == "compressed-tensors":
+    if _served(ck, "vllm"):
         return []
     return [Violation("layout", "checkpoint", "the fp8ptq-native layout ("
                       f"{ck['meta'].get('layout_reason', '')}) is read by fp8ptq.load only",
@@ -166,7 +172,7 @@ def _config_groups(ck) -> list[Violation]:
     """What vLLM reads is ``config.json``, not fp8ptq.json: every config group's arguments,
     parsed by compressed-tensors' own classes, must select a vLLM scheme."""
     qc = ck["config"].get("quantization_config")
-    if ck["meta"]["layout"] != "compressed-tensors" or not qc:
+    if not _served(ck, "vllm") or not qc:
         return []
     from compressed_tensors.quantization import QuantizationConfig
 
@@ -287,7 +293,7 @@ def _scales(ck) -> list[Violation]:
 
 
 def _fnuz_note(ck) -> list[Violation]:
-    if ck["meta"]["layout"] != "compressed-tensors":
+    if not _served(ck, "vllm"):
         return []
     return [Violation("fnuz", "checkpoint", "on FNUZ hardware (MI300) vLLM loads OCP e4m3 codes "
                       "as e4m3fnuz and doubles every scale (0x80 becomes 0)", "nothing to do",
@@ -298,7 +304,7 @@ def _fnuz_note(ck) -> list[Violation]:
 
 
 def _ct_config(ck) -> list[Violation]:
-    if ck["meta"]["layout"] != "compressed-tensors":
+    if not _served(ck, "transformers"):
         return [Violation("layout", "checkpoint", "transformers does not know the fp8ptq-native "
                           "layout (it would load the model without its quantized weights)",
                           "load it with fp8ptq.load")]
@@ -361,7 +367,7 @@ def validate(path, runtimes=RUNTIMES, *, reload: bool = True) -> Report:
     for rule in RULES:
         if rule.runtime in runtimes:
             report.violations += rule.check(ck)
-    if reload and "transformers" in runtimes and ck["meta"]["layout"] == "compressed-tensors":
+    if reload and "transformers" in runtimes and _served(ck, "transformers"):
         try:
             report.reload = reload_difference(ck["path"])
         except Exception as e:  # noqa: BLE001 - transformers refused: that is the finding

@@ -144,9 +144,12 @@ def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
     assert names(tmp_path) == sorted([live.name, other.name])
 
 
+# The child restores Python's own SIGINT handler: a process started from a background job (CI
+# runners, `cmd &`) inherits SIGINT as ignored, and then Python installs no KeyboardInterrupt.
 WRITER = """
-import sys, time
+import signal, sys, time
 from fp8ptq.atomic import atomic_dir
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with atomic_dir(sys.argv[1]) as tmp:
     (tmp / "half.bin").write_bytes(b"x" * 1000)
     print("writing", flush=True)

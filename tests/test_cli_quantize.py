@@ -314,7 +314,9 @@ def test_report_table_shows_module_names(assets, tmp_path, columns):
 def test_real_processes(assets, tmp_path):
     """``python -m fp8ptq.cli`` and the installed ``fp8ptq`` script, run side by side (each
     process pays the torch/transformers import)."""
-    script = shutil.which("fp8ptq") or str(Path(sys.executable).parent / "fp8ptq")
+    # the script installed beside this interpreter (a venv's own), else the one on PATH
+    beside = Path(sys.executable).parent / "fp8ptq"
+    script = str(beside) if beside.is_file() else shutil.which("fp8ptq")
     common = [str(assets / "llama"), "--calib-data", str(assets / "calib.txt"), *CALIB]
     env = {**os.environ, "COLUMNS": "100"}
     runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
