@@ -43,8 +43,10 @@ E4M3 = {
     "static-best": dict(act_calib="best"),
     "static-gptq": dict(weight_calib="gptq"),
     "static-best-gptq": dict(act_calib="best", weight_calib="gptq"),
-    "fp8-dynamic": dict(act_granularity="token"),
-    "fp8-dynamic-gptq": dict(act_granularity="token", weight_calib="gptq"),
+    "fp8-static": dict(scheme="fp8-static"),  # llm-compressor FP8: tensor W, static tensor A
+    "fp8-static-gptq": dict(scheme="fp8-static", weight_calib="gptq"),
+    "fp8-dynamic": dict(scheme="fp8-dynamic"),  # channel W, dynamic per-token A
+    "fp8-dynamic-gptq": dict(scheme="fp8-dynamic", weight_calib="gptq"),
     "fp8-dynamic-gptq-mse": dict(act_granularity="token", weight_calib="gptq-mse"),
     "fp8-dynamic-gptq-ao": dict(act_granularity="token", weight_calib="gptq",
                                 gptq_act_order=True),
@@ -52,9 +54,8 @@ E4M3 = {
     "fp8-dynamic-rot-gptq": dict(act_granularity="token", rotate="hadamard",
                                  weight_calib="gptq"),
     "fp8-dynamic-sq-gptq": dict(act_granularity="token", smoothquant=0.5, weight_calib="gptq"),
-    "fp8-block": dict(weight_granularity="block", act_granularity="group"),
-    "fp8-block-gptq": dict(weight_granularity="block", act_granularity="group",
-                           weight_calib="gptq"),
+    "fp8-block": dict(scheme="fp8-block"),  # 128x128 W blocks, dynamic 1x128 A groups
+    "fp8-block-gptq": dict(scheme="fp8-block", weight_calib="gptq"),
     "fp8-group-channel": dict(act_granularity="group"),
     "fp8-group-channel-gptq": dict(act_granularity="group", weight_calib="gptq"),
     "mxfp8": dict(format="mxfp8"),
@@ -77,6 +78,7 @@ MODELS = {
                 "task": "wikitext", "data": "wikitext-2-raw/wiki.test.raw", "seq_len": 2048},
     "minilm": {"spec": "models/minilm-squad", "task": "squad",
                "data": "squad-v1.1/dev-heldout.json", "seq_len": None},
+
 }
 
 
@@ -94,16 +96,19 @@ def records_from_json(data: dict) -> dict[str, Records]:
 
 
 def run_one(name: str, fields: dict | None, spec: str, base: Recipe, texts, task: str,
-            eval_kwargs: dict, out: Path) -> dict:
-    """Evaluate one recipe (``fields`` None: the unquantized baseline); cached as JSON."""
+            eval_kwargs: dict, out: Path, checkpoint: str | None = None) -> dict:
+    """Evaluate one recipe (``fields`` None: the unquantized baseline) or a checkpoint folder
+    (``fp8ptq eval --compare DIR``'s variant: fp8ptq's, or another tool's loaded by
+    transformers); cached as JSON."""
     path = out / f"{name}.json"
     if path.exists():
         return json.loads(path.read_text())
     recipe = base if fields is None else base.merged(**fields)
-    kind = "baseline" if fields is None else "quantized"
+    kind = "checkpoint" if checkpoint else "baseline" if fields is None else "quantized"
+    variant = Variant(name, kind, checkpoint or spec, recipe)
     t0 = time.perf_counter()
-    rows, protocol, _ = evaluate_variants([Variant(name, kind, spec, recipe)], base, texts,
-                                          [task], [], device="cpu", **eval_kwargs)
+    rows, protocol, _ = evaluate_variants([variant], base, texts, [task], [], device="cpu",
+                                          **eval_kwargs)
     row = rows[0]
     doc = {"name": name, "kind": kind, "fields": fields, "metrics": row["metrics"],
            "seconds": row["seconds"], "timings": row["timings"], "recipe": row["recipe"],
@@ -126,6 +131,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="float32",
                     help="model dtype (float32: CPUs without bf16 GEMMs run bf16 ~50x slower)")
     ap.add_argument("--quick", action="store_true", help="1 article / 50 questions, 8 samples")
+    ap.add_argument("--checkpoints", default="",
+                    help="NAME=FOLDER,... checkpoint folders evaluated beside the recipes")
     args = ap.parse_args(argv)
     m = MODELS[args.model]
     assets = Path(args.assets).resolve()
@@ -140,7 +147,7 @@ def main(argv=None) -> None:
                   dtype=args.dtype)
     eval_kwargs = {"data": {m["task"]: str(assets / m["data"])}, "limit": limit,
                    "seq_len": m["seq_len"], "batch_size": None}
-    names = args.only.split(",") if args.only else list(E4M3)
+    names = [n for n in args.only.split(",") if n] if args.only is not None else list(E4M3)
     unknown = [n for n in names if n not in E4M3]
     if unknown:
         raise SystemExit(f"unknown recipe(s) {unknown}; known: {', '.join(E4M3)}")
@@ -148,6 +155,11 @@ def main(argv=None) -> None:
     docs = [run_one("baseline", None, spec, base, texts, m["task"], eval_kwargs, out)]
     for name in names:
         docs.append(run_one(name, E4M3[name], spec, base, texts, m["task"], eval_kwargs, out))
+        print(f"{name}: {docs[-1]['metrics']} ({docs[-1]['wall_seconds']:.0f} s)", flush=True)
+    for item in filter(None, args.checkpoints.split(",")):
+        name, _, folder = item.partition("=")
+        docs.append(run_one(name, {}, spec, base, texts, m["task"], eval_kwargs, out,
+                            checkpoint=folder))
         print(f"{name}: {docs[-1]['metrics']} ({docs[-1]['wall_seconds']:.0f} s)", flush=True)
     rows = [{**d, "records": records_from_json(d["records"])} for d in docs]
     report.attach_intervals(rows)
@@ -157,6 +169,7 @@ def main(argv=None) -> None:
                       "peak_rss_mb": d["peak_rss_mb"]})
     (out / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(report.to_markdown(rows))
+    return doc
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def plan_variants(model: str, model_meta: dict | None, compare: list[str],
                 need_base(item)
         elif Path(item).expanduser().is_dir():
             variants.append(Variant(_folder_name(item), "checkpoint", item, recipe,
-                                    check_checkpoint(item)))
+                                    _folder_meta(item)))
         elif _is_scheme(item):  # a named preset on top of the eval's recipe flags
             name = get_scheme(item).name
             variants.append(Variant(name, "quantized", need_base(item),
@@ -134,6 +134,16 @@ def _scheme_recipe(recipe: Recipe, name: str) -> Recipe:
     already in ``recipe`` and a scheme names its own fields, so a compared scheme is exactly
     the preset (with the eval's calibration, dtype and other fields)."""
     return recipe.merged(scheme=name)
+
+
+def _folder_meta(item: str) -> dict | None:
+    """An fp8ptq checkpoint's verified fp8ptq.json; None for another tool's quantized model
+    folder (e.g. llm-compressor's compressed-tensors output: transformers loads it with its
+    quantization applied, so a peer's checkpoint is scored by the same harness)."""
+    folder = Path(item).expanduser()
+    if (folder / "fp8ptq.json").is_file() or not (folder / "config.json").is_file():
+        return check_checkpoint(item)  # verified, or a one-line error naming what is missing
+    return None
 
 
 def _format_name(item: str) -> str:
