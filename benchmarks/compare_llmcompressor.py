@@ -132,7 +132,8 @@ def hf_folder(gguf: Path, out: Path) -> Path:
     return out
 
 
-def timed_child(cmd: list[str], prefix: list[str], env=None) -> tuple[float, subprocess.CompletedProcess]:
+def timed_child(cmd: list[str], prefix: list[str], env=None
+                ) -> tuple[float, subprocess.CompletedProcess]:
     t0 = time.perf_counter()
     done = subprocess.run([*prefix, *cmd], check=True, capture_output=True, text=True, env=env)
     return time.perf_counter() - t0, done

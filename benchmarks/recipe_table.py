@@ -83,7 +83,8 @@ def table(folder: Path) -> str:
     key, label, mode = METRIC[task]
     base = rows[0]["metrics"][key]
     unit = "%" if mode == "pct" else " pts"
-    lines = [f"| recipe | tool | {label} | delta{unit} (95% CI) | quantize s | peak RSS MB | vLLM |",
+    lines = [f"| recipe | tool | {label} | delta{unit} (95% CI) | quantize s | peak RSS MB "
+             "| vLLM |",
              "|---|---|---|---|---|---|---|",
              f"| bf16 model (float32 here) | - | {base:.3f} | - | - | - | - |"]
     for row in rows[1:]:

@@ -193,7 +193,8 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
     path = kwargs.pop("recipe_path", None)
     base = Recipe.load(path) if path else Recipe()
     flags = dict(
-        scheme=kwargs.pop("scheme"), calib_data=kwargs.pop("calib_data"), text_field=kwargs.pop("text_field"),
+        scheme=kwargs.pop("scheme"), calib_data=kwargs.pop("calib_data"),
+        text_field=kwargs.pop("text_field"),
         num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
         seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
         weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
@@ -205,7 +206,8 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"), pow2_range=parse_range(kwargs.pop("pow2_range")),
+        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"),
+        pow2_range=parse_range(kwargs.pop("pow2_range")),
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 from torch import nn
 
 import fp8ptq
@@ -29,12 +28,19 @@ from fp8ptq import job
 from fp8ptq.bn_retune import retune_batchnorm
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.checkpoint.skeleton import SKELETON_NAME
-from fp8ptq.cli.main import main
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.pipeline import plan_targets, quantize_model
 from fp8ptq.recipe import Recipe
-from fp8ptq.vision import (TinyMobileNet, accuracy, image_batches, load_digits_data, predict,
-                           quantize_and_score, train_digits_cnn)
+from fp8ptq.vision import (
+    TinyMobileNet,
+    accuracy,
+    image_batches,
+    load_digits_data,
+    predict,
+    quantize_and_score,
+    train_digits_cnn,
+)
+from tiny_models import invoke
 
 SEED = 0
 CALIB_IMAGES = 512
@@ -209,7 +215,7 @@ def test_retune_needs_data_and_ignores_models_without_bn():
 
 
 def run(*args):
-    return CliRunner().invoke(main, list(args))
+    return invoke(list(args))
 
 
 CLI_RECIPE = ["--format", "e5m2", "--act-calib", "cast", "--weight-calib", "cast",

@@ -15,16 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
 from safetensors import safe_open
 
 import fp8ptq
 from fp8ptq import job
 from fp8ptq.checkpoint import read_metadata
-from fp8ptq.cli.main import main
 from fp8ptq.data import token_sha256
 from fp8ptq.recipe import Recipe
-from tiny_models import tiny
+from tiny_models import invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"] * 10
@@ -48,7 +46,7 @@ def assets(tmp_path_factory, word_tokenizer):
 
 
 def quantize(model, out, *args, env=None):
-    return CliRunner().invoke(main, ["quantize", str(model), "-o", str(out), *args], env=env)
+    return invoke(["quantize", str(model), "-o", str(out), *args], env=env)
 
 
 def quantize_json(assets, out, *args):
@@ -340,7 +338,7 @@ def test_real_processes(assets, tmp_path):
     (["m", "-o", "x", "--num-samples", "many"], "'--num-samples'"),
 ])
 def test_click_usage_errors_are_one_error_line(args, fragment):
-    result = CliRunner().invoke(main, ["quantize", *args])
+    result = invoke(["quantize", *args])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]

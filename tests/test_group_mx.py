@@ -17,7 +17,6 @@ from fp8ptq.plan import build_plan, run_facts
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.scales import amax_to_scale, dynamic_scale
-
 from tiny_models import IDS, run, tiny
 
 E4M3, MXFP8, MXE5M2 = get_format("e4m3"), get_format("mxfp8"), get_format("mxfp8-e5m2")

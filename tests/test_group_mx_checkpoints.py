@@ -12,8 +12,12 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.quant_scheme import FP8_BLOCK, MXFP8
 from safetensors import safe_open
-from transformers import (AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    CompressedTensorsConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from fp8ptq.checkpoint import load_quantized, read_metadata, save_quantized
 from fp8ptq.errors import DataError

@@ -10,13 +10,21 @@ import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import fp8ptq
-from fp8ptq.checkpoint import (CheckpointWriter, ShardWriter, check_checkpoint, choose_layout,
-                               describe_model, describe_plan, get_layout, model_type_of,
-                               read_metadata, save_quantized)
-from fp8ptq.checkpoint import layouts
+from fp8ptq.checkpoint import (
+    CheckpointWriter,
+    ShardWriter,
+    check_checkpoint,
+    choose_layout,
+    describe_model,
+    describe_plan,
+    get_layout,
+    layouts,
+    model_type_of,
+    read_metadata,
+    save_quantized,
+)
 from fp8ptq.checkpoint.contents import gemm_quant, plain_tensors
 from fp8ptq.checkpoint.layouts.native import NativeLayout
 from fp8ptq.errors import Fp8ptqError, UsageError
@@ -26,16 +34,8 @@ from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from tiny_models import IDS, run, tiny
 
-
-def moe():
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts_per_tok=2, intermediate_size=128,
-        moe_intermediate_size=32, num_experts=4)).eval()
-
-
-BUILD = {"llama": lambda: tiny("llama"), "gpt2": lambda: tiny("gpt2"), "moe": moe}
+BUILD = {"llama": lambda: tiny("llama"), "gpt2": lambda: tiny("gpt2"),
+         "moe": lambda: tiny("qwen3_moe", num_experts=4)}
 CHOICES = [
     # (architecture, recipe, expected layout)
     ("llama", Recipe(dtype="float32"), "compressed-tensors"),
@@ -224,6 +224,14 @@ def test_an_exception_or_a_missing_close_leaves_nothing(tmp_path):
         with CheckpointWriter.open(out, "compressed-tensors") as ckpt:
             ckpt.add_modules(e5m2.model)
             ckpt.close(e5m2.model, e5m2.recipe, result=e5m2)
+    assert list(tmp_path.iterdir()) == []
+    # each module fits, the set does not (one 8-bit type per compressed-tensors checkpoint)
+    mixed = _quantized("llama", Recipe(dtype="float32", overrides={"*.down_proj": "int8"}))
+    assert choose_layout(describe_model(mixed.model)).reason == "float and int modules mixed"
+    with pytest.raises(Fp8ptqError, match="cannot store these modules: float and int modules"):
+        with CheckpointWriter.open(out, "compressed-tensors") as ckpt:
+            ckpt.add_modules(mixed.model)
+            ckpt.close(mixed.model, mixed.recipe, result=mixed)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -3,8 +3,17 @@ native fp8ptq layout otherwise), a writer that streams tensors into shards, the 
 ``fp8ptq.json`` always (see README.md in this folder)."""
 
 from .convert import fn_to_fnuz
-from .layouts import (Layout, LayoutChoice, ModuleDesc, choose_layout, describe_model,
-                      describe_plan, get_layout, model_type_of, register)
+from .layouts import (
+                      Layout,
+                      LayoutChoice,
+                      ModuleDesc,
+                      choose_layout,
+                      describe_model,
+                      describe_plan,
+                      get_layout,
+                      model_type_of,
+                      register,
+)
 from .reader import check_checkpoint, load_quantized, read_metadata
 from .shards import ShardWriter
 from .writer import LAYOUT_CT, LAYOUT_NATIVE, CheckpointWriter, save_quantized

@@ -31,8 +31,7 @@ from ..errors import DataError, UsageError
 from ..files import read_json
 from ..formats import FormatSpec, get_format
 from ..taps import kv_scales_from_report
-from .expect import (SCALE_CHECKS, SCALE_DTYPES, Expect, dtype_name,  # noqa: F401 - re-exported
-                     scale_problem)
+from .expect import SCALE_CHECKS, SCALE_DTYPES, Expect, dtype_name, scale_problem  # noqa: F401 - re-exported
 from .layout import INDEX_NAME, META_NAME, WEIGHTS_NAME
 from .layouts import Layout, get_layout
 

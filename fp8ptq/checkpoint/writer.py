@@ -41,19 +41,48 @@ from torch import nn
 
 from ..atomic import atomic_dir
 from ..errors import Fp8ptqError, UsageError
+from ..numbers import dumps, json_safe
 from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
 from ..version import __version__
 from .card import command_line
 from .card import write as write_card
-from .contents import (check_scales, config_dict, experts_entry, experts_quant, experts_scales,
-                       gemm_entry, gemm_quant, gemm_scales, module_scales, original_bytes,
-                       plain_tensors, tied_quantized)
-from .jsonsafe import dumps, json_safe
-from .layout import (CT_FLOAT, CT_INT, CT_MIXED, CT_NAIVE, INDEX_NAME,  # noqa: F401 - re-exported
-                     LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME)
-from .layouts import (GemmQuant, LayoutChoice, ModuleDesc, choose_layout, describe_model,
-                      describe_quantized, get_layout, model_type_of, quantized_modules)
+from .contents import (
+    check_scales,
+    config_dict,
+    experts_entry,
+    experts_quant,
+    experts_scales,
+    gemm_entry,
+    gemm_quant,
+    gemm_scales,
+    module_scales,
+    original_bytes,
+    plain_tensors,
+    tied_quantized,
+)
+from .layout import (  # noqa: F401 - re-exported
+    CT_FLOAT,
+    CT_INT,
+    CT_MIXED,
+    CT_NAIVE,
+    INDEX_NAME,
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    META_NAME,
+    WEIGHTS_NAME,
+)
+from .layouts import (
+    GemmQuant,
+    LayoutChoice,
+    ModuleDesc,
+    choose_layout,
+    describe_model,
+    describe_quantized,
+    get_layout,
+    model_type_of,
+    quantized_modules,
+)
 from .shards import SHARD_BYTES, ShardWriter
 from .skeleton import SKELETON_NAME
 from .taps_io import kv_cache_export, taps_report
@@ -279,7 +308,7 @@ class CheckpointWriter:
         meta = {
             "tool": "fp8ptq",
             "version": tool_version,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "layout": self.layout.name,
             "layout_reason": self.choice.reason,
             "files": files,

@@ -16,8 +16,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...errors import UsageError
-from .base import (GemmQuant, Layout, LayoutChoice, ModuleDesc, describe_model, describe_plan,
-                   describe_quantized, quantized_modules)
+from .base import (
+    GemmQuant,
+    Layout,
+    LayoutChoice,
+    ModuleDesc,
+    describe_model,
+    describe_plan,
+    describe_quantized,
+    quantized_modules,
+)
 from .compressed_tensors import CompressedTensorsLayout
 from .native import NativeLayout
 

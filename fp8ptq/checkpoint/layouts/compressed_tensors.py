@@ -32,10 +32,15 @@ from ...formats import get_format
 from ...qexperts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
-from ..layout import (CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME,
-                      ct_type)
-from .base import (GemmQuant, Layout, ModuleDesc, input_scale_tensor, read_weight_scale,
-                   weight_scale_tensor)
+from ..layout import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
+from .base import (
+    GemmQuant,
+    Layout,
+    ModuleDesc,
+    input_scale_tensor,
+    read_weight_scale,
+    weight_scale_tensor,
+)
 from .native import gemm_scales
 
 CT_CODES = {"float": torch.float8_e4m3fn, "int": torch.int8}  # compressed-tensors type -> dtype
@@ -81,8 +86,7 @@ def group_format(w: dict, a: dict | None) -> str:
 def _cached_attention(module: nn.Module) -> bool:
     """Would compressed-tensors' ``kv_cache_scheme`` give this module k_scale / v_scale?"""
     try:
-        from compressed_tensors.quantization.lifecycle.initialize import \
-            is_cached_attention_module
+        from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
     except ImportError:  # older compressed-tensors: no KV-cache scales written
         return False
     return bool(is_cached_attention_module(module))
@@ -138,7 +142,8 @@ class CompressedTensorsLayout(Layout):
         if experts:
             return (f"nn.Linear and {len(experts)} fused-experts modules with e4m3 weights, "
                     "experts under transformers' per-expert checkpoint names")
-        return (f"all quantized modules are nn.Linear with {ct_type(modules[0].weight_format)} "
+        first = next(m for m in modules if not m.is_experts)
+        return (f"all quantized modules are nn.Linear with {ct_type(first.weight_format)} "
                 "8-bit weights")
 
     def refusal_warning(self, modules, reason, chosen):
@@ -185,8 +190,11 @@ class CompressedTensorsLayout(Layout):
         """One config group per distinct scheme; a single group targets the class ``Linear``
         and ignores the Linear modules left unquantized (lm_head, routers...), several groups
         name their modules exactly."""
-        from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                                     QuantizationScheme)
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationConfig,
+            QuantizationScheme,
+        )
 
         gemms = [m for m in modules if not m.is_experts]
         groups: dict[str, dict] = {}

@@ -19,8 +19,14 @@ from ...errors import Fp8ptqError
 from ...qexperts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect
 from ..layout import LAYOUT_NATIVE, META_NAME
-from .base import (GemmQuant, Layout, ModuleDesc, input_scale_tensor, read_weight_scale,
-                   weight_scale_tensor)
+from .base import (
+    GemmQuant,
+    Layout,
+    ModuleDesc,
+    input_scale_tensor,
+    read_weight_scale,
+    weight_scale_tensor,
+)
 
 
 class NativeLayout(Layout):
