@@ -15,8 +15,6 @@ from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     CompressedTensorsConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 from fp8ptq.checkpoint import load_quantized, read_metadata, save_quantized
@@ -26,7 +24,7 @@ from fp8ptq.pipeline import quantize_model
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.validate import static_violations
-from tiny_models import IDS, run
+from tiny_models import IDS, run, tiny
 
 # vLLM's block-FP8 path needs K and N in whole 128-blocks: a Llama of 256 / 384 features
 CFG = dict(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -34,8 +32,7 @@ CFG = dict(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_h
 
 
 def _llama(dtype=torch.float32):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CFG)).to(dtype).eval()
+    return tiny("llama", **CFG).to(dtype)
 
 
 def _quantized(tmp_path, recipe, dtype=torch.float32, name="q"):
