@@ -25,6 +25,7 @@ import recipe_study as study  # noqa: E402
 from results_page import splice  # noqa: E402
 
 from fp8ptq.evals import report  # noqa: E402
+from fp8ptq.evals.stats import paired_interval  # noqa: E402
 
 # row name -> (what it is, how vLLM serves it); llm-compressor rows are "llmc-SCHEME"
 ROWS = {
@@ -99,7 +100,36 @@ def table(folder: Path) -> str:
         tool = "llm-compressor" if row["name"].startswith("llmc-") else "fp8ptq"
         seconds, rss = _quantize_facts(folder, row["name"], row)
         lines.append(f"| {what} | {tool} | {value:.3f} | {cell} | {seconds} | {rss} | {vllm} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
+
+
+W8A16 = ("w-only", "w-only-gptq")
+
+
+def head_to_head(rows: list[dict], key: str, mode: str) -> str:
+    """fp8ptq's best e4m3 W8A8 row against llm-compressor's best, with the paired 95% interval
+    of the difference (the same documents / questions resampled for both)."""
+    task, _, metric = key.partition(".")
+    higher = mode == "abs"  # F1: higher is better; perplexity: lower
+
+    def best(rows_):
+        return (max if higher else min)(rows_, key=lambda r: r["metrics"][key], default=None)
+
+    ours = best([r for r in rows[1:] if not r["name"].startswith(("llmc-", "hif8", "hfp8"))
+                 and r["name"] not in W8A16])
+    theirs = best([r for r in rows[1:] if r["name"].startswith("llmc-")])
+    if ours is None or theirs is None:
+        return ""
+    iv = paired_interval(theirs["records"][task], ours["records"][task], metric)
+    a, b = ours["metrics"][key], theirs["metrics"][key]
+    if mode == "pct":
+        diff, ci, unit = 100 * (a / b - 1), iv and iv["pct_ci95"], "%"
+    else:
+        diff, ci, unit = a - b, iv and iv["ci95"], " points"
+    span = f" (95% CI {ci[0]:+.2f}..{ci[1]:+.2f}{unit})" if ci else ""
+    return (f"Best e4m3 W8A8 of each tool: fp8ptq `{ours['name']}` {a:.3f} against "
+            f"llm-compressor `{theirs['name'].removeprefix('llmc-')}` {b:.3f}: "
+            f"{diff:+.2f}{unit}{span}, paired over the same samples.")
 
 
 def main(argv=None) -> None:
@@ -107,12 +137,15 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ROOT / "out/recipes"))
     ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
     ap.add_argument("--intro", default=str(ROOT / "benchmarks/recipes_intro.md"),
-                    help="markdown text above the tables ({smollm2} / {minilm} = the tables)")
+                    help="the block's markdown ({smollm2} / {minilm}: the tables, {reading})")
+    ap.add_argument("--reading", default=str(ROOT / "benchmarks/recipes_reading.md"),
+                    help="the conclusions drawn from the tables (written by hand)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     tables = {m: table(out / f"{m}-{n}") if (out / f"{m}-{n}/baseline.json").exists()
               else "(not run)" for m, n in (("smollm2", 5), ("minilm", 1000))}
-    text = Path(args.intro).read_text().format(**tables)
+    reading = Path(args.reading).read_text() if Path(args.reading).exists() else ""
+    text = Path(args.intro).read_text().format(**tables, reading=reading.strip())
     doc = Path(args.doc)
     doc.write_text(splice(doc.read_text(), text))
     print(f"wrote {doc}")
