@@ -37,6 +37,7 @@ ROWS = {
     "fp8-dynamic": ("`--scheme fp8-dynamic`: channel W + dynamic token A", "row-wise scaled_mm"),
     "fp8-dynamic-gptq": ("`fp8-dynamic` + GPTQ", "row-wise scaled_mm"),
     "fp8-dynamic-gptq-mse": ("`fp8-dynamic` + GPTQ with MSE scales", "row-wise scaled_mm"),
+    "fp8-dynamic-gptq-ao": ("`fp8-dynamic` + GPTQ with `--gptq-act-order`", "row-wise scaled_mm"),
     "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ", "row-wise scaled_mm"),
     "fp8-block": ("`--scheme fp8-block`: 128x128 W + dynamic 1x128 A", "block-scaled GEMM"),
     "fp8-block-gptq": ("`fp8-block` + GPTQ", "block-scaled GEMM"),
