@@ -152,10 +152,11 @@ class Selection:
 
 def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: bool | None = None,
            max_memory: int | None = None, trust_remote_code: bool = False,
-           task: str | None = None) -> Selection:
+           task: str | None = None, whole_model: str | None = None) -> Selection:
     """The path for quantizing MODEL ``spec`` with ``recipe``. ``model_free``: True insists
     (``UsageError`` naming what stands in the way), False forbids, None decides; ``max_memory``:
-    the process budget in bytes (``--max-memory SIZE``)."""
+    the process budget in bytes (``--max-memory SIZE``); ``whole_model``: why this job needs the
+    whole model in memory whatever the recipe (``--target-delta`` measures it)."""
     if sequential:
         if model_free:
             raise UsageError("--model-free and --sequential are two different paths; use one")
@@ -168,6 +169,10 @@ def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: b
                              "drop --trust-remote-code or --model-free")
         return Selection("in-memory", "--trust-remote-code loads the model's own code",
                          budget=max_memory)
+    if whole_model:
+        if model_free:
+            raise UsageError(f"--model-free: {whole_model}")
+        return Selection("in-memory", whole_model, budget=max_memory)
     if model_free is not False:
         chosen = _model_free(spec, recipe, model_free, task)
         if chosen.path == "model-free" or max_memory is None:
