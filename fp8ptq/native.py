@@ -4,10 +4,10 @@ says no (no compiler, a non-CPU tensor, an unusual dtype or layout, ``FP8PTQ_NAT
 
 Why a small C file and not ``torch.compile`` or a torch C++ extension: it compiles in about
 3.5 s of CPU (once per machine) with plain ``cc`` (no torch headers, no ninja, nothing
-downloaded), is never compiled at import time (the first codec or observer call builds it), needs nothing at
-install time (``pip install -e .`` stays the one command), and fuses each codec and the
-calibration observer into one pass over memory. The results are bit-identical to the torch
-path (same IEEE operations in the same order; ``tests/test_native.py``).
+downloaded), is never compiled at import time (the first codec or observer call builds it),
+needs nothing at install time (``pip install -e .`` stays the one command), and fuses each
+codec and the calibration observer into one pass over memory. The results are bit-identical
+to the torch path (same IEEE operations in the same order; ``tests/test_native.py``).
 
 The shared library is cached under ``$FP8PTQ_CACHE`` (default ``~/.cache/fp8ptq``), named by a
 hash of the source, the flags and the CPU, so an edited source or another machine rebuilds it.
@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -135,7 +135,7 @@ def library_path(cc: str, flags: tuple[str, ...]) -> Path:
 _lock = threading.Lock()
 
 
-@lru_cache(maxsize=None)
+@cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, building them if needed; None when unavailable (the callers then
     use their torch path, and one INFO line on the ``fp8ptq.native`` logger says why)."""

@@ -27,14 +27,19 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
 from .files import read_json
 from .loading import LoadedModel, load_config, load_tokenizer, model_class
 from .model.blocks import block_prefix, find_blocks
-from .data import build_calibration_set, resolve_calib_spec
 from .model.experts import find_experts
-from .pipeline import (QuantizeResult, high_precision_report, plan_targets, quantize_model,
-                       token_batches)
+from .pipeline import (
+    QuantizeResult,
+    high_precision_report,
+    plan_targets,
+    quantize_model,
+    token_batches,
+)
 from .recipe import Recipe
 
 

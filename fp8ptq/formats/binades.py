@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -29,7 +29,7 @@ class BinadeTables:
     first_rank: torch.Tensor  # float32 [256]: its index in ``layout.magnitudes``
     codes: torch.Tensor  # int64: ``layout.magnitude_codes``
 
-    def to(self, device) -> "BinadeTables":
+    def to(self, device) -> BinadeTables:
         device = torch.device(device)
         if self.step.device == device:
             return self
@@ -51,7 +51,7 @@ def _per_field(lay) -> list[tuple[int, float, int]]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def binade_tables(spec) -> BinadeTables:
     lay = spec.layout
     step, inv, first, rank = [], [], [], []
@@ -68,7 +68,7 @@ def exponent_field(a: torch.Tensor) -> torch.Tensor:
     return ((a.view(torch.int32) >> 23) & 0xFF).long()
 
 
-@lru_cache(maxsize=None)
+@cache
 def native_tables(spec, rounding: str, saturate: bool = True,
                   nan_to_zero: bool = False) -> native.FormatTables | None:
     """``spec`` as the C kernels' integer tables (``fp8ptq.native``), or None where they cannot
