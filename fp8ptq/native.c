@@ -423,6 +423,21 @@ static void *run_part(void *arg) {
     return NULL;
 }
 
+/* Run ``fn`` on each of the ``t`` parts (``size`` bytes apart from ``parts``): part 0 on the
+ * calling thread, the others on fresh threads (inline when a thread cannot be created). */
+static void fork_join(void *(*fn)(void *), void *parts, size_t size, int t) {
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    char *base = (char *)parts;
+    for (int k = 1; k < t; k++)
+        started[k] = pthread_create(&tids[k], NULL, fn, base + (size_t)k * size) == 0;
+    fn(base);
+    for (int k = 1; k < t; k++) {
+        if (started[k]) pthread_join(tids[k], NULL);
+        else fn(base + (size_t)k * size);
+    }
+}
+
 static int thread_count(int64_t n, int nthreads) {
     int64_t t = n / MIN_PER_THREAD;
     if (t > nthreads) t = nthreads;
@@ -434,21 +449,13 @@ static int thread_count(int64_t n, int nthreads) {
 static void parallel(const job_t *j, range_fn fn, int64_t n, int nthreads, int64_t align) {
     int t = thread_count(n, nthreads);
     part_t parts[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t per = (n + t - 1) / t;
     per = (per + align - 1) / align * align;
     for (int k = 0; k < t; k++) {
         int64_t lo = k * per, hi = lo + per < n ? lo + per : n;
         parts[k] = (part_t){j, fn, lo < n ? lo : n, hi};
     }
-    for (int k = 1; k < t; k++)
-        started[k] = pthread_create(&tids[k], NULL, run_part, &parts[k]) == 0;
-    run_part(&parts[0]);
-    for (int k = 1; k < t; k++) {
-        if (started[k]) pthread_join(tids[k], NULL);
-        else run_part(&parts[k]);
-    }
+    fork_join(run_part, parts, sizeof parts[0], t);
 }
 
 int fp8ptq_have_f16(void) { return HAVE_F16; }
@@ -502,6 +509,20 @@ typedef struct {
     int64_t r0, r1;
 } obs_part_t;
 
+/* Count one row's bin indices ``idx[0..cols)`` into four interleaved histograms of ``nb`` bins
+ * each (consecutive elements hit different copies: no store-to-load stalls on repeated bins). */
+#define COUNT_ROW(hist, nb, idx, cols)                                                         \
+    do {                                                                                       \
+        int64_t c_ = 0;                                                                        \
+        for (; c_ + 4 <= (cols); c_ += 4) {                                                    \
+            (hist)[(idx)[c_]]++;                                                               \
+            (hist)[(nb) + (idx)[c_ + 1]]++;                                                    \
+            (hist)[2 * (nb) + (idx)[c_ + 2]]++;                                                \
+            (hist)[3 * (nb) + (idx)[c_ + 3]]++;                                                \
+        }                                                                                      \
+        for (; c_ < (cols); c_++) (hist)[(idx)[c_]]++;                                         \
+    } while (0)
+
 /* float32 / float16 sources: |x| as float32 bits, the bin from its top bits */
 static void observe_generic(const obs_t *o, int part, int64_t r0, int64_t r1) {
     float *chan = o->chan + (int64_t)part * o->cols;
@@ -532,14 +553,7 @@ static void observe_generic(const obs_t *o, int part, int64_t r0, int64_t r1) {
             idx[c] = (uint32_t)b;
         }
         bad += rowbad;
-        int64_t c = 0;
-        for (; c + 4 <= o->cols; c += 4) {  /* four histograms: no store-to-load stalls */
-            hist[idx[c]]++;
-            hist[nb + idx[c + 1]]++;
-            hist[2 * nb + idx[c + 2]]++;
-            hist[3 * nb + idx[c + 3]]++;
-        }
-        for (; c < o->cols; c++) hist[idx[c]]++;
+        COUNT_ROW(hist, nb, idx, o->cols);
     }
     o->nonfinite[part] = bad;
 }
@@ -567,14 +581,7 @@ static void observe_bf16(const obs_t *o, int part, int64_t r0, int64_t r1) {
             idx[c] = (uint16_t)(a >> rs);
         }
         bad += rowbad;
-        int64_t c = 0;
-        for (; c + 4 <= o->cols; c += 4) {
-            h[idx[c]]++;
-            h[nraw + idx[c + 1]]++;
-            h[2 * nraw + idx[c + 2]]++;
-            h[3 * nraw + idx[c + 3]]++;
-        }
-        for (; c < o->cols; c++) h[idx[c]]++;
+        COUNT_ROW(h, nraw, idx, o->cols);
     }
     o->nonfinite[part] = bad;
 }
@@ -613,20 +620,12 @@ int fp8ptq_observe(const void *src, int32_t dtype, int64_t rows, int64_t cols, f
         return -1;
     }
     obs_part_t parts[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t per = (rows + t - 1) / t;
     for (int k = 0; k < t; k++) {
         int64_t r0 = k * per, r1 = r0 + per < rows ? r0 + per : rows;
         parts[k] = (obs_part_t){&o, k, r0 < rows ? r0 : rows, r1};
     }
-    for (int k = 1; k < t; k++)
-        started[k] = pthread_create(&tids[k], NULL, observe_part, &parts[k]) == 0;
-    observe_part(&parts[0]);
-    for (int k = 1; k < t; k++) {
-        if (started[k]) pthread_join(tids[k], NULL);
-        else observe_part(&parts[k]);
-    }
+    fork_join(observe_part, parts, sizeof parts[0], t);
     for (int k = 0; k < t; k++) {
         for (int64_t c = 0; c < cols; c++) {
             float a = bf16 ? u2f((uint32_t)o.chan16[(int64_t)k * cols + c] << 16)
