@@ -175,7 +175,7 @@ def model_rows(samples: int, articles: int, repeat: int) -> list[dict]:
 
 
 def hf_folder() -> Path:
-    """SmolLM2 as a bf16 Hugging Face folder (both tools read the same files; made once)."""
+    """SmolLM2 as a float32 Hugging Face folder, made once; both tools read it as bf16."""
     if not (HF_DIR / "config.json").exists():
         from compare_llmcompressor import hf_folder as convert  # noqa: PLC0415 (script)
 
@@ -196,7 +196,7 @@ def llmc_rows(samples: int) -> list[dict]:
         ours = wall([str(fp8ptq), "quantize", str(hf), "--format", "e4m3",
                      "--weight-granularity", "channel", "--act-granularity", "tensor",
                      "--calib-data", CALIB, "--num-samples", str(samples), "--seq-len", "512",
-                     "--batch-size", "8", "--dtype", "bf16", "-o", f"{tmp}/ours"])
+                     "--batch-size", "8", "--dtype", "bfloat16", "-o", f"{tmp}/ours"])
         theirs = wall([str(LLMC_PY), "-c", LLMC_CHILD, str(hf), f"{tmp}/llmc", CALIB,
                        str(samples), "512"], env={"TOKENIZERS_PARALLELISM": "false"})
     return [row(f"quantize wall, {samples}x512 (fp8ptq process)", ours, "s", theirs,
