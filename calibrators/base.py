@@ -22,6 +22,10 @@ class ActivationCalibrator(Protocol):
 
 
 class WeightCalibrator(Protocol):
+    """``w2d``: the ``[out, in]`` weight in its own dtype (bf16 weights are not copied to
+    float32 first; convert where the arithmetic needs it). Returns float32 amax in the
+    granularity's shape."""
+
     name: str
 
     def amax(self, w2d: torch.Tensor, granularity, fmt: FormatSpec) -> torch.Tensor: ...

@@ -8,7 +8,10 @@ Variants, evaluated one after another (each freed before the next is loaded):
   baseline's own dtype add nothing).
 * ``--compare FORMAT``: MODEL freshly loaded and quantized like ``fp8ptq quantize`` would with
   the same recipe flags; one calibration set is tokenized once and shared.
-* ``--compare DIR``: an fp8ptq checkpoint folder, named by its folder name.
+* ``--compare SCHEME``: the same with a named preset (``fp8ptq schemes``) over the recipe flags.
+* ``--compare DIR``: an fp8ptq checkpoint folder, named by its folder name; or another tool's
+  quantized model folder (config.json, no fp8ptq.json: e.g. llm-compressor's
+  compressed-tensors output), loaded by transformers with its quantization applied.
 
 A calibration file that is also an evaluation file is refused (``--allow-calib-overlap``
 accepts it, with a note in the report): calibrating on the test text flatters the numbers.
@@ -40,6 +43,7 @@ from fp8ptq.evals.compare import (  # noqa: F401
 from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table, to_markdown
 from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
+from fp8ptq.usage import time_line, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -57,7 +61,10 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
                    "--include-path.")
 @click.option("--compare", default="",
               help="Comma-separated variants besides the baseline: formats to quantize MODEL to "
-                   "(int8, e4m3, ...), dtypes (bf16, fp16, fp32) or fp8ptq checkpoint folders.")
+                   "(int8, e4m3, ...), schemes (fp8-dynamic, fp8-block, ...: fp8ptq schemes), "
+                   "dtypes (bf16, fp16, fp32), fp8ptq checkpoint folders or other tools' "
+                   "quantized model folders (e.g. llm-compressor output, loaded by "
+                   "transformers).")
 @click.option("--data", "data_items", multiple=True, metavar="TASK=PATH",
               help="Local data: wikitext=wiki.test.raw, squad=dev.json (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), help="First N documents/questions per task.")
@@ -133,10 +140,14 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
             load_options=load_options, prefix_token=prefix_token, progress=bars)
     attach_intervals(rows)
     print_report(rows, protocol, notes, delta_mode)
+    stages = stage_seconds(rows)
+    shown = {k: v for k, v in stages.items() if k != "calibrate+quantize"}  # its parts shown
+    Console(highlight=False).print(time_line(shown), markup=False, soft_wrap=True)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,
-                                        "device": device}}
+                                        "device": device},
+               **usage(stages)}  # seconds per stage over every variant, peak_rss_mb
     write_reports(rows, protocol, recipe, context, json_path=json_path,
                   markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
                   mode=delta_mode)
@@ -188,6 +199,16 @@ def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str =
     console.print(render_table(rows, mode))
     for line in protocol_lines(protocol) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def stage_seconds(rows: list[dict]) -> dict[str, float]:
+    """Seconds per stage (load, calibrate+quantize, eval) summed over the variants."""
+    out: dict[str, float] = {}
+    for row in rows:
+        for stage, value in (row.get("timings") or {}).items():
+            value = sum(value.values()) if isinstance(value, dict) else value
+            out[stage] = out.get(stage, 0.0) + value
+    return out
 
 
 def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=None,

@@ -139,6 +139,6 @@ def main(verbose, debug):
         quiet_libraries()
 
 
-for _command in (formats_cmd.formats, quantize_cmd.command, eval_cmd.command,
+for _command in (formats_cmd.formats, formats_cmd.schemes, quantize_cmd.command, eval_cmd.command,
                  sensitivity_cmd.command, validate_cmd.command):
     main.add_command(_command)

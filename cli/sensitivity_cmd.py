@@ -22,6 +22,7 @@ from fp8ptq.loading import check_model_spec
 from fp8ptq.numbers import fmt_num
 from fp8ptq.pipeline import token_batches
 from fp8ptq.placement import materialize_offloaded
+from fp8ptq.usage import time_line, timed, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars, stderr_console
@@ -118,11 +119,12 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     if not console.is_terminal:  # a file or pipe: keep module names whole on one line
         console = Console(width=160)
 
+    prep: dict[str, float] = {}
     with progress_bars() as bars:
-        with bars.step(f"loading {model}"):
+        with bars.step(f"loading {model}"), timed(prep, "load"):
             loaded = job.load(model, recipe, device=device, **load_options)
             materialize_offloaded(loaded.model)  # modules are swapped one at a time below
-        with bars.step("tokenizing"):
+        with bars.step("tokenizing"), timed(prep, "tokenize"):
             calib = job.calibration_set(loaded, recipe)
             windows = None if eval_texts is None else sens.eval_windows(
                 eval_texts, loaded.tokenizer, tokens=eval_tokens, seq_len=eval_seq_len,
@@ -134,13 +136,15 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
             level=level, metric=metric, eval_ids=None if windows is None else windows.input_ids,
             eval_batch_size=eval_batch_size, target=target_delta, verify=not no_verify,
             progress=lambda description, total: bars.counter(description)(total))
+    result.seconds = {**prep, **result.seconds}
     if windows is not None:
         result.eval.update(source=eval_spec, sha256=windows.sha256)
     flags_ = sens.quantize_flags(recipe, result.suggestion)
     command_line = shlex.join(["fp8ptq", "quantize", model, *flags_, "--output", "OUT"])
     if json_path:
         data = result.to_dict(model=model, recipe=recipe.to_dict(),
-                              calibration=calib_facts(calib), quantize_command=command_line)
+                              calibration=calib_facts(calib), quantize_command=command_line,
+                              peak_rss_mb=usage(result.seconds)["peak_rss_mb"])
         text = json.dumps(data, indent=2, allow_nan=False)
         write_text(json_path, text)
     if plot_path:
@@ -216,8 +220,7 @@ def print_report(console: Console, result, top: int, command_line: str) -> None:
     console.print(command_line, soft_wrap=True, markup=False, highlight=False)
     for w in result.warnings[:20]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}")
-    secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
-    console.print(f"time: {secs}")
+    console.print(time_line(result.seconds, min_seconds=0))
 
 
 def _check_text(result, check: dict) -> str:

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fp8ptq import validate as v
+from fp8ptq.usage import time_line, timed, usage
 
 INVALID = 4
 
@@ -23,9 +24,11 @@ INVALID = 4
 def command(checkpoint, runtime, no_reload, as_json):
     """Check CHECKPOINT against what vLLM / transformers accept, and reload it through both."""
     runtimes = v.RUNTIMES if runtime == "all" else (runtime,)
-    report = v.validate(checkpoint, runtimes, reload=not no_reload)
+    seconds: dict[str, float] = {}
+    with timed(seconds, "validate"):
+        report = v.validate(checkpoint, runtimes, reload=not no_reload)
     if as_json:
-        click.echo(v.dumps(report))
+        click.echo(v.dumps(report, **usage(seconds)))
     else:
         console = Console(highlight=False)
         for violation in report.violations:
@@ -42,5 +45,6 @@ def command(checkpoint, runtime, no_reload, as_json):
                               f"logit range; tolerance {100 * r['tolerance']:.0f}%)")
         verdict = "valid" if report.valid else "INVALID"
         console.print(f"{verdict} for {', '.join(runtimes)}: {checkpoint}")
+        console.print(time_line(seconds, min_seconds=0))
     if not report.valid:
         sys.exit(INVALID)

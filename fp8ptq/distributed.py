@@ -36,6 +36,15 @@ def requested() -> bool:
         return False
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 outside torchrun), before any process group:
+    paths that need no collective (the model-free one) run on rank 0 alone."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def init(device: str = "cpu") -> bool:
     """Join the process group torchrun prepared; True when running on several ranks."""
     if not requested() or not dist.is_available():

@@ -68,7 +68,7 @@ def load_model(
     if path.exists():
         raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json, a .gguf "
                          "file or a .pt module")
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise UsageError(f"cannot load model {spec!r}: no such file or folder")
     return _load_from_hub(spec, **load_kwargs)
 
@@ -79,7 +79,7 @@ def check_model_spec(spec: str) -> None:
     path = Path(spec).expanduser()
     if path.is_dir():
         check_model_folder(spec)
-    elif not path.exists() and _looks_like_path(spec):
+    elif not path.exists() and looks_like_path(spec):
         raise UsageError(f"cannot load model {spec!r}: no such file or folder")
 
 
@@ -106,7 +106,7 @@ def check_model_folder(spec: str) -> None:
                 raise DataError(f"cannot load a tokenizer for {spec!r}: {e}") from None
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     # A hub id "org/name" has one "/", so a single separator does not make a path on its own.
     return (
         spec.startswith((os.sep, ".", "~"))
@@ -261,13 +261,20 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 
 
 def _load_gguf(source, gguf_path: Path, *, task, **load_kwargs) -> LoadedModel:
+    # Loading back from the cache even the first time keeps first and later loads identical.
+    return _load_pretrained(source, str(gguf_folder(gguf_path, task)), "gguf", task=task,
+                            **load_kwargs)
+
+
+def gguf_folder(gguf_path: Path, task: str | None = None) -> Path:
+    """The safetensors folder fp8ptq keeps for ``gguf_path`` (dequantized once, then cached):
+    what every path that loads a GGUF model reads."""
     cached = gguf_cache_dir(gguf_path)
     if not (cached / "config.json").is_file():
         model, tokenizer = _dequantize_gguf(gguf_path, task)
         _save_atomically(model, tokenizer, cached)
         del model
-    # Loading back from the cache even the first time keeps first and later loads identical.
-    return _load_pretrained(source, str(cached), "gguf", task=task, **load_kwargs)
+    return cached
 
 
 def _check_gguf(gguf_path: Path) -> None:

@@ -16,7 +16,7 @@ from .calibrators.gptq import gptq_codes
 from .calibrators.layerwise import choose_layerwise
 from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
-from .formats import encode
+from .formats import decode
 from .hessian import HessianCollector
 from .model.forward import run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
@@ -29,6 +29,7 @@ from .plan import (  # noqa: F401
     build_plan,
     plan_experts,
     plan_gemms,
+    reads_data,
     run_facts,
 )
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
@@ -38,6 +39,7 @@ from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from .smoothquant import apply_smoothquant
 from .taps import ActivationTaps
+from .weight_quant import choose_scale, quantize_weight
 
 # The plan's module entries (``fp8ptq.plan``) are what the pipeline quantizes; the old names stay.
 Target = ExpertsTarget = ModulePlan
@@ -157,7 +159,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
-    hessians = HessianCollector({t.name: t.module for t in targets}) if facts.gptq else None
+    hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)}) \
+        if facts.gptq else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
@@ -185,9 +188,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                           "act_order": recipe.gptq_act_order, "block": recipe.gptq_block,
                           "distinct_inputs": len(hessians.sums)}
     for t in targets:
-        report = quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
+        t_calib = w_calib if t.weight.calibrator == recipe.weight_calib else \
+            plan.weight_calibrator(t)  # a partial-plan override's own
+        report = quantize_target(model, t, recipe, target_granularity(t, gran), t_calib, a_calib,
+                                  stats.get(t.name),
                                   chosen.get(t.name), weight_scale=unified.get(t.name),
-                                  hessian=hessians.hessian(t.name) if hessians else None)
+                                  hessian=hessians.hessian(t.name)
+                                  if hessians and reads_data(t) else None)
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
     if groups:
@@ -214,27 +221,30 @@ def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,
     """Quantize every fused-experts module. Layer-output-aware activation calibrators (best-of,
     pow2-search) search with one layer's cached input rows and weight; experts have one of each
     per expert, so they use the entry's statistics fallback here (recorded in the report)."""
-    recipe, experts = plan.recipe, plan.experts
     a_calib = plan.act_calibrator()
-    out = {}
-    unify = unify_fused(recipe, experts)
-    for e in experts:
-        q, rep = quantize_experts(
-            e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
-            act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
-            stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
-        if unify:
-            unify_expert_input_scales(q)
-            rep.projections = {p: {**f, "input_scales": None if q.input_scale(p) is None else
-                                   [float(s) for s in q.input_scale(p)]}
-                               for p, f in rep.projections.items()}
-        set_submodule(model, e.name, q)
-        warnings += [f"{e.name}: {w}" for w in rep.warnings]
-        out[e.name] = {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
-                       "act_format": rep.act_format, "act_calib": a_calib.name,
-                       "parameters": rep.parameters, "projections": rep.projections,
-                       "warnings": rep.warnings}
-    return out
+    unify = unify_fused(plan.recipe, plan.experts)
+    return {e.name: quantize_experts_module(model, e, plan.recipe, gran, w_calib, a_calib, stats,
+                                            unify, warnings) for e in plan.experts}
+
+
+def quantize_experts_module(model, e: ModulePlan, recipe: Recipe, gran, w_calib, a_calib,
+                            stats: dict, unify: bool, warnings: list[str]) -> dict:
+    """Replace the experts module ``e`` with its ``QuantExperts``; its report entry."""
+    q, rep = quantize_experts(
+        e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
+        act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
+        stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
+    if unify:
+        unify_expert_input_scales(q)
+        rep.projections = {p: {**f, "input_scales": None if q.input_scale(p) is None else
+                               [float(s) for s in q.input_scale(p)]}
+                           for p, f in rep.projections.items()}
+    set_submodule(model, e.name, q)
+    warnings += [f"{e.name}: {w}" for w in rep.warnings]
+    return {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
+            "act_format": rep.act_format, "act_calib": a_calib.name,
+            "parameters": rep.parameters, "projections": rep.projections,
+            "warnings": rep.warnings}
 
 
 def high_precision_report(model: nn.Module, top: int = 8) -> dict:
@@ -257,34 +267,46 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
             "largest_high_precision": [{"name": n, "parameters": c} for n, c in kept[:top]]}
 
 
+def target_granularity(t: Target, gran):
+    """The weight granularity object of ``t``: the recipe's (``gran``, shared, so a layer-aware
+    choice made with it stays valid) unless the module's plan differs (an MX format's groups)."""
+    return gran if t.weight.granularity == gran.name else t.weight.handler()
+
+
 def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
                     weight_scale: torch.Tensor | None = None,
-                    hessian: torch.Tensor | None = None):
+                    hessian: torch.Tensor | None = None, weight: torch.Tensor | None = None):
     """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``);
-    ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``)."""
+    ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``);
+    ``weight``: the weight, in the module's own layout, when the module holds none (the
+    model-free path: a meta-device module; its ``QuantGemm`` then holds the codes)."""
     warnings: list[str] = []
-    w2d = weight_2d(t.module).detach().float()
-    if not bool(torch.isfinite(w2d).all()):
-        raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize it")
+    w2d = weight_2d(t.module, weight).detach()  # its own dtype: the sweep converts by chunks
     if weight_scale is not None:
         w_scale = weight_scale
     elif chosen is not None and chosen.weight_scale is not None:
         w_scale, gran = chosen.weight_scale, chosen.weight_granularity
     else:
-        w_amax = w_calib.amax(w2d, gran, t.weight_format)
-        w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
-                                warnings=warnings)
-    rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
-    gptq = weight_entry(recipe.weight_calib).rounding == "gptq"
+        w_scale = choose_scale(w2d, t.weight_format, gran, w_calib, pow2=recipe.scale_pow2,
+                               warnings=warnings)
+    gptq = weight_entry(t.weight.calibrator).rounding == "gptq"
     if gptq and hessian is not None:
+        w2d = w2d.float()
+        if not bool(torch.isfinite(w2d).all()):
+            raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize "
+                                "it")
         codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
                            damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
                            block=recipe.gptq_block, rounding=recipe.rounding)
+        deq = decode(codes, t.weight_format) * gran.expand(w_scale, w2d)
+        w_amax, w_sqnr = float(w2d.abs().max()), sqnr_db(w2d, deq)
     else:
         if gptq:
             warnings.append("no Hessian (a convolution, or no calibration input): rounded to "
                             "nearest instead of GPTQ")
-        codes = encode(w2d / gran.expand(w_scale, w2d), t.weight_format, **rounding)
+        qw = quantize_weight(w2d, w_scale, t.weight_format, gran, rounding=recipe.rounding,
+                             name=t.name)
+        codes, w_amax, w_sqnr = qw.codes, qw.amax, qw.sqnr_db
 
     input_scale, input_amax, input_sqnr = None, None, None
     if t.input is not None and t.input.static:
@@ -307,13 +329,13 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
     q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
                   weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
                   input_scale=input_scale,
-                  act_granularity=t.input.granularity if t.input else recipe.act_granularity)
-    w_sqnr = sqnr_db(w2d, q.dequantized_weight_2d())
+                  act_granularity=t.input.granularity if t.input else recipe.act_granularity,
+                  act_group_size=t.input.group_size if t.input else None)
     set_submodule(model, t.name, q)
     return ModuleReport(
         name=t.name, kind=kind(t.module), weight_format=t.weight_format.name,
         act_format=t.act_format.name if t.act_format else None,
-        weight_amax=float(w2d.abs().max()), weight_scale_min=float(w_scale.min()),
+        weight_amax=w_amax, weight_scale_min=float(w_scale.min()),
         weight_scale_max=float(w_scale.max()), weight_sqnr_db=w_sqnr,
         input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
         input_sqnr_db=input_sqnr, warnings=warnings,
@@ -349,7 +371,8 @@ def unify_fused(recipe: Recipe, targets: list[Target]) -> bool:
                                  for t in targets)
 
 
-def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen) -> dict:
+def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen,
+                          weights: dict | None = None) -> dict:
     """Per-tensor weight scales shared by each group of fused shards: vLLM runs q/k/v (gate/up)
     as one GEMM with one weight scale and requantizes every shard to the largest one at load
     time, rounding the weights twice; choosing the shared (largest) scale here, before the
@@ -366,9 +389,9 @@ def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen) -> dic
             if c is not None and c.weight_scale is not None:
                 scales.append(c.weight_scale.reshape(-1).float())
                 continue
-            w2d = weight_2d(t.module).detach().float()
-            scales.append(amax_to_scale(w_calib.amax(w2d, gran, t.weight_format),
-                                        t.weight_format, pow2=recipe.scale_pow2).reshape(-1))
+            w2d = weight_2d(t.module, (weights or {}).get(name)).detach()
+            scales.append(choose_scale(w2d, t.weight_format, gran, w_calib,
+                                       pow2=recipe.scale_pow2).reshape(-1))
         shared = torch.stack(scales).max(dim=0).values
         out.update({name: shared.clone() for name in group})
     return out

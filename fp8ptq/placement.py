@@ -55,7 +55,11 @@ class Placement:
 
 def parse_placement(device_map: str | None, max_memory: str | None,
                     offload_folder: str | None = None) -> Placement:
-    return Placement(parse_device_map(device_map), parse_max_memory(max_memory), offload_folder)
+    placement = Placement(parse_device_map(device_map), parse_max_memory(max_memory),
+                          offload_folder)
+    if placement.max_memory is not None and placement.device_map is None:  # now, not at load
+        raise UsageError("--max-memory needs --device-map (e.g. --device-map auto)")
+    return placement
 
 
 def parse_device_map(text: str | None):

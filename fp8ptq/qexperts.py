@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import NumericsError
-from .formats import FormatSpec, decode, encode, fake_quantize, get_format
+from .formats import FormatSpec, decode, fake_quantize, get_format
 from .model.experts import ExpertsInfo, expert_unit_name, expert_weight
 from .observers import TensorStats
-from .scales import TINY, amax_to_scale, histogram_sqnr_db, sqnr_db
+from .scales import amax_to_scale, dynamic_scale, histogram_sqnr_db
+from .weight_quant import choose_scale, quantize_weight
 
 
 @dataclass
@@ -80,6 +80,14 @@ class QuantExperts(nn.Module):
     def input_scale(self, proj: str) -> torch.Tensor | None:
         return getattr(self, f"{proj}_input_scale")
 
+    def release_codes(self) -> None:
+        """Keep only the codes' shapes (meta tensors): after the model-free path has written
+        this module, its codes leave memory."""
+        for proj in self.info.projections:
+            c = self.codes(proj)
+            self.register_buffer(f"{proj}_codes", torch.empty(c.shape, dtype=c.dtype,
+                                                               device="meta"))
+
     def dequantized_weight(self, proj: str, expert: int) -> torch.Tensor:
         """Expert ``expert``'s ``[out, in]`` weight as float32, decoded from its codes."""
         w = decode(self.codes(proj)[expert], self.weight_format)
@@ -91,7 +99,7 @@ class QuantExperts(nn.Module):
         if self.act_format is not None:
             if self.act_granularity == "token":
                 amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-                scale = (amax / self.act_format.max).clamp(min=TINY)
+                scale = dynamic_scale(amax, self.act_format)
             else:
                 scale = self.input_scale(proj)[expert].reshape(1)
             x = fake_quantize(x, scale, self.act_format)
@@ -202,24 +210,19 @@ def quantize_experts(name: str, module: nn.Module, info: ExpertsInfo, *, weight_
     params = sum(getattr(module, p).numel() for p in info.projections)
     report = ExpertsReport(name, info.num_experts, weight_format.name,
                            act_format.name if act_format else None, params)
-    kw = {"rounding": rounding} if rounding else {}
     projections = {}
     for proj in info.projections:
         weights = expert_weight(module, info, proj).detach()
         codes, scales, sqnrs = [], [], []
         for e in range(info.num_experts):
-            w2d = weights[e].float()
-            if not bool(torch.isfinite(w2d).all()):
-                raise NumericsError(f"weight of {expert_unit_name(name, e, proj)} contains NaN "
-                                    "or inf; refusing to quantize it")
-            scale = amax_to_scale(w_calib.amax(w2d, gran, weight_format), weight_format,
-                                  pow2=pow2, what=f"expert {e} {proj} weight",
-                                  warnings=report.warnings)
-            c = encode(w2d / gran.expand(scale, w2d), weight_format, **kw)
-            deq = decode(c, weight_format) * gran.expand(scale, w2d)
-            codes.append(c)
+            w2d = weights[e]
+            scale = choose_scale(w2d, weight_format, gran, w_calib, pow2=pow2,
+                                 what=f"expert {e} {proj} weight", warnings=report.warnings)
+            qw = quantize_weight(w2d, scale, weight_format, gran, rounding=rounding,
+                                 name=expert_unit_name(name, e, proj))
+            codes.append(qw.codes)
             scales.append(scale)
-            sqnrs.append(sqnr_db(w2d, deq))
+            sqnrs.append(qw.sqnr_db)
         input_scale, unseen, input_sqnr = None, [], []
         if act_format is not None and act_granularity == "tensor":
             input_scale, unseen, input_sqnr = _input_scales(name, proj, info, act_format,

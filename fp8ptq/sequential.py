@@ -22,15 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
-from .files import read_json
-from .loading import LoadedModel, load_config, load_tokenizer, model_class
+from .loading import LoadedModel, load_tokenizer
 from .model.blocks import block_prefix, find_blocks
 from .model.experts import find_experts
 from .pipeline import (
@@ -41,6 +38,7 @@ from .pipeline import (
     token_batches,
 )
 from .recipe import Recipe
+from .source import SafetensorsSource, build_empty  # noqa: F401 - re-exported
 
 
 class ActivationStore:
@@ -88,44 +86,6 @@ class ActivationStore:
             self._tmp = None
 
 
-class SafetensorsSource:
-    """Tensor name -> file of a (sharded) safetensors checkpoint folder; tensors are read one
-    at a time, so loading a block reads only that block's bytes."""
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise DataError(f"{index}: not a safetensors index (no weight_map)")
-            self.files = {k: self.folder / v for k, v in weight_map.items()}
-        else:
-            single = self.folder / "model.safetensors"
-            if not single.is_file():
-                raise DataError(f"{folder}: no model.safetensors(.index.json); sequential mode "
-                                "reads safetensors checkpoints")
-            try:
-                with safe_open(single, "pt") as f:
-                    self.files = {k: single for k in f.keys()}
-            except SafetensorError as e:
-                raise DataError(f"{single}: corrupt or truncated safetensors file "
-                                f"({e})") from None
-
-    def names(self) -> list[str]:
-        return list(self.files)
-
-    def read(self, names) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.files[n], []).append(n)
-        out = {}
-        for path, ns in by_file.items():
-            with safe_open(path, "pt") as f:
-                out.update({n: f.get_tensor(n) for n in ns})
-        return out
-
-
 class BlockLoader:
     """Loads model tensors from a ``SafetensorsSource`` into a meta-built model and releases
     them; counts how many blocks hold float weights at once (``max_resident``)."""
@@ -153,14 +113,6 @@ class BlockLoader:
 
     def release_block(self, index: int) -> None:
         self.resident.discard(index)
-
-
-def build_empty(folder: str | Path, dtype: torch.dtype) -> nn.Module:
-    """The model's architecture from its config, parameters on the meta device."""
-    config = load_config(str(folder), folder)
-    with init_empty_weights(include_buffers=False):
-        model = model_class(config).from_config(config, dtype=dtype)
-    return model.eval()
 
 
 class _Stop(Exception):

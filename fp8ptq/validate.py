@@ -90,8 +90,9 @@ def static_violations(path, runtime: str = "vllm") -> list[Violation]:
     return [v for rule in RULES if rule.runtime == runtime for v in rule.check(ck)]
 
 
-def dumps(report: Report) -> str:
-    return json.dumps(report.as_dict(), indent=2, default=str)
+def dumps(report: Report, **extra) -> str:
+    """The report as JSON, ``extra`` fields (the command's seconds and peak RSS) after it."""
+    return json.dumps({**report.as_dict(), **extra}, indent=2, default=str)
 
 
 __all__ = ["validate", "static_violations", "reload_difference", "dumps", "Report", "Violation",

@@ -233,6 +233,18 @@ def truncated_weights(tmp, A):
     return m
 
 
+def missing_tensor(tmp, A):
+    m = copy(A / "llama", tmp / "m")
+    edit_tensor(m, "model.norm.weight", drop)
+    return m
+
+
+def nan_weight(tmp, A):
+    m = copy(A / "llama", tmp / "m")
+    edit_tensor(m, "model.layers.1.mlp.down_proj.weight", set_value(float("nan")))
+    return m
+
+
 def no_config(tmp, A):
     m = copy(A / "llama", tmp / "m")
     (m / "config.json").unlink()
@@ -368,7 +380,11 @@ CASES = {
     "bad-device-map": (flags_case("--device-map", "everywhere"), 2, "--device-map"),
     "bad-max-memory": (flags_case("--device-map", "auto", "--max-memory", "lots"), 2,
                        "--max-memory"),
-    "max-memory-alone": (flags_case("--max-memory", "4GB"), 2, "needs --device-map"),
+    "max-memory-devices-alone": (flags_case("--max-memory", "0=20GiB,cpu=64GiB"), 2,
+                                 "needs --device-map"),
+    "max-memory-bad-size": (flags_case("--max-memory", "4 bananas"), 2, "--max-memory"),
+    "eval-max-memory-alone": (flags_case("--max-memory", "4GB", command="eval"), 2,
+                              "needs --device-map"),
     "zero-samples": (flags_case("--num-samples", "0"), 2, "num_samples"),
     "existing-output": (existing_output, 2, "already exists"),
     "unknown-flag": (flags_case("--no-such-flag"), 2, "No such option"),
@@ -455,6 +471,23 @@ CASES = {
                                "--trust-remote-code"),
     "sequential-not-a-folder": (flags_case("--sequential", command="quantize-pt"), 2,
                                 "--sequential"),
+    "model-free-truncated-safetensors": (model_case(truncated_weights, "--model-free",
+                                                    "--act-granularity", "token"), 2,
+                                         "corrupt or truncated"),
+    "model-free-missing-tensor": (model_case(missing_tensor, "--model-free", "--act-format",
+                                             "none"), 2,
+                                  "missing from the checkpoint: model.norm.weight"),
+    "model-free-nan-weight": (model_case(nan_weight, "--act-granularity", "token"), 1,
+                              "model.layers.1.mlp.down_proj contains NaN"),
+    "model-free-static-recipe": (flags_case("--model-free"), 2,
+                                 "--model-free: static activation scales"),
+    "model-free-gptq": (flags_case("--model-free", "--act-format", "none", "--weight-calib",
+                                   "gptq"), 2, "GPTQ (--weight-calib gptq) needs calibration"),
+    "model-free-not-safetensors": (flags_case("--model-free", "--act-format", "none",
+                                              command="quantize-pt"), 2,
+                                   "--model-free reads safetensors checkpoints"),
+    "model-free-and-sequential": (flags_case("--model-free", "--sequential", "--act-format",
+                                             "none"), 2, "two different paths"),
     # sensitivity, validate and formats
     "sens-calib-not-utf8": (file_case("c.txt", b"\xff\xfe bad\n", command="sensitivity"), 2,
                             "not UTF-8"),

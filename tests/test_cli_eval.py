@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -170,8 +171,13 @@ def test_calibration_overlap_allowed_is_noted(files, tmp_path):
               "--calib-seq-len", 8, "--dtype", "float32", "--limit", 1, "--allow-calib-overlap",
               "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
-    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    doc = json.loads((tmp_path / "r.json").read_text())
+    notes = doc["notes"]
     assert len(notes) == 1 and "optimistic" in notes[0]
+    assert doc["peak_rss_mb"] > 0 and set(doc["seconds"]) >= {"load", "eval"}
+    assert doc["seconds"]["eval"] == pytest.approx(sum(
+        sum(v["timings"]["eval"].values()) for v in doc["variants"]), abs=0.01)
+    assert re.search(r"^time: load \d+\.\ds, .*; peak RSS \d+ MiB$", res.stdout, re.M)
     assert "note: calibration data" in res.stdout
 
 

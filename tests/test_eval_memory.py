@@ -1,11 +1,19 @@
 """Evaluation never materializes batch x context x vocabulary float32 logits: a small-hidden
 model with a 262,144-token vocabulary at context 2048, batch 8, measured in a subprocess
-(peak RSS), against the bound model bytes + 2 GB (lm-eval's own path needs ~17 GB there)."""
+(peak RSS), against the bound model bytes + 2 GB (lm-eval's own path needs ~17 GB there); and
+at the allocation level (torch's profiler, per op) on a 32k-vocabulary model, against lm-eval's
+own path as the control."""
 
 import json
 import subprocess
 import sys
 import textwrap
+
+from torch.profiler import ProfilerActivity, profile
+
+from fp8ptq.evals.harness import ChunkedLogitsMixin, make_lm
+from fp8ptq.evals.wikitext import evaluate_wikitext
+from tiny_models import tiny
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
@@ -50,3 +58,40 @@ def test_big_vocabulary_eval_peak_rss_is_model_plus_two_gb(tmp_path):
     assert facts["tokens"] > 2 * 2048  # several full-context windows, batched
     assert facts["ppl"] > 0
     assert facts["peak"] <= facts["model_bytes"] + 2 * 1024**3 + facts["before"], facts
+
+
+VOCAB, CONTEXT, BATCH = 32768, 512, 4
+
+
+def _largest_allocation(lm, wiki) -> tuple[int, float]:
+    """The most bytes any one torch op allocated while ``lm`` evaluated ``wiki`` (torch's
+    profiler, per call: what the op's outputs and temporaries took), and the perplexity."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = evaluate_wikitext(lm, wiki)
+    calls = [e for e in prof.events() if e.name != "[memory]"]
+    return max(e.self_cpu_memory_usage for e in calls), out.metrics["word_perplexity"]
+
+
+def test_no_op_allocates_logits_beyond_one_chunk(tmp_path, word_tokenizer, monkeypatch):
+    """Allocation-level guard (torch profiler, not RSS or wall time): with a 32k vocabulary at
+    context 512, batch 4, lm-eval's own path allocates the batch's float32 logits at once
+    (batch x context x vocabulary x 4 bytes = 256 MiB, checked as the control); the chunked path
+    never allocates even one sequence's logits (64 MiB): its largest op output is a chunk of
+    positions (4 MiB with the chunk set to 2^20 elements here) or one layer's attention scores,
+    and the perplexity is the same."""
+    model = tiny("llama", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                 num_attention_heads=2, intermediate_size=32, max_position_embeddings=CONTEXT,
+                 tie_word_embeddings=True)
+    word_tokenizer.pad_token = word_tokenizer.eos_token
+    words = " ".join(["the quick brown fox jumps over the lazy dog"] * 250)
+    wiki = tmp_path / "wiki.raw"
+    wiki.write_text(" = a = \n " + words + " \n = b = \n " + words + " \n")
+    monkeypatch.setattr(ChunkedLogitsMixin, "CHUNK_ELEMENTS", 1 << 20)
+    chunked, ppl = _largest_allocation(make_lm(model, word_tokenizer, batch_size=BATCH,
+                                               seq_len=CONTEXT), wiki)
+    monkeypatch.setattr(ChunkedLogitsMixin, "_check_split", lambda self: False)
+    whole, ppl_whole = _largest_allocation(make_lm(model, word_tokenizer, batch_size=BATCH,
+                                                   seq_len=CONTEXT), wiki)
+    assert whole >= BATCH * CONTEXT * VOCAB * 4  # the control: lm-eval's path
+    assert chunked < CONTEXT * VOCAB * 4 // 4, chunked  # < a quarter of one sequence's logits
+    assert abs(ppl - ppl_whole) <= 1e-6 * ppl_whole

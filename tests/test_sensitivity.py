@@ -258,6 +258,8 @@ def test_cli_json_plot_and_suggestion(model_dir, tmp_path):
     assert f"--skip {HARD}" in result.output
     data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert data["schema"] == sens.SCHEMA and data["metric"] == "ppl"
+    assert data["peak_rss_mb"] > 0 and set(data["seconds"]) >= {"load", "tokenize"}
+    assert "; peak RSS " in result.output
     assert data["baseline"] > 0 and data["formats"] == ["e4m3"]
     assert data["stat_formats"] == ["e4m3", "hif8"]
     assert data["units"][0]["name"] == HARD and len(data["units"]) == 14

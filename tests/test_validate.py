@@ -3,6 +3,7 @@ the reload comparison through transformers and fp8ptq.load, exit codes, and quan
 ``--runtime vllm`` refusing before anything is written."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -42,6 +43,9 @@ def test_default_e4m3_checkpoint_is_valid_and_reloads_identically(A, tmp_path):
     assert report["valid"] and report["reload"]["ok"]
     assert report["reload"]["max_abs_logit_diff"] == 0.0  # transformers computes what we do
     assert all(v["severity"] == "note" for v in report["violations"])
+    assert report["peak_rss_mb"] > 0 and report["seconds"]["validate"] > 0
+    text = invoke(["validate", str(tmp_path / "ck"), "--no-reload"])
+    assert re.search(r"^time: validate \d+\.\ds; peak RSS \d+ MiB$", text.stdout, re.M)
 
 
 @pytest.mark.parametrize("extra,rule", [

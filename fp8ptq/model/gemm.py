@@ -36,9 +36,11 @@ def is_depthwise(module: nn.Module) -> bool:
         module.groups == module.in_channels
 
 
-def weight_2d(module: nn.Module) -> torch.Tensor:
-    """The weight as ``[out_features, in_features]`` (a view where the layout allows)."""
-    w = module.weight
+def weight_2d(module: nn.Module, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as ``[out_features, in_features]`` (a view where the layout allows).
+    ``weight``: a tensor in the module's own layout to use instead of ``module.weight`` (the
+    model-free path reads it from the checkpoint; the module holds none)."""
+    w = module.weight if weight is None else weight
     if Conv1D and isinstance(module, Conv1D):
         return w.t()  # transformers' Conv1D stores [in, out]
     return w.reshape(w.shape[0], -1)

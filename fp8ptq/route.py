@@ -1,0 +1,262 @@
+"""Which path ``quantize`` takes - model-free, sequential or in-memory - and why, decided once.
+
+Three paths produce the same checkpoint layouts and fp8ptq.json:
+
+* **model-free** (``fp8ptq.model_free``): the recipe reads no calibration data (weight-only,
+  dynamic per-token activations), so each weight is quantized from the safetensors files alone;
+  memory is a few tensors in flight plus the writer's open shard;
+* **sequential** (``fp8ptq.sequential``): one repeated block resident at a time, inter-block
+  activations in memory up to a budget and spilled to disk beyond it;
+* **in-memory** (``fp8ptq.pipeline``): the whole model loaded, every calibrator available.
+
+``choose`` is the one place that decides, before anything is loaded: ``--sequential`` and
+``--model-free`` / ``--no-model-free`` are obeyed (or refused with the reason); otherwise a
+recipe that needs no calibration goes model-free when the source is a safetensors checkpoint;
+otherwise, with a process budget (``--max-memory SIZE``), the weights read from the safetensors
+headers plus the in-memory path's working memory (``estimate``) are compared with SIZE, and a
+model that does not fit runs sequential with an activation budget of what SIZE leaves after the
+sequential path's own fixed memory; else in-memory. The ``Selection`` says which path and why;
+the CLI prints it, puts it in ``--json`` and in fp8ptq.json's ``extras`` (``record``).
+
+The estimates are deliberately simple and conservative (documented in README "Memory
+budget"): they count the weights in ``--dtype``, temporaries of the largest quantized module
+while it is quantized, one calibration batch's activations and float32 logits, and a fixed runtime
+(Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on this machine). The
+largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5 bytes
+an element while quantized: a float32 copy some calibrators make, and its uint8 codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate.utils import convert_file_size_to_int
+from torch import nn
+
+from . import distributed
+from .checkpoint.shards import SHARD_BYTES
+from .errors import UsageError
+from .model.blocks import find_blocks
+from .model_free import ModelFreeJob, NotModelFree, refusal
+from .plan import build_plan, run_facts
+from .recipe import Recipe
+from .source import build_empty, resolve_safetensors
+
+RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
+
+
+def parse_size(text: str) -> int:
+    """``4GB`` (10^9), ``4GiB`` (2^30), ``512MB`` (accelerate's own parser, as the device map's
+    budgets use it; case-insensitive) or a plain byte count. A ``UsageError`` when it is not a
+    size."""
+    text = str(text).strip()
+    try:
+        value = int(text) if text.isdigit() else convert_file_size_to_int(
+            text.replace(" ", "").upper().replace("IB", "iB"))
+    except (ValueError, TypeError):
+        raise UsageError(f"--max-memory: {text!r} is not a size like 4GB, 4GiB or 512MB"
+                         ) from None
+    if value <= 0:
+        raise UsageError(f"--max-memory: {text!r} must be more than 0 bytes")
+    return int(value)
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+@dataclass
+class Estimate:
+    """Bytes each path needs beyond the runtime, from the model's structure alone."""
+
+    weights: int  # every parameter in --dtype
+    in_memory: int  # peak estimate of the in-memory path (runtime included)
+    sequential_fixed: int  # sequential without its activation store (runtime included)
+    activations: int  # the inter-block activations of every calibration batch (one block)
+    parts: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"weights_bytes": self.weights, "in_memory_bytes": self.in_memory,
+                "sequential_fixed_bytes": self.sequential_fixed,
+                "activation_bytes": self.activations, **self.parts}
+
+
+def estimate(model: nn.Module, recipe: Recipe) -> Estimate:
+    """Peak-memory estimates for ``model`` (built on the meta device, ``source.build_empty``)
+    quantized with ``recipe``."""
+    size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * size
+    plan = build_plan(model, recipe)
+    largest = max((sum(p.numel() for p in m.module.parameters()) for m in plan.modules),
+                  default=0)
+    temporaries = 5 * largest  # a float32 copy (a calibrator's) and the uint8 codes
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 1)
+    calib = run_facts(recipe).needs_calibration
+    tokens = recipe.batch_size * recipe.seq_len if calib else 0
+    batch = 4 * (tokens * (6 * hidden + 2 * inter + vocab)
+                 + recipe.batch_size * heads * recipe.seq_len ** 2 * int(calib))
+    activations = (recipe.num_samples * recipe.seq_len * hidden * size) if calib else 0
+    found = find_blocks(model)
+    block = outside = weights
+    if found is not None:
+        name, blocks = found
+        block = max(sum(p.numel() for p in b.parameters()) for b in blocks) * size
+        outside = sum(p.numel() for n, p in model.named_parameters()
+                      if not n.startswith(f"{name}.")) * size
+    return Estimate(
+        weights=weights,
+        in_memory=RUNTIME_BYTES + weights + temporaries + batch + activations,
+        sequential_fixed=RUNTIME_BYTES + outside + 2 * block + temporaries + batch,
+        activations=2 * activations,  # a block's inputs and its outputs
+        parts={"quantize_temporaries_bytes": temporaries, "calibration_batch_bytes": batch,
+               "block_bytes": block, "outside_blocks_bytes": outside})
+
+
+@dataclass
+class Selection:
+    """Which path ``quantize`` takes, and why."""
+
+    path: str  # "model-free" | "sequential" | "in-memory"
+    reason: str
+    folder: Path | None = None  # the safetensors checkpoint (model-free, sequential)
+    kind: str | None = None  # local | hub | gguf
+    activation_budget: int | None = None  # sequential: bytes of activations kept in memory
+    budget: int | None = None  # --max-memory SIZE in bytes
+    estimate: Estimate | None = None
+    job: ModelFreeJob | None = None  # model-free: the planned job
+
+    def facts(self) -> dict:
+        """What ``--json`` and fp8ptq.json's extras record."""
+        out: dict = {"path": self.path, "path_reason": self.reason}
+        if self.budget is not None:
+            out["max_memory_bytes"] = self.budget
+        if self.activation_budget is not None:
+            out["activation_budget_bytes"] = self.activation_budget
+        if self.estimate is not None:
+            out["memory_estimate"] = self.estimate.as_dict()
+        return out
+
+    def sequential_options(self) -> dict:
+        """Keyword arguments for ``sequential.quantize_folder``."""
+        if self.activation_budget is None:
+            return {}
+        return {"activation_budget": self.activation_budget}
+
+
+def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: bool | None = None,
+           max_memory: int | None = None, trust_remote_code: bool = False,
+           task: str | None = None, whole_model: str | None = None) -> Selection:
+    """The path for quantizing MODEL ``spec`` with ``recipe``. ``model_free``: True insists
+    (``UsageError`` naming what stands in the way), False forbids, None decides; ``max_memory``:
+    the process budget in bytes (``--max-memory SIZE``); ``whole_model``: why this job needs the
+    whole model in memory whatever the recipe (``--target-delta`` measures it)."""
+    if sequential:
+        if model_free:
+            raise UsageError("--model-free and --sequential are two different paths; use one")
+        if max_memory is None:
+            return Selection("sequential", "--sequential")
+        return by_budget(spec, recipe, max_memory, task, forced_sequential=True)
+    if trust_remote_code:
+        if model_free:
+            raise UsageError("--model-free builds the model from transformers' own classes; "
+                             "drop --trust-remote-code or --model-free")
+        return Selection("in-memory", "--trust-remote-code loads the model's own code",
+                         budget=max_memory)
+    if whole_model:
+        if model_free:
+            raise UsageError(f"--model-free: {whole_model}")
+        return Selection("in-memory", whole_model, budget=max_memory)
+    if model_free is not False:
+        chosen = _model_free(spec, recipe, model_free, task)
+        if chosen.path == "model-free" or max_memory is None:
+            chosen.budget = max_memory
+            return chosen
+    elif max_memory is None:
+        return Selection("in-memory", "--no-model-free")
+    return by_budget(spec, recipe, max_memory, task)
+
+
+def _model_free(spec: str, recipe: Recipe, forced: bool | None, task: str | None) -> Selection:
+    problem = refusal(recipe)
+    if problem:
+        if forced:
+            raise UsageError(f"--model-free: {problem}")
+        return Selection("in-memory", f"the recipe needs the model: {problem}")
+    found = resolve_safetensors(spec, task=task)
+    if isinstance(found, str):
+        if forced:
+            raise UsageError(f"--model-free reads safetensors checkpoints: {found}")
+        return Selection("in-memory", found)
+    folder, kind = found
+    try:  # plans it: config, headers, key mapping (no tensor read)
+        job = ModelFreeJob(folder, recipe, task=task)
+    except NotModelFree as e:
+        if forced:
+            raise UsageError(f"--model-free: {e}") from None
+        return Selection("in-memory", f"model-free was not possible: {e}")
+    why = "forced by --model-free" if forced else (
+        "the recipe reads no calibration data and the source is a safetensors checkpoint")
+    if distributed.active():
+        why += f"; rank 0 of {distributed.world()} writes it alone"
+    return Selection("model-free", why, folder, kind, job=job)
+
+
+def by_budget(spec: str, recipe: Recipe, budget: int, task: str | None = None, *,
+              forced_sequential: bool = False) -> Selection:
+    """In-memory when its estimate fits ``budget`` bytes, else (or with ``forced_sequential``)
+    sequential with the activation budget the rest of ``budget`` leaves (the source must be a
+    safetensors checkpoint)."""
+    found = resolve_safetensors(spec, task=task)
+    if isinstance(found, str):
+        if forced_sequential:
+            return Selection("sequential", "--sequential", budget=budget)
+        return Selection("in-memory", f"--max-memory {gb(budget)} cannot be planned: {found}; "
+                         "loaded whole", budget=budget)
+    folder, kind = found
+    est = estimate(build_empty(folder, getattr(torch, recipe.dtype), task), recipe)
+    need = (f"weights {gb(est.weights)} + working memory {gb(est.in_memory - est.weights)}")
+    if est.in_memory <= budget and not forced_sequential:
+        return Selection("in-memory", f"{need} fit --max-memory {gb(budget)}",
+                         folder, kind, budget=budget, estimate=est)
+    left = budget - est.sequential_fixed
+    why = ("--sequential" if forced_sequential else
+           f"{need} exceed --max-memory {gb(budget)}: one block at a time")
+    if left < 0:
+        why += (f" (even so, about {gb(est.sequential_fixed)} is needed: "
+                "the budget may be exceeded)")
+    elif est.activations > left:
+        why += f", calibration activations beyond {gb(left)} spilled to disk"
+    return Selection("sequential", why, folder, kind, activation_budget=max(0, left),
+                     budget=budget, estimate=est)
+
+
+def process_budget(text: str | None) -> int | None:
+    """``--max-memory``'s process budget in bytes: a plain SIZE; None for accelerate's
+    per-device form (``0=20GiB,cpu=64GiB`` or JSON) or no flag."""
+    if text is None or "=" in text or text.strip().startswith("{"):
+        return None
+    return parse_size(text)
+
+
+def shard_bytes(budget: int | None) -> int | None:
+    """The model-free writer's shard size under ``budget`` (it holds the open shard in memory):
+    a quarter of what the runtime leaves, at most the default, at least 64 MiB."""
+    if budget is None:
+        return None
+    return max(64 * 2**20, min(SHARD_BYTES, (budget - RUNTIME_BYTES) // 4))
+
+
+def record(result, selection: Selection) -> None:
+    """Write the selection into ``result.extras`` (fp8ptq.json's ``extras``)."""
+    result.extras.update(selection.facts())
+
+
+__all__ = ["Estimate", "Selection", "by_budget", "choose", "estimate", "gb", "parse_size",
+           "process_budget", "record", "shard_bytes", "RUNTIME_BYTES"]

@@ -1,0 +1,49 @@
+"""What a command used - wall time per stage and peak resident memory - in one format for every
+command's timing line and ``--json``: ``quantize``, ``eval``, ``sensitivity`` and ``validate``
+print ``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB`` and put ``seconds`` and
+``peak_rss_mb`` in their JSON. Users size machines and CI runners from these numbers, so every
+command reports them the same way.
+
+Peak RSS is the kernel's high-water mark of this process's resident memory (``getrusage``:
+KiB on Linux, bytes on macOS), the number ``/usr/bin/time -v`` prints as "Maximum resident set
+size"; it includes everything the process mapped and touched (torch, the model, lm-eval).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from contextlib import contextmanager
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
+
+
+def usage(seconds: dict[str, float]) -> dict:
+    """The JSON fields: ``seconds`` (rounded to ms) and ``peak_rss_mb`` (rounded to 0.1)."""
+    return {"seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+def time_line(seconds: dict[str, float], *, min_seconds: float = 0.05, always=()) -> str:
+    """``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB``: stages shorter than
+    ``min_seconds`` are left out unless named in ``always``."""
+    parts = [f"{k} {v:.1f}s" for k, v in seconds.items() if v >= min_seconds or k in always]
+    return f"time: {', '.join(parts) or '-'}; peak RSS {peak_rss_mb():.0f} MiB"
+
+
+@contextmanager
+def timed(seconds: dict[str, float], key: str):
+    """Add the wall time of the ``with`` body to ``seconds[key]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+
+
+__all__ = ["peak_rss_mb", "time_line", "timed", "usage"]

@@ -1,0 +1,135 @@
+"""Round-to-nearest weight quantization in one sweep over cache-sized row chunks.
+
+Every weight rounded to nearest - a ``QuantGemm``'s, each fused expert's, and the model-free
+path's (``fp8ptq.model_free``) - goes through ``quantize_weight``: after the calibrator has
+chosen the scale on the whole matrix (a calibrator may need all of it, e.g. MSE), one walk over
+chunks of rows does the finiteness check, the encoding, the decoding and the error sums that the
+report needs (SQNR, amax). Whole-matrix code made a dozen float32 / float64 temporaries the size
+of the weight, each a trip through main memory; here they stay in cache. The codes are the same
+bit for bit (every step is elementwise); the SQNR sums are float64 over float32 chunk sums.
+
+The model-free path is bandwidth-bound: this sweep is what lets quantizing keep up with reading
+and writing the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NumericsError
+from .formats import FormatSpec, decode, encode
+from .scales import amax_to_scale
+
+# Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
+CHUNK_ELEMENTS = 1 << 17
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [out, in]
+    scale: torch.Tensor  # float32, the granularity's scale shape
+    amax: float  # max |w|
+    sqnr_db: float  # 10 log10(sum w^2 / sum (w - dequantized)^2); inf when exact
+
+
+def choose_scale(w2d: torch.Tensor, fmt: FormatSpec, gran, w_calib, *, pow2: bool = False,
+                 what: str = "weight", warnings: list[str] | None = None) -> torch.Tensor:
+    """The weight scale the calibrator's clip range gives (finite, > 0; ``fp8ptq.scales``)."""
+    return amax_to_scale(w_calib.amax(w2d, gran, fmt), fmt, pow2=pow2, what=what,
+                         warnings=warnings)
+
+
+def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gran, *,
+                    rounding: str | None = None, name: str = "weight") -> QuantizedWeight:
+    """Codes of the ``[out, in]`` matrix ``w2d`` (any float dtype) with ``scale`` (the shape
+    ``gran`` gives), plus its amax and SQNR. NaN / inf anywhere is a ``NumericsError``."""
+    rows, cols = w2d.shape
+    codes = torch.empty((rows, cols), dtype=torch.uint8, device=w2d.device)
+    kw = {"rounding": rounding} if rounding else {}
+    step = gran.row_step
+    chunk = max(step, (CHUNK_ELEMENTS // max(cols, 1)) // step * step)
+    if (rounding or fmt.rounding) == "stochastic":  # one random stream, as one encode call
+        chunk = max(rows, 1)
+    signal = noise = 0.0
+    amax = 0.0
+    dequantize = _decoder(fmt)
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        x = w2d[start:stop].float()
+        flat = x.reshape(-1)
+        top = float(flat.abs().max()) if flat.numel() else 0.0
+        if not math.isfinite(top):  # max propagates NaN
+            raise NumericsError(f"weight of {name} contains NaN or inf; refusing to quantize it")
+        amax = max(amax, top)
+        s = gran.expand(gran.rows(scale, start, stop), x)
+        c = encode(x / s, fmt, **kw)
+        codes[start:stop] = c
+        d = x - dequantize(c).mul_(s)
+        noise += _sum_squares(d)
+        signal += _sum_squares(x)
+    if noise == 0:
+        sqnr = math.inf
+    else:
+        sqnr = 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+    return QuantizedWeight(codes, scale, amax, sqnr)
+
+
+_HALF: dict[str, tuple[int, float] | None] = {}
+
+
+def half_layout(fmt: FormatSpec) -> tuple[int, float] | None:
+    """``(shift, factor)`` when every finite value of the 8-bit float format ``fmt`` is the
+    float16 whose bits are ``sign << 15 | magnitude << shift``, times ``factor`` (a power of
+    two): true of e4m3 (7, 2^8), e5m2 (8, 1), e4m3fnuz (7, 2^7) and small IEEE-like ExMy formats,
+    whose exponent and mantissa fields sit inside float16's and whose subnormals are float16
+    subnormals too. Found by trying
+    the shifts and verified on all 256 codes against the format's own table, so a format it does
+    not hold for (HiF8, HFP8, e5m2fnuz, int8) gets None, never a wrong value."""
+    if fmt.name in _HALF:
+        return _HALF[fmt.name]
+    found = None
+    if fmt.bits == 8 and fmt.is_float:
+        codes = torch.arange(256, dtype=torch.int16)
+        table = decode(codes.to(torch.uint8), fmt)
+        finite = torch.isfinite(table)
+        nonzero = finite & (table != 0)
+        for shift in range(9):
+            half = (((codes & 0x80) << 8) | ((codes & 0x7F) << shift)).view(torch.float16).float()
+            if not bool((half[nonzero] != 0).all()):
+                continue
+            factor = float(table[nonzero][0] / half[nonzero][0])
+            if factor > 0 and math.log2(factor).is_integer() and \
+                    torch.equal(half[finite] * factor, table[finite]):
+                found = (shift, factor)
+                break
+    _HALF[fmt.name] = found
+    return found
+
+
+def _decoder(fmt: FormatSpec):
+    """Codes -> float32 values for the SQNR sums: through float16 bits where ``half_layout``
+    holds (a few integer ops and the hardware half -> float conversion: ~6x faster on CPU than
+    torch's float8 -> float32 cast, and the same values), else the format's table."""
+    layout = half_layout(fmt)
+    if layout is None:
+        return lambda c: decode(c, fmt)
+    shift, factor = layout
+
+    def dequantize(c: torch.Tensor) -> torch.Tensor:
+        i = c.to(torch.int16)
+        half = ((i & 0x80) << 8) | ((i & 0x7F) << shift)
+        return half.view(torch.float16).float().mul_(factor)
+
+    return dequantize
+
+
+def _sum_squares(x: torch.Tensor) -> float:
+    """Sum of squares, the same whatever the number of threads: each row is reduced by one
+    thread (float64 accumulation), then the few row sums in order."""
+    return float(x.square().sum(dim=1, dtype=torch.float64).sum()) if x.numel() else 0.0
+
+
+__all__ = ["QuantizedWeight", "choose_scale", "half_layout", "quantize_weight", "CHUNK_ELEMENTS"]
