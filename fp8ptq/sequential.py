@@ -1,227 +1,93 @@
 """Sequential (block-by-block) quantization: memory is a function of one block, not the model.
 
 The model is built without weights (accelerate's ``init_empty_weights``: parameters on the meta
-device); everything outside the repeated blocks (embeddings, final norm, head) is loaded from the
-source safetensors, the calibration batches run once up to block 0 (a pre-hook records its
-inputs and stops the forward), then for each block: load its tensors -> run ``quantize_model`` on
-that block alone with the recorded inputs as its calibration batches (so every calibrator,
-best-of, pow2-search, SmoothQuant, GPTQ, taps, works per block unchanged) -> run the batches
-through the block for the next block's inputs (``propagate="quantized"``: through the quantized
-block, the error propagates as at inference; ``"fp"``: the unquantized outputs, which makes the
-result bit-identical to the in-memory pipeline) -> release the block's float weights.
-
-Inter-block activations live in an ``ActivationStore``: in memory up to a byte budget, spilled
-to memory-mapped files beyond it (in the output's temporary folder).
+device) and planned whole (``build_plan``: ``--skip`` globs, first/last, routers and overrides
+see full names); everything outside the repeated blocks (embeddings, final norm, head) is loaded
+from the source safetensors (``fp8ptq.weights``: transformers' conversion mapping, so per-expert
+MoE tensors become the fused experts), the calibration batches run once up to block 0
+(``fp8ptq.activations``), then for each block: load its tensors -> ``quantize_model`` on that
+block alone with its part of the plan and the recorded inputs as its calibration batches (so
+every calibrator, best-of, pow2-search, SmoothQuant, GPTQ, taps, fused experts, works per block
+unchanged; under torchrun each rank runs its share and the statistics are reduced per block)
+-> run the batches through the block for the next block's inputs (``propagate="quantized"``:
+through the quantized block, the error propagates as at inference; ``"fp"``: the unquantized
+outputs, which makes the result bit-identical to the in-memory pipeline) -> hand the block to
+``on_block`` (the streaming checkpoint writer) and free it. GEMMs outside the blocks
+(``--quantize-lm-head``) are quantized last, from the last block's outputs.
 """
 
 from __future__ import annotations
 
-import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from accelerate import init_empty_weights
-from accelerate.utils import set_module_tensor_to_device
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from . import distributed
+from .activations import ActivationStore, capture_block_inputs, run_block
+from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
-from .files import read_json
 from .loading import LoadedModel, load_config, load_tokenizer, model_class
 from .model.blocks import block_prefix, find_blocks
-from .data import build_calibration_set, resolve_calib_spec
-from .model.experts import find_experts
-from .pipeline import (QuantizeResult, high_precision_report, plan_targets, quantize_model,
-                       token_batches)
+from .pipeline import QuantizeResult, high_precision_report, quantize_model, token_batches
+from .plan import SAMPLE_BATCHES, QuantPlan, build_plan
 from .recipe import Recipe
-
-
-class ActivationStore:
-    """Tensors by index, in memory up to ``budget_bytes`` then in memory-mapped files under
-    ``spill_dir``. ``spilled`` counts what went to disk (tests assert it)."""
-
-    def __init__(self, budget_bytes: int, spill_dir: str | Path | None = None):
-        self.budget = budget_bytes
-        self.spill_dir = Path(spill_dir) if spill_dir else None
-        self.items: dict[int, object] = {}
-        self.resident_bytes = 0
-        self.spilled = 0
-        self._tmp = None
-
-    def put(self, index: int, t: torch.Tensor) -> None:
-        t = t.detach().contiguous()
-        n = t.numel() * t.element_size()
-        if self.resident_bytes + n <= self.budget:
-            self.items[index] = t.clone()
-            self.resident_bytes += n
-            return
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="fp8ptq-act-", dir=self.spill_dir)
-        path = Path(self._tmp.name) / f"{index}.bin"
-        raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-        raw.reshape(-1).numpy().tofile(path)
-        self.items[index] = (path, t.dtype, tuple(t.shape))
-        self.spilled += 1
-
-    def get(self, index: int) -> torch.Tensor:
-        item = self.items[index]
-        if isinstance(item, torch.Tensor):
-            return item
-        path, dtype, shape = item
-        raw = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r").copy())
-        return raw.view(dtype).reshape(shape)
-
-    def __len__(self):
-        return len(self.items)
-
-    def close(self) -> None:
-        self.items.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-
-class SafetensorsSource:
-    """Tensor name -> file of a (sharded) safetensors checkpoint folder; tensors are read one
-    at a time, so loading a block reads only that block's bytes."""
-
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise DataError(f"{index}: not a safetensors index (no weight_map)")
-            self.files = {k: self.folder / v for k, v in weight_map.items()}
-        else:
-            single = self.folder / "model.safetensors"
-            if not single.is_file():
-                raise DataError(f"{folder}: no model.safetensors(.index.json); sequential mode "
-                                "reads safetensors checkpoints")
-            try:
-                with safe_open(single, "pt") as f:
-                    self.files = {k: single for k in f.keys()}
-            except SafetensorError as e:
-                raise DataError(f"{single}: corrupt or truncated safetensors file "
-                                f"({e})") from None
-
-    def names(self) -> list[str]:
-        return list(self.files)
-
-    def read(self, names) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.files[n], []).append(n)
-        out = {}
-        for path, ns in by_file.items():
-            with safe_open(path, "pt") as f:
-                out.update({n: f.get_tensor(n) for n in ns})
-        return out
+from .weights import CheckpointKeys, SafetensorsSource, build_empty, load_tensors
 
 
 class BlockLoader:
-    """Loads model tensors from a ``SafetensorsSource`` into a meta-built model and releases
+    """Loads checkpoint tensors (``fp8ptq.weights``: transformers' conversion mapping, so fused
+    MoE experts are merged from their per-expert tensors) into a meta-built model and releases
     them; counts how many blocks hold float weights at once (``max_resident``)."""
 
     def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
         self.model, self.source, self.dtype = model, source, dtype
+        self.keys = CheckpointKeys(model, source.names())
         self.resident: set[int] = set()
         self.max_resident = 0
-        self.bytes_read = 0
+        self.loads: list[int] = []  # block indices in load order (tests read it)
 
     def load_prefix(self, prefix: str, exclude: str | None = None) -> None:
-        names = [n for n in self.source.names() if n.startswith(prefix)
-                 and not (exclude and n.startswith(exclude))]
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        for name, t in self.source.read([n for n in names if n in params or n in buffers]).items():
-            t = t.to(self.dtype) if t.is_floating_point() else t
-            self.bytes_read += t.numel() * t.element_size()
-            set_module_tensor_to_device(self.model, name, "cpu", value=t)
+        load_tensors(self.model, self.source, self.keys.under(prefix, exclude), self.dtype)
 
     def load_block(self, index: int, prefix: str) -> None:
         self.load_prefix(prefix)
         self.resident.add(index)
+        self.loads.append(index)
         self.max_resident = max(self.max_resident, len(self.resident))
 
     def release_block(self, index: int) -> None:
         self.resident.discard(index)
 
 
-def build_empty(folder: str | Path, dtype: torch.dtype) -> nn.Module:
-    """The model's architecture from its config, parameters on the meta device."""
-    config = load_config(str(folder), folder)
-    with init_empty_weights(include_buffers=False):
-        model = model_class(config).from_config(config, dtype=dtype)
-    return model.eval()
-
-
-class _Stop(Exception):
-    pass
-
-
-def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
-                         store: ActivationStore) -> list[dict]:
-    """Run every batch up to ``block``; the hidden states go to ``store``, the other keyword
-    arguments (masks, positions, rotary embeddings) are returned per batch."""
-    kwargs_list: list[dict] = []
-
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        store.put(len(kwargs_list), hidden)
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value",
-                                                            "layer_past", "cache_position")}
-        kw["use_cache"] = False
-        kwargs_list.append(kw)
-        raise _Stop
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                try:
-                    model(**batch, use_cache=False) if isinstance(batch, dict) else model(batch)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
-    return kwargs_list
-
-
-def _run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict],
-               out: ActivationStore) -> None:
-    with torch.inference_mode():
-        for i, kw in enumerate(kwargs_list):
-            y = block(store.get(i), **kw)
-            out.put(i, y[0] if isinstance(y, tuple) else y)
-
-
 def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
-                        spill_dir: str | Path | None = None, progress=None):
+                        spill_dir: str | Path | None = None, progress=None, on_block=None):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
-    ``QuantizeResult`` (the model holds the quantized blocks) and the ``BlockLoader`` (for its
-    residency counters)."""
+    ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
+
+    ``on_block(prefix, block, reports)`` receives every quantized block (the streaming
+    checkpoint writer's ``add_block``); the block's tensors are freed as soon as it returns,
+    so about two blocks are ever resident. Without it the quantized blocks stay in
+    ``result.model``. Under torchrun every rank streams the same blocks, runs its share of the
+    batches, and the statistics are reduced per block (inside ``quantize_model``)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
         raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
                          "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
-    model = build_empty(folder, dtype)
+    config = load_config(str(folder), folder)
+    model = build_empty(model_class(config), config, dtype)
     found = find_blocks(model)
     if found is None:
         raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "
                          "layers); this one has none")
     list_name, blocks = found
-    fused = [name for name, _, _ in find_experts(model)]
-    if fused:  # transformers saves them per expert; the block loader reads fused names only
-        raise UsageError(f"sequential mode cannot load fused MoE experts yet ({fused[0]}); "
-                         "use the in-memory pipeline (drop --sequential)")
-    source = SafetensorsSource(folder)
-    loader = BlockLoader(model, source, dtype)
+    loader = BlockLoader(model, SafetensorsSource(folder), dtype)
     loader.load_prefix("", exclude=f"{list_name}.")
     model.tie_weights()
     meta = [n for n, p in model.named_parameters()
@@ -229,57 +95,181 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     if meta:
         raise DataError(f"{folder}: tensors missing from the checkpoint: {', '.join(meta[:5])}")
 
-    targets, skipped = plan_targets(model, recipe)
-    outside = [t.name for t in targets if not t.name.startswith(f"{list_name}.")]
-    if outside:
-        raise UsageError(f"sequential mode quantizes GEMMs inside the repeated blocks; "
-                         f"{', '.join(outside)} is outside them (drop --quantize-lm-head or "
-                         "use the in-memory pipeline)")
-    times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
+    plan = build_plan(model, recipe)  # on the whole (meta) model: globs, first/last, routers
+    outside = [m.name for m in plan.modules if not m.name.startswith(f"{list_name}.")]
+    batches = list(batches or [])
+    if not plan.modules:
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
+    if not batches and plan.needs_calibration:
+        raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
+                         "activations (--act-granularity token) alone need none")
+    run = _Run(plan, progress)
     t0 = time.perf_counter()
     store = ActivationStore(activation_budget, spill_dir)
-    kwargs_list = capture_block_inputs(model, blocks[0], batches or [], store)
-    times["calibrate"] += time.perf_counter() - t0
-
-    reports, stats, warnings, extras = [], {}, [], {"blocks": {}}
+    # under torchrun a rank carries its own share (+ the example batches every rank reads)
+    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+                                       distributed.share_indices(len(batches), SAMPLE_BATCHES))
+    run.times["calibrate"] += time.perf_counter() - t0
+    tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
         loader.load_block(i, prefix)
-        t0 = time.perf_counter()
-        local_skip = [n[len(prefix):] for n in skipped if n.startswith(prefix)]
-        block_recipe = recipe.merged(keep_first_last=False, quantize_lm_head=True,
-                                     skip=list(recipe.skip) + local_skip)
-        if not block_recipe.skip:
-            block_recipe.skip = []
         nxt = ActivationStore(activation_budget, spill_dir)
-        if propagate == "fp" and kwargs_list:
-            _run_block(block, store, kwargs_list, nxt)
-        block_batches = [{"hidden_states": store.get(j), **kw} for j, kw in enumerate(kwargs_list)]
-        has_targets = bool(plan_targets(block, block_recipe)[0])
-        if has_targets:
-            result = quantize_model(block, block_recipe, block_batches or None, progress=progress)
-            for r in result.modules:
-                r.name = prefix + r.name
-                reports.append(r)
-            stats.update({prefix + k: v for k, v in result.stats.items()})
-            warnings += [prefix + w for w in result.warnings]
-            extras["blocks"][str(i)] = {k: v for k, v in result.extras.items()
-                                        if k != "high_precision"}
-            for k, v in result.seconds.items():
-                times[k] = times.get(k, 0.0) + v
-        del block_batches
-        if propagate == "quantized" and kwargs_list:
-            _run_block(block, store, kwargs_list, nxt)
+        if propagate == "fp":
+            tupled = run_block(block, store, kwargs_list, nxt)
+        reports = run.quantize_block(block, prefix, store, kwargs_list)
+        if propagate == "quantized":
+            tupled = run_block(block, store, kwargs_list, nxt)
         store.close()
         store = nxt
+        if on_block is not None:
+            error = None
+            try:
+                on_block(prefix, block, reports)
+            except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
+                error = e
+            distributed.agree(error)
+            block.to("meta")  # written: its tensors are freed
         loader.release_block(i)
-        times["calibrate"] += 0.0 * (time.perf_counter() - t0)
+    if outside:
+        run.quantize_outside(model, list_name, blocks, store, batches, tupled)
     store.close()
+    extras = run.extras
     extras["high_precision"] = high_precision_report(model)
     extras["sequential"] = {"blocks": len(blocks), "block_list": list_name,
                             "propagate": propagate, "max_resident_blocks": loader.max_resident,
-                            "activation_budget": activation_budget}
-    return QuantizeResult(model, reports, skipped, stats, times, warnings, extras), loader
+                            "activation_budget": activation_budget,
+                            "outside_blocks": outside, "streamed": on_block is not None}
+    result = QuantizeResult(model, run.reports, plan.skipped, run.stats, run.times,
+                            run.warnings, extras, recipe=recipe, plan=plan)
+    return result, loader
+
+
+class _Run:
+    """Quantizes the blocks with the parts of the whole model's plan under them and adds their
+    results up: reports, statistics, warnings and extras under full module names, and the
+    stage times."""
+
+    def __init__(self, plan: QuantPlan, progress):
+        self.plan, self.progress = plan, progress
+        self.reports: list = []
+        self.stats: dict = {}
+        self.warnings: list[str] = []
+        self.extras: dict = {"blocks": {}}
+        self.times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
+
+    def part(self, keep, prefix: str = "") -> QuantPlan:
+        """The plan's modules for which ``keep(name)``, named relative to ``prefix``."""
+        def local(mods):
+            return [replace(m, name=m.name[len(prefix):]) for m in mods if keep(m.name)]
+
+        p = self.plan
+        return replace(p, gemms=local(p.gemms), experts=local(p.experts),
+                       skipped=[n[len(prefix):] for n in p.skipped if n.startswith(prefix)])
+
+    def quantize_block(self, block: nn.Module, prefix: str, store: ActivationStore,
+                       kwargs_list: list) -> list:
+        """``quantize_model`` on one block with its recorded inputs as calibration batches
+        (read from the store when a forward needs them, so spilled ones stay on disk)."""
+        plan = self.part(lambda n: n.startswith(prefix), prefix)
+        if not plan.modules:
+            return []
+        block_batches = [None if kw is None else _BlockBatch(store, j, kw)
+                         for j, kw in enumerate(kwargs_list)] or None
+        result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
+                                plan=plan)
+        self._add(result, prefix)
+        self.extras["blocks"][prefix.rstrip(".")] = {
+            k: v for k, v in result.extras.items()
+            if k not in ("high_precision", "experts", "taps", "fused_groups")}
+        return result.modules
+
+    def quantize_outside(self, model: nn.Module, list_name: str, blocks: nn.ModuleList,
+                         store: ActivationStore, batches: list, tupled: bool) -> None:
+        """GEMMs outside the blocks (``--quantize-lm-head``: the head; OPT's projections): the
+        whole model runs with every block replaced by a stand-in that hands on the last
+        block's stored output for the running batch, so each of those GEMMs sees the input it
+        sees at inference, and ``quantize_model`` quantizes them as in memory."""
+        parent_name, _, attr = list_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        feed = _Feed(store, batches)
+        setattr(parent, attr, nn.ModuleList(_Stand(feed, k == 0, tupled)
+                                            for k in range(len(blocks))))
+        handle = model.register_forward_pre_hook(feed.hook, with_kwargs=True)
+        plan = self.part(lambda n: not n.startswith(f"{list_name}."))
+        try:
+            result = quantize_model(model, plan.recipe, [b if i in store.items else None
+                                                         for i, b in enumerate(batches)] or None,
+                                    progress=self.progress, plan=plan)
+        finally:
+            handle.remove()
+            setattr(parent, attr, blocks)
+        self._add(result, "")
+
+    def _add(self, result: QuantizeResult, prefix: str) -> None:
+        for r in result.modules:
+            r.name = prefix + r.name
+            self.reports.append(r)
+        self.stats.update({prefix + k: v for k, v in result.stats.items()})
+        self.warnings += [prefix + w for w in result.warnings]
+        for key in ("experts", "taps"):
+            if result.extras.get(key):
+                self.extras.setdefault(key, {}).update(
+                    {prefix + n: e for n, e in result.extras[key].items()})
+        for group in result.extras.get("fused_groups") or []:
+            self.extras.setdefault("fused_groups", []).append(
+                {**group, "modules": [prefix + m for m in group["modules"]]})
+        for k, v in result.seconds.items():
+            self.times[k] = self.times.get(k, 0.0) + v
+
+
+class _BlockBatch(Mapping):
+    """One block's calibration batch: the recorded keyword arguments, and its hidden states
+    read from the activation store only while a forward runs."""
+
+    def __init__(self, store: ActivationStore, index: int, kwargs: dict):
+        self.store, self.index, self.kwargs = store, index, kwargs
+
+    def __getitem__(self, key):
+        return self.store.get(self.index) if key == "hidden_states" else self.kwargs[key]
+
+    def __iter__(self):
+        return iter(("hidden_states", *self.kwargs))
+
+    def __len__(self):
+        return 1 + len(self.kwargs)
+
+
+class _Feed:
+    """The running batch's last-block output, found from the ``input_ids`` tensor the model is
+    called with (each batch dict holds its own)."""
+
+    def __init__(self, store: ActivationStore, batches: list):
+        self.store = store
+        self.index = {id(b["input_ids"]): i for i, b in enumerate(batches)
+                      if isinstance(b, Mapping) and "input_ids" in b}
+        self.current = None
+
+    def hook(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if id(ids) not in self.index:  # e.g. SmoothQuant's one-row example batch
+            raise UsageError("sequential mode quantizes GEMMs outside the blocks from the "
+                             "calibration batches themselves; this stage runs other inputs "
+                             "(drop --smoothquant, or use the in-memory pipeline)")
+        self.current = self.store.get(self.index[id(ids)])
+
+
+class _Stand(nn.Module):
+    """A block's stand-in in ``quantize_outside``: the first returns the stored output of the
+    last block, the others pass it on."""
+
+    def __init__(self, feed: _Feed, first: bool, tupled: bool):
+        super().__init__()
+        self.feed, self.first, self.tupled = feed, first, tupled
+
+    def forward(self, *args, **kwargs):
+        h = self.feed.current if self.first else (args[0] if args else kwargs["hidden_states"])
+        return (h,) if self.tupled else h
 
 
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
