@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from _common import CALIB, SMOLLM2, emit
+from safetensors.torch import load_file
 
 FP8PTQ = [sys.executable, "-m", "fp8ptq.cli"]
 

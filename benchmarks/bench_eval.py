@@ -16,11 +16,11 @@ import copy
 import time
 
 import torch
+from _common import CALIB, SMOLLM2, WIKITEXT, emit
 
 from fp8ptq import job
 from fp8ptq.evals import run_tasks
 from fp8ptq.recipe import Recipe
-from _common import CALIB, SMOLLM2, WIKITEXT, emit
 
 
 def eval_seconds(model, tokenizer, args) -> tuple[float, dict]:

@@ -13,9 +13,9 @@ import argparse
 import time
 
 import torch
+from _common import emit
 
 from fp8ptq.formats import decode, encode, fake_quantize, get_format, preset_names
-from _common import emit
 
 
 def best_seconds(fn, repeat: int) -> float:

@@ -17,12 +17,12 @@ import shutil
 import tempfile
 
 import torch
+from _common import CALIB, SMOLLM2, emit, peak_rss_mb, timed
 
 from fp8ptq import job
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.pipeline import run_batch, token_batches
 from fp8ptq.recipe import Recipe
-from _common import CALIB, SMOLLM2, emit, peak_rss_mb, timed
 
 
 def plain_forward(model, batches) -> float:

@@ -55,7 +55,8 @@ model = AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
 tok = AutoTokenizer.from_pretrained(hf)
 lines = [l.strip() for l in open(calib, encoding="utf-8") if l.strip()][:n]
 ds = Dataset.from_dict({"text": lines}).map(
-    lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True, remove_columns=["text"])
+    lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True,
+    remove_columns=["text"])
 if scheme == "GPTQ-FP8":
     recipe = GPTQModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
 else:

@@ -21,11 +21,16 @@ import statistics
 import time
 
 import torch
+from _common import emit
 
 from fp8ptq.recipe import Recipe
-from fp8ptq.vision import (accuracy, image_batches, load_digits_data, quantize_and_score,
-                           train_digits_cnn)
-from _common import emit
+from fp8ptq.vision import (
+    accuracy,
+    image_batches,
+    load_digits_data,
+    quantize_and_score,
+    train_digits_cnn,
+)
 
 VARIANTS = {"direct": {}, "+BN": {"bn_retune": True}, "+DW": {"keep_depthwise": True},
             "+BN+DW": {"bn_retune": True, "keep_depthwise": True},

@@ -6,16 +6,17 @@ import math
 import shlex
 from pathlib import Path
 
+from fp8ptq.numbers import fmt_num
+
 WORD_PPL = "wikitext.word_perplexity"
 TOKEN_PPL = "wikitext.token_perplexity"
 
 
 def _num(v, digits=3) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}" if abs(v) < 10 ** digits else f"{v:.0f}"
-    return str(v)
+    """``digits`` significant digits, whole numbers from ``10 ** digits`` up; "-" when missing."""
+    if isinstance(v, float) and math.isfinite(v) and abs(v) >= 10 ** digits:
+        return f"{v:.0f}"
+    return fmt_num(v, f"{{:.{digits}g}}") if isinstance(v, float) or v is None else str(v)
 
 
 def md_table(header: list[str], rows: list[list]) -> str:

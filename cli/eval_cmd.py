@@ -27,11 +27,17 @@ from fp8ptq.atomic import check_writable, write_file
 from fp8ptq.checkpoint.card import update_evaluation
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.evals import report, runner
-from fp8ptq.evals.compare import (DTYPE_VARIANTS, Variant, calibration_files,  # noqa: F401
-                                  check_calib_overlap, checkpoint_meta, evaluate_variants,
-                                  plan_variants, protocol_lines)
-from fp8ptq.evals.report import (attach_intervals, check_gates, parse_gate, render_table,
-                                 to_markdown)
+from fp8ptq.evals.compare import (  # noqa: F401
+    DTYPE_VARIANTS,
+    Variant,
+    calibration_files,
+    check_calib_overlap,
+    checkpoint_meta,
+    evaluate_variants,
+    plan_variants,
+    protocol_lines,
+)
+from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table, to_markdown
 from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
 

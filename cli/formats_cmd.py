@@ -6,14 +6,14 @@ import json
 import math
 
 import click
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from fp8ptq.formats import PRESETS, decode, get_format
+from fp8ptq.numbers import json_number
 
 from .tables import Column, fitted_table
-
-import torch
 
 
 def _pow2(v: float) -> str:
@@ -21,14 +21,6 @@ def _pow2(v: float) -> str:
     m, e = math.frexp(v)
     return f"2^{e - 1}" if m == 0.5 else f"{v:.4g}"
 
-
-def _json_number(v: float):
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return int(v) if v == int(v) and abs(v) < 2**53 and not (v == 0 and math.copysign(1, v) < 0) \
-        else v
 
 
 @click.command()
@@ -73,7 +65,7 @@ def formats(name, codes, as_json):
 
 def _print_codes(spec, as_json):
     values = decode(torch.arange(spec.num_codes, dtype=torch.uint8), spec, dtype=torch.float64)
-    values = [_json_number(v) for v in values.tolist()]
+    values = [json_number(v) for v in values.tolist()]
     if as_json:
         click.echo(json.dumps(values))
         return

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 import warnings
 from collections import Counter
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import click
@@ -20,12 +20,15 @@ from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.numbers import finite_or_none, fmt_bytes, fmt_num, fmt_short
 from fp8ptq.sequential import quantize_folder
 from fp8ptq.validate import static_violations
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
 from .tables import Column, fitted_table
+
+_db = partial(fmt_num, spec="{:.1f}", nan="nan")  # SQNR columns
 
 
 @click.command("quantize")
@@ -171,14 +174,11 @@ def calib_facts(calib) -> dict | None:
             "seq_len": calib.seq_len, "seed": calib.seed, "num_tokens": calib.num_tokens}
 
 
-def _finite(v):
-    return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
-
 
 def report_dict(result, output, sizes, timings, calib) -> dict:
     return {
         "output": str(output),
-        "modules": [{k: _finite(v) for k, v in vars(m).items()} for m in result.modules],
+        "modules": [{k: finite_or_none(v) for k, v in vars(m).items()} for m in result.modules],
         "skipped": result.skipped,
         "warnings": result.warnings,
         "experts": result.extras.get("experts", {}),
@@ -222,8 +222,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
     s = report["sizes"]
     if s.get("checkpoint_bytes") and s.get("original_bytes"):
-        console.print(f"checkpoint {_bytes(s['checkpoint_bytes'])} vs original "
-                      f"{_bytes(s['original_bytes'])} "
+        console.print(f"checkpoint {fmt_bytes(s['checkpoint_bytes'])} vs original "
+                      f"{fmt_bytes(s['original_bytes'])} "
                       f"({s['checkpoint_bytes'] / s['original_bytes']:.2f}x)")
     # calibrate+quantize is the sum of the pipeline stages listed beside it
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items()
@@ -237,20 +237,22 @@ def report_columns(modules: list[dict], names: list[str]) -> list[Column]:
 
     def w_scale(m):
         lo, hi = m["weight_scale_min"], m["weight_scale_max"]
-        return _num(hi) if lo == hi else f"{_num(lo, 2)}..{_num(hi, 2)}"
+        return fmt_short(hi) if lo == hi else f"{fmt_short(lo, 2)}..{fmt_short(hi, 2)}"
 
     def a_scale(m):
-        return "dynamic" if m["act_format"] and m["input_scale"] is None else _num(m["input_scale"])
+        if m["act_format"] and m["input_scale"] is None:
+            return "dynamic"
+        return fmt_short(m["input_scale"])
 
     columns = [
         Column("module", names, "left"),
         Column("W fmt", cells(lambda m: m["weight_format"])),
         Column("W scale", cells(w_scale), drop=1),
-        Column("W amax", cells(lambda m: _num(m["weight_amax"])), drop=2),
+        Column("W amax", cells(lambda m: fmt_short(m["weight_amax"])), drop=2),
         Column("W SQNR dB", cells(lambda m: _db(m["weight_sqnr_db"]))),
         Column("A fmt", cells(lambda m: m["act_format"] or "-")),
         Column("A scale", cells(a_scale)),
-        Column("A amax", cells(lambda m: _num(m["input_amax"])), drop=3),
+        Column("A amax", cells(lambda m: fmt_short(m["input_amax"])), drop=3),
         Column("A SQNR dB", cells(lambda m: _db(m["input_sqnr_db"]))),
     ]
     if len({m.get("act_calib") for m in modules}) > 1:  # e.g. what best-of picked per module
@@ -267,20 +269,3 @@ def layer_prefix(names: list[str]) -> tuple[str, list[str]]:
         return "", names
     prefix = found.most_common(1)[0][0]
     return prefix, [n.removeprefix(prefix) for n in names]
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def _db(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _num(v, digits: int = 3) -> str:
-    """The shorter of fixed and exponent notation, exponent unpadded: ``7.46e-4``."""
-    if v is None:
-        return "-"
-    fixed, sci = (re.sub(r"e\+?(-?)0*(?=\d)", r"e\1", t)
-                  for t in (f"{v:.{digits}g}", f"{v:.{digits - 1}e}"))
-    return fixed if len(fixed) <= len(sci) else sci

@@ -19,6 +19,7 @@ from fp8ptq.data import FILE_SUFFIXES, load_texts
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
+from fp8ptq.numbers import fmt_num
 from fp8ptq.pipeline import token_batches
 from fp8ptq.placement import materialize_offloaded
 
@@ -155,11 +156,6 @@ def _agg(values, how):
     return how(values) if values else None
 
 
-def _num(v, spec="{:.3g}"):
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return spec.format(v) if math.isfinite(v) else ("inf" if v > 0 else "-inf")
-
 
 def _delta_text(result, delta: float) -> str:
     if result.metric == "ppl":
@@ -188,17 +184,17 @@ def print_report(console: Console, result, top: int, command_line: str) -> None:
         cells = []
         for f in result.formats:
             m = unit.results[f]
-            cells += [_num(m.value, "{:.4f}" if result.metric == "ppl" else "{:.1f}"),
-                      _num(m.delta, "{:+.4g}") if result.metric == "ppl"
-                      else _num(100 * m.delta, "{:.3g}%")]
+            cells += [fmt_num(m.value, "{:.4f}" if result.metric == "ppl" else "{:.1f}"),
+                      fmt_num(m.delta, "{:+.4g}") if result.metric == "ppl"
+                      else fmt_num(100 * m.delta, "{:.3g}%")]
         cells += [
-            _num(_agg([s.weight_sqnr_db for s in st if s], min), "{:.1f}"),
-            _num(_agg([s.input_sqnr_db for s in st if s], min), "{:.1f}"),
-            _num(_agg([s.output_sqnr_db for s in st if s], min), "{:.1f}"),
-            _num(_agg([m.input.amax for m in ms if m.input], max)),
-            _num(_agg([m.input.outlier_ratio for m in ms if m.input], max), "{:.1f}"),
-            _num(_agg([m.input.kurtosis for m in ms if m.input], max), "{:.1f}"),
-            _num(_agg([m.weight.outlier_ratio for m in ms], max), "{:.1f}"),
+            fmt_num(_agg([s.weight_sqnr_db for s in st if s], min), "{:.1f}"),
+            fmt_num(_agg([s.input_sqnr_db for s in st if s], min), "{:.1f}"),
+            fmt_num(_agg([s.output_sqnr_db for s in st if s], min), "{:.1f}"),
+            fmt_num(_agg([m.input.amax for m in ms if m.input], max)),
+            fmt_num(_agg([m.input.outlier_ratio for m in ms if m.input], max), "{:.1f}"),
+            fmt_num(_agg([m.input.kurtosis for m in ms if m.input], max), "{:.1f}"),
+            fmt_num(_agg([m.weight.outlier_ratio for m in ms], max), "{:.1f}"),
         ]
         table.add_row(str(rank), unit.name, *cells)
     console.print(table)
@@ -212,7 +208,7 @@ def print_report(console: Console, result, top: int, command_line: str) -> None:
     console.print(line)
     kept = f"{len(s.skip)} kept in high precision" + (
         f", {len(s.overrides)} moved to another format" if s.overrides else "")
-    line = (f"suggestion for --target-delta {s.target} (<= {_num(s.target_delta, '{:.4g}')}): "
+    line = (f"suggestion for --target-delta {s.target} (<= {fmt_num(s.target_delta, '{:.4g}')}): "
             f"{kept}; estimated {_delta_text(result, s.estimated_delta)}")
     if result.checks.get("suggested"):
         line += f"; measured {_check_text(result, result.checks['suggested'])}"
@@ -227,5 +223,5 @@ def print_report(console: Console, result, top: int, command_line: str) -> None:
 def _check_text(result, check: dict) -> str:
     if "perplexity" in check:
         return f"ppl {check['perplexity']:.4f} ({_delta_text(result, check['delta'])})"
-    return (f"logits SQNR {_num(check['logits_sqnr_db'], '{:.1f}')} dB (NSR "
+    return (f"logits SQNR {fmt_num(check['logits_sqnr_db'], '{:.1f}')} dB (NSR "
             f"{100 * check['nsr']:.3g}%)")

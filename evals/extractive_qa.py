@@ -73,7 +73,8 @@ def _predict_batch(model, tokenizer, examples: Sequence[dict], settings: SpanSet
 
     best: list[tuple[float, str]] = [(float("-inf"), "")] * len(examples)
     for window, example in enumerate(window_example):
-        candidate = _best_span(start_logits[window], end_logits[window], in_context[window], settings)
+        candidate = _best_span(start_logits[window], end_logits[window], in_context[window],
+                               settings)
         if candidate is not None and candidate[0] > best[example][0]:
             first, last = candidate[1], candidate[2]
             text = contexts[example][offsets[window][first][0] : offsets[window][last][1]]

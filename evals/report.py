@@ -7,11 +7,13 @@ the first variant is the baseline.
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 from rich.table import Table
 
 from fp8ptq.errors import UsageError
+from fp8ptq.numbers import finite_or_none, fmt_num
 
 from .stats import paired_interval
 
@@ -19,6 +21,8 @@ SCHEMA_VERSION = 1
 
 _LOWER_IS_BETTER = ("perplexity", "bits_per_byte", "bpb", "loss", "error")
 _HIGHER_IS_BETTER = ("exact_match", "f1", "acc", "mcc", "bleu", "rouge", "pass@")
+
+_number = partial(fmt_num, spec="{:.4g}", nan="nan")  # metric values in tables and gates
 
 
 def higher_is_better(metric: str) -> bool:
@@ -53,9 +57,6 @@ def relative_deltas(variants: list[dict]) -> list[dict[str, float]]:
         for row in deltas(variants)
     ]
 
-
-def _number(x: float) -> str:
-    return f"{x:.4g}"
 
 
 def attach_intervals(variants: list[dict]) -> None:
@@ -129,9 +130,6 @@ def to_markdown(variants: list[dict], mode: str = "pct") -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines) + "\n"
 
 
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None  # strict JSON has no nan/inf
-
 
 def to_json(variants: list[dict], protocol: dict, recipe: dict | None = None) -> dict:
     return {
@@ -141,9 +139,9 @@ def to_json(variants: list[dict], protocol: dict, recipe: dict | None = None) ->
         "variants": [
             {
                 "name": variant["name"],
-                "metrics": {k: _finite_or_none(v) for k, v in variant["metrics"].items()},
-                "deltas": {k: _finite_or_none(v) for k, v in delta.items()},
-                "deltas_pct": {k: _finite_or_none(100 * v) for k, v in rel.items()},
+                "metrics": {k: finite_or_none(v) for k, v in variant["metrics"].items()},
+                "deltas": {k: finite_or_none(v) for k, v in delta.items()},
+                "deltas_pct": {k: finite_or_none(100 * v) for k, v in rel.items()},
                 "deltas_ci95": {k: iv["ci95"] for k, iv in
                                 (variant.get("intervals") or {}).items()},
                 "deltas_pct_ci95": {k: iv["pct_ci95"] for k, iv in
@@ -243,7 +241,8 @@ def check_gates(variants: list[dict], gates: list[str], gate_on: str = "point") 
                     how = f"; worse end of the 95% CI {sign * judged:+.3g}"
             if not judged <= limit:  # nan fails too
                 failures.append(
-                    f"{variant['name']}: {metric} {_number(value)} vs baseline {_number(reference)} "
+                    f"{variant['name']}: {metric} {_number(value)} vs baseline "
+                    f"{_number(reference)} "
                     f"({value - reference:+.3g}{how}) exceeds gate {gate} (allowed {limit:.3g} "
                     "worse)"
                 )

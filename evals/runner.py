@@ -163,7 +163,8 @@ def _squad(model, tokenizer, lm, path, limit, batch_size, seq_len) -> TaskOutcom
     settings = SpanSettings(max_length=seq_len) if seq_len else SpanSettings()
     answers = predict_answers(model, tokenizer, examples, batch_size=batch_size or 8,
                               settings=settings)
-    protocol = {"mode": "extractive", **settings.as_protocol(), "questions": len(examples), "source": source}
+    protocol = {"mode": "extractive", **settings.as_protocol(), "questions": len(examples),
+                "source": source}
     per_question = [{"doc_id": e.get("id", i), "prediction": a, **squad.score(a, e["answers"])}
                     for i, (a, e) in enumerate(zip(answers, examples))]
     return TaskOutcome(squad.score_all(answers, examples), protocol, per_question)

@@ -52,7 +52,8 @@ def f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def best_over_gold(metric: Callable[[str, str], float], prediction: str, golds: Sequence[str]) -> float:
+def best_over_gold(metric: Callable[[str, str], float], prediction: str,
+                   golds: Sequence[str]) -> float:
     return max(metric(prediction, gold) for gold in golds)
 
 
@@ -65,7 +66,8 @@ def score(prediction: str, golds: Sequence[str]) -> dict[str, float]:
 
 
 def score_all(predictions: Sequence[str], examples: Sequence[dict]) -> dict[str, float]:
-    """Mean ``exact_match`` / ``f1`` (percent) of ``predictions`` against ``examples[i]["answers"]``."""
+    """Mean ``exact_match`` / ``f1`` (percent) of ``predictions`` against
+    ``examples[i]["answers"]``."""
     if len(predictions) != len(examples) or not examples:
         raise ValueError("need one prediction per example, and at least one example")
     scores = [score(p, e["answers"]) for p, e in zip(predictions, examples)]
@@ -76,7 +78,8 @@ def score_all(predictions: Sequence[str], examples: Sequence[dict]) -> dict[str,
 
 
 def load_examples(path: str | Path | None = None, *, limit: int | None = None) -> list[dict]:
-    """The first ``limit`` questions as ``{"id", "title", "context", "question", "answers": [str]}``.
+    """The first ``limit`` questions as
+    ``{"id", "title", "context", "question", "answers": [str]}``.
 
     ``path`` is a SQuAD v1.1 JSON file (``data[].paragraphs[].qas[]``); None reads the hub's
     ``rajpurkar/squad`` validation split.
@@ -105,7 +108,8 @@ def _read_json(path: Path) -> list[dict]:
             for qa in paragraph["qas"]
         ]
     except (ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{path} is not a SQuAD v1.1 JSON file ({type(exc).__name__}: {exc})") from None
+        raise DataError(f"{path} is not a SQuAD v1.1 JSON file ({type(exc).__name__}: "
+                        f"{exc})") from None
 
 
 def _read_hub() -> list[dict]:

@@ -117,7 +117,8 @@ def prefix_effect(lm: HFLM, text: str) -> float:
     return float(torch.exp(with_prefix - without))
 
 
-def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | None = None) -> TaskOutcome:
+def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *,
+                      limit: int | None = None) -> TaskOutcome:
     """Perplexities of the first ``limit`` articles of ``data`` (a raw WikiText file; None: hub)."""
     articles = read_articles(data) if data is not None else None
     results, samples = evaluate(lm, task_config(lm, articles), limit=limit)
@@ -125,7 +126,8 @@ def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *, limit: int | 
     bos_id = lm.tokenizer.bos_token_id
     protocol = {
         "context_length": lm.max_length,
-        # context_len=1 rolling windows: disjoint, each conditioned on the last token of the previous
+        # context_len=1 rolling windows: disjoint, each conditioned on the last token of the
+        # previous one
         "stride": lm.max_length,
         "bos": bos_id is not None and lm.prefix_token_id == bos_id,
         "prefix_token_id": lm.prefix_token_id,

@@ -33,7 +33,8 @@ def load_texts(spec: str, *, text_field: str | None = None) -> list[str]:
     ``.parquet`` a column. ``text_field`` names the field/column (default "text")."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        raise DataError(f"calibration data {spec!r} is a folder; pass a file ({', '.join(FILE_SUFFIXES)})")
+        raise DataError(f"calibration data {spec!r} is a folder; pass a file "
+                        f"({', '.join(FILE_SUFFIXES)})")
     if path.is_file():
         try:
             texts = _read_file(path, text_field or DEFAULT_TEXT_FIELD)
@@ -53,7 +54,8 @@ def load_texts(spec: str, *, text_field: str | None = None) -> list[str]:
 
 def _looks_like_path(spec: str) -> bool:
     # A hub dataset id "org/name[:config]" has one "/", so that alone does not make a path.
-    return Path(spec).suffix.lower() in FILE_SUFFIXES or spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+    return (Path(spec).suffix.lower() in FILE_SUFFIXES or spec.startswith(("/", ".", "~"))
+            or spec.count("/") > 1)
 
 
 def _read_file(path: Path, field: str) -> list[str]:
@@ -67,7 +69,8 @@ def _read_file(path: Path, field: str) -> list[str]:
         return _texts_from_json(_read_json(path), field, path)
     if suffix == ".parquet":
         return _read_parquet(path, field)
-    raise DataError(f"unsupported calibration file type {path.suffix!r} ({path}); use one of {', '.join(FILE_SUFFIXES)}")
+    raise DataError(f"unsupported calibration file type {path.suffix!r} ({path}); use one of "
+                    f"{', '.join(FILE_SUFFIXES)}")
 
 
 def _read_json(path: Path):
@@ -92,7 +95,8 @@ def _read_jsonl(path: Path) -> list:
 def _texts_from_json(obj, field: str, path: Path) -> list[str]:
     if isinstance(obj, dict):
         if "data" not in obj:
-            raise DataError(f"{path}: expected a list or an object with a 'data' list; found keys {sorted(obj)}")
+            raise DataError(f"{path}: expected a list or an object with a 'data' list; found "
+                            f"keys {sorted(obj)}")
         obj = obj["data"]
     if not isinstance(obj, list):
         raise DataError(f"{path}: expected a list of texts or records")
@@ -112,10 +116,12 @@ def _texts_from_records(records: list, field: str, path) -> list[str]:
             texts.append(record)
             continue
         if not isinstance(record, dict):
-            raise DataError(f"{path}: record {i} is a {type(record).__name__}, expected a string or an object")
+            raise DataError(f"{path}: record {i} is a {type(record).__name__}, expected a "
+                            "string or an object")
         if field not in record:
             raise DataError(
-                f"{path}: record {i} has no text field {field!r}; available fields: {', '.join(map(str, record))}"
+                f"{path}: record {i} has no text field {field!r}; available fields: "
+                f"{', '.join(map(str, record))}"
             )
         texts.append(_as_text(record[field], field, path))
     return texts
@@ -157,11 +163,13 @@ def _load_hub_dataset(spec: str, field: str) -> list[str]:
     except Exception as e:  # noqa: BLE001 - whatever went wrong, the way out is a local file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
-            f"cannot load calibration dataset {spec!r}: not a local file and the Hugging Face hub is "
-            f"unreachable or lacks it ({reason}); pass a local .txt/.raw/.json/.jsonl/.parquet file instead"
+            f"cannot load calibration dataset {spec!r}: not a local file and the Hugging Face "
+            f"hub is unreachable or lacks it ({reason}); pass a local "
+            ".txt/.raw/.json/.jsonl/.parquet file instead"
         ) from e
     if field not in dataset.column_names:
-        raise DataError(f"dataset {spec!r} has no text field {field!r}; available fields: {', '.join(dataset.column_names)}")
+        raise DataError(f"dataset {spec!r} has no text field {field!r}; available fields: "
+                        f"{', '.join(dataset.column_names)}")
     return [_as_text(v, field, spec) for v in dataset[field]]
 
 
@@ -198,12 +206,14 @@ def build_calibration_set(
     num_tokens = corpus.numel()
     if num_tokens < seq_len + 1:
         raise DataError(
-            f"calibration data too short: {num_tokens} tokens, need at least {seq_len + 1} for seq_len {seq_len}"
+            f"calibration data too short: {num_tokens} tokens, need at least {seq_len + 1} for "
+            f"seq_len {seq_len}"
             + (f" ({source})" if source else "")
         )
     if num_tokens < num_samples * seq_len:
         warnings.warn(
-            f"calibration data has {num_tokens} tokens, fewer than {num_samples} x {seq_len}; windows will overlap",
+            f"calibration data has {num_tokens} tokens, fewer than {num_samples} x {seq_len}; "
+            "windows will overlap",
             stacklevel=2,
         )
     generator = torch.Generator().manual_seed(seed)

@@ -1,4 +1,5 @@
-"""Loading a model + tokenizer from a hub id, a local folder, a ``.gguf`` file or an fp8ptq output."""
+"""Loading a model + tokenizer from a hub id, a local folder, a ``.gguf`` file or an fp8ptq
+output."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from torch import nn
 import transformers
 from safetensors import SafetensorError
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from .atomic import atomic_dir
@@ -255,7 +256,8 @@ def _load_from_hub(spec, **load_kwargs) -> LoadedModel:
                 f"cannot load model {spec!r}: not a local path and the Hugging Face hub is "
                 f"unreachable ({first_line(e)})"
             ) from e
-        raise UsageError(f"cannot load model {spec!r} from the Hugging Face hub: {first_line(e)}") from e
+        raise UsageError(f"cannot load model {spec!r} from the Hugging Face hub: "
+                         f"{first_line(e)}") from e
 
 
 # --- GGUF --------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .formats import FormatSpec, encode, decode, quantize_values
+from .formats import FormatSpec, decode, encode, quantize_values
 from .granularity import PerGroup
 
 MX_BLOCK = 32

@@ -78,7 +78,7 @@ class TensorStats:
     def zeros(self) -> int:
         return int(self.histogram[0])
 
-    def merge(self, other: "TensorStats") -> None:
+    def merge(self, other: TensorStats) -> None:
         self.amax = max(self.amax, other.amax)
         if other.channel_amax is not None:
             self.channel_amax = other.channel_amax.clone() if self.channel_amax is None else \

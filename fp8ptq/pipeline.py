@@ -17,13 +17,20 @@ from .calibrators.layerwise import choose_layerwise
 from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
 from .formats import encode
-from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
 from .hessian import HessianCollector
+from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
-from .plan import (SAMPLE_BATCHES, ModulePlan, QuantPlan, build_plan, plan_experts,  # noqa: F401
-                   plan_gemms, run_facts)
+from .plan import (  # noqa: F401
+    SAMPLE_BATCHES,
+    ModulePlan,
+    QuantPlan,
+    build_plan,
+    plan_experts,
+    plan_gemms,
+    run_facts,
+)
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
 from .qmodules import QuantGemm
 from .recipe import Recipe
@@ -31,7 +38,6 @@ from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from .smoothquant import apply_smoothquant
 from .taps import ActivationTaps
-
 
 # The plan's module entries (``fp8ptq.plan``) are what the pipeline quantizes; the old names stay.
 Target = ExpertsTarget = ModulePlan

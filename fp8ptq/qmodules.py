@@ -12,8 +12,16 @@ import threading
 import torch
 from torch import nn
 
-from .formats import (FormatSpec, codes_as_torch_float8, decode, encode, fake_quantize,
-                      get_format, scaled_mm_pair, to_torch_float8)
+from .formats import (
+    FormatSpec,
+    codes_as_torch_float8,
+    decode,
+    encode,
+    fake_quantize,
+    get_format,
+    scaled_mm_pair,
+    to_torch_float8,
+)
 from .model.gemm import kind, weight_2d, weight_from_2d
 from .scales import TINY
 

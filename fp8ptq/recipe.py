@@ -93,7 +93,7 @@ class Recipe(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _values(self) -> "Recipe":
+    def _values(self) -> Recipe:
         self.check_values()
         return self
 
@@ -143,18 +143,18 @@ class Recipe(BaseModel):
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Recipe":
+    def from_dict(cls, data: dict) -> Recipe:
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Recipe":
+    def load(cls, path: str | Path) -> Recipe:
         return cls.from_dict(load_recipe_dict(path))
 
-    def replace(self, **changes) -> "Recipe":
+    def replace(self, **changes) -> Recipe:
         """A validated copy with ``changes``."""
         return Recipe.from_dict({**self.to_dict(), **changes})
 
-    def merged(self, **flags) -> "Recipe":
+    def merged(self, **flags) -> Recipe:
         """A copy with the given (non-None) flag values on top."""
         data = self.to_dict()
         data.update({k: v for k, v in flags.items() if v is not None})

@@ -24,7 +24,8 @@ with a rotation unless their gain is one, so the gains are folded into the follo
   GEMMs' biases, or, before a bias-free lm_head, kept as the norm bias ``(b / g) Q``.
 
 Dimensions that are not powers of two use the Kronecker product of a Sylvester Hadamard and
-Paley's order-12 one, ``n = 2^a * 12^k`` (e.g. 576 = 4 x 12 x 12, SmolLM2's width), and otherwise a random orthogonal matrix (QR of a Gaussian, sign-fixed): still
+Paley's order-12 one, ``n = 2^a * 12^k`` (e.g. 576 = 4 x 12 x 12, SmolLM2's width), and
+otherwise a random orthogonal matrix (QR of a Gaussian, sign-fixed): still
 exact, only less structured. Tied embeddings are untied (the lm_head gets the final norm's gain).
 Rotation runs in float64 and stores float32, so the rotated model equals the original within
 float32 round-off before quantization (tested on tiny Llama, Qwen2 and GPT-2).

@@ -18,44 +18,15 @@ Exit codes (CLI): 0 valid for every runtime asked for, 4 invalid.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .checkpoint.experts_io import SERVABLE
-from .checkpoint.reader import _load_tensors, _read_config, load_quantized, read_metadata
-from .checkpoint.verify import SCALE_SUFFIXES, scale_problem
-from .pipeline import FUSED_SHARDS
+from .checkpoint.reader import load_quantized
+from .runtime_rules import RULES, Rule, Violation, read_checkpoint, served, vllm_linear_scheme
 
 RUNTIMES = ("vllm", "transformers")
 TOLERANCE = 0.02  # max |logit difference| / max |logit| between transformers and fp8ptq.load
-TP_SIZES = (1, 2, 4, 8)
-VLLM_CT = ("vLLM vllm/model_executor/layers/quantization/compressed_tensors/"
-           "compressed_tensors.py")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value",
-                   "fc1", "c_attn", "c_fc", "w1", "w3")
-
-
-@dataclass
-class Violation:
-    rule: str
-    module: str
-    message: str
-    fix: str
-    severity: str = "error"  # "error" fails the runtime; "note" is information
-
-    def line(self) -> str:
-        return f"{self.module}: [{self.rule}] {self.message}; fix: {self.fix}"
-
-
-@dataclass
-class Rule:
-    name: str
-    runtime: str
-    source: str
-    check: Callable[[dict], list[Violation]]
 
 
 @dataclass
@@ -75,263 +46,6 @@ class Report:
                 "violations": [vars(v) for v in self.violations], "reload": self.reload,
                 "rules": [{"name": r.name, "runtime": r.runtime, "source": r.source}
                           for r in RULES if r.runtime in self.runtimes]}
-
-
-# --- the checkpoint as the rules see it ---------------------------------------------------------
-
-
-def read_checkpoint(path) -> dict:
-    p = Path(path).expanduser()
-    meta = read_metadata(p)
-    return {"path": p, "meta": meta, "config": _read_config(p), "tensors": _load_tensors(p)}
-
-
-def _modules(ck) -> dict:
-    return ck["meta"].get("modules") or {}
-
-
-def _fmt(entry, key) -> str | None:
-    facts = entry.get(key)
-    return None if facts is None else facts.get("name")
-
-
-# --- vLLM rules ---------------------------------------------------------------------------------
-
-
-def _layout(ck) -> list[Violation]:
-    if ck["meta"]["layout"] == "compressed-tensors":
-        return []
-    return [Violation("layout", "checkpoint", "the fp8ptq-native layout ("
-                      f"{ck['meta'].get('layout_reason', '')}) is read by fp8ptq.load only",
-                      "use e4m3 or int8 on nn.Linear modules (compressed-tensors output)")]
-
-
-def _scheme(ck) -> list[Violation]:
-    """vLLM's ``_get_scheme_from_parts``: fp8 W8A8 needs static symmetric tensor / channel /
-    block weights and dynamic inputs or static symmetric per-tensor inputs; int8 W8A8 needs
-    tensor or channel weights; otherwise "No compressed-tensors compatible scheme was found"."""
-    out = []
-    for name, e in _modules(ck).items():
-        w, a = _fmt(e, "weight_format"), _fmt(e, "act_format")
-        wg, ag = e.get("weight_granularity"), e.get("act_granularity")
-        if w == "int8" and wg == "block":
-            out.append(Violation("scheme", name, "int8 with block weight scales has no vLLM "
-                                 "scheme", "--weight-granularity channel"))
-        if a is not None and ag == "tensor" and e.get("input_scale") is None:
-            out.append(Violation("static-input", name, "static activations without an "
-                                 "input_scale", "re-quantize with calibration data"))
-    return out
-
-
-# The 8-bit part of vLLM's ``CompressedTensorsConfig._get_scheme_from_parts``, as a table:
-# (weight type, weight strategies, input type, input strategy, input dynamic) -> vLLM scheme.
-# ``None`` input strategy/dynamic = weight-only. Weights must be 8-bit, symmetric and static in
-# every row (``_is_fp8_w8a8``, ``_is_static_tensor_w8a8``, ``_is_dynamic_token_w8a8``,
-# ``_is_fp8_w8a16``, ``_is_wNa16_group_channel``); static inputs must also be symmetric for FP8.
-VLLM_LINEAR_SCHEMES = (
-    ("float", ("tensor", "channel", "block"), "float", None, True, "CompressedTensorsW8A8Fp8"),
-    ("float", ("tensor", "channel", "block"), "float", "tensor", False,
-     "CompressedTensorsW8A8Fp8"),
-    ("float", ("tensor", "channel", "block"), None, None, None, "CompressedTensorsW8A16Fp8"),
-    ("int", ("tensor", "channel"), "int", "tensor", False, "CompressedTensorsW8A8Int8"),
-    ("int", ("tensor", "channel"), "int", "token", True, "CompressedTensorsW8A8Int8"),
-    ("int", ("channel", "group"), None, None, None, "CompressedTensorsWNA16"),
-)
-ACT_QUANT_FORMATS = ("naive-quantized", "int-quantized", "float-quantized")
-
-
-def vllm_linear_scheme(w, a) -> str | None:
-    """The vLLM scheme a (weights, input_activations) pair of ``QuantizationArgs`` selects, or
-    ``None`` where vLLM raises "No compressed-tensors compatible scheme was found"."""
-    if w is None or w.num_bits != 8 or not w.symmetric or w.dynamic:
-        return None
-    if w.type == "float" and w.strategy == "group" and w.group_size == 32 and \
-            w.scale_dtype == torch.uint8:  # _is_mxfp8: E8M0 scales, inputs as the kernel wants
-        return "CompressedTensorsW8A8Mxfp8"
-    if a is not None and (a.num_bits != 8 or a.type == "float" and not a.dynamic
-                          and not a.symmetric):
-        return None
-    for wt, ws, at, ast, adyn, scheme in VLLM_LINEAR_SCHEMES:
-        if w.type != wt or w.strategy not in ws:
-            continue
-        if a is None and at is None:
-            return scheme
-        if a is not None and at == a.type and bool(a.dynamic) == adyn and (
-                ast is None or a.strategy == ast):
-            return scheme
-    return None
-
-
-def _config_groups(ck) -> list[Violation]:
-    """What vLLM reads is ``config.json``, not fp8ptq.json: every config group's arguments,
-    parsed by compressed-tensors' own classes, must select a vLLM scheme."""
-    qc = ck["config"].get("quantization_config")
-    if ck["meta"]["layout"] != "compressed-tensors" or not qc:
-        return []
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        config = QuantizationConfig.model_validate(qc)
-    except Exception:  # noqa: BLE001 - reported by the transformers rule ct-config
-        return []
-    out = []
-    for group, scheme in config.config_groups.items():
-        where = f"{group} ({', '.join(scheme.targets)})"
-        a = scheme.input_activations
-        if vllm_linear_scheme(scheme.weights, a) is None:
-            w = scheme.weights
-            out.append(Violation("ct-scheme", where, "no vLLM scheme for weights "
-                                 f"{_args(w)} with inputs {_args(a)}: static activations must "
-                                 "be per-tensor and symmetric, weights static and symmetric",
-                                 "--act-granularity tensor or token (default e4m3 recipe)"))
-        fmt = scheme.format or config.format
-        if a is not None and fmt not in ACT_QUANT_FORMATS:
-            out.append(Violation("ct-format", where, f"format {fmt!r} is not an activation-"
-                                 "quantization format; vLLM would ignore the input scheme",
-                                 "re-write with fp8ptq quantize"))
-    return out
-
-
-def _args(q) -> str:
-    if q is None:
-        return "none"
-    return (f"{q.type}{q.num_bits}/{q.strategy}/{'dynamic' if q.dynamic else 'static'}/"
-            f"{'symmetric' if q.symmetric else 'asymmetric'}")
-
-
-def _block(ck) -> list[Violation]:
-    """Block-FP8 weights: vLLM quantizes the activations per 1x128 group on the fly (a static
-    input scale is not used), and every weight dimension it shards must split into whole
-    blocks: the output dimension of column-parallel layers and the input dimension of
-    row-parallel ones, under each tensor-parallel size."""
-    out = []
-    for name, e in _modules(ck).items():
-        if e.get("weight_granularity") != "block":
-            continue
-        block = e.get("block_size") or 128
-        rows, cols = e["weight_codes_shape"]
-        if e.get("act_format") and e.get("act_granularity") == "tensor":
-            out.append(Violation("block-activations", name, "block weights with static "
-                                 "activations: vLLM's block-FP8 path quantizes activations "
-                                 "dynamically per group", "--act-granularity token (or group)"))
-        sharded = rows if name.rsplit(".", 1)[-1] in COLUMN_PARALLEL else cols
-        ok = [tp for tp in TP_SIZES if sharded % tp == 0 and (sharded // tp) % block == 0]
-        if 1 not in ok:
-            out.append(Violation("block-shape", name, f"dimension {sharded} is not a multiple "
-                                 f"of the block size {block}", f"--block-size dividing {sharded}"))
-        elif max(ok) < max(TP_SIZES):
-            out.append(Violation("block-tp", name, f"splits into whole {block}-blocks only "
-                                 f"up to tensor parallelism {max(ok)}",
-                                 "serve with --tensor-parallel-size <= " + str(max(ok)), "note"))
-    return out
-
-
-def _fused(ck) -> list[Violation]:
-    """vLLM fuses q/k/v and gate/up into one GEMM and uses the largest input scale (and, for
-    per-tensor weights, requantizes to the largest weight scale): shards whose scales differ are
-    served with numbers fp8ptq did not evaluate."""
-    t, out = ck["tensors"], []
-    names = list(_modules(ck))
-    present = set(names)
-    for parent in sorted({n.rpartition(".")[0] for n in names}):
-        for shards in FUSED_SHARDS:
-            group = [f"{parent}.{s}" for s in shards]
-            if not all(g in present for g in group):
-                continue
-            for leaf in ("input_scale", "weight_scale"):
-                tensors = [t.get(f"{g}.{leaf}") for g in group]
-                if any(x is None for x in tensors) or leaf == "weight_scale" and \
-                        tensors[0].numel() != 1:
-                    continue
-                if len({float(x.reshape(-1)[0]) for x in tensors}) > 1:
-                    out.append(Violation("fused-scales", parent, f"{'/'.join(shards)} have "
-                                         f"different {leaf}s; vLLM serves the fused GEMM with "
-                                         "the largest", "--unify-fused-scales"))
-    return out
-
-
-def _moe(ck) -> list[Violation]:
-    """vLLM's fused-MoE FP8 (CompressedTensorsW8A8Fp8MoEMethod) takes per-tensor weights with
-    static per-tensor activations or per-channel weights with dynamic per-token activations."""
-    out = []
-    for name, e in (ck["meta"].get("experts") or {}).items():
-        combo = (e.get("weight_granularity"), e.get("act_granularity"))
-        if _fmt(e, "weight_format") != "e4m3" or combo not in SERVABLE:
-            out.append(Violation("fused-moe", name, f"{combo[0]} weights with {combo[1]} "
-                                 "activations have no vLLM fused-MoE FP8 kernel",
-                                 "--weight-granularity tensor, or --act-granularity token"))
-        elif not e.get("checkpoint_keys"):
-            out.append(Violation("fused-moe-names", name, "experts stored as fp8ptq stacks",
-                                 "re-write as compressed-tensors"))
-    return out
-
-
-def _kv(ck) -> list[Violation]:
-    """KV-cache scales: vLLM reads ``<attention>.k_scale`` / ``.v_scale`` when the config has a
-    ``kv_cache_scheme``; a missing one is silently replaced by 1.0."""
-    qc = ck["config"].get("quantization_config") or {}
-    if not qc.get("kv_cache_scheme"):
-        return []
-    t = ck["tensors"]
-    attn = sorted({n.rpartition(".")[0] for n in _modules(ck) if n.endswith(".q_proj")})
-    return [Violation("kv-scales", a, f"kv_cache_scheme is set but {a}.{k} is missing; vLLM "
-                      "would use 1.0", "re-quantize with --quantize-attention")
-            for a in attn for k in ("k_scale", "v_scale") if f"{a}.{k}" not in t]
-
-
-def _scales(ck) -> list[Violation]:
-    return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
-                      "re-quantize (fp8ptq never writes one)")
-            for k, v in ck["tensors"].items() if k.endswith(SCALE_SUFFIXES)
-            and scale_problem(v)]
-
-
-def _fnuz_note(ck) -> list[Violation]:
-    if ck["meta"]["layout"] != "compressed-tensors":
-        return []
-    return [Violation("fnuz", "checkpoint", "on FNUZ hardware (MI300) vLLM loads OCP e4m3 codes "
-                      "as e4m3fnuz and doubles every scale (0x80 becomes 0)", "nothing to do",
-                      "note")]
-
-
-# --- transformers rules -------------------------------------------------------------------------
-
-
-def _ct_config(ck) -> list[Violation]:
-    if ck["meta"]["layout"] != "compressed-tensors":
-        return [Violation("layout", "checkpoint", "transformers does not know the fp8ptq-native "
-                          "layout (it would load the model without its quantized weights)",
-                          "load it with fp8ptq.load")]
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        QuantizationConfig.model_validate(ck["config"]["quantization_config"])
-    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError and friends
-        return [Violation("ct-config", "config.json", f"quantization_config does not validate "
-                          f"({str(e).splitlines()[0]})", "re-write with fp8ptq quantize")]
-    return []
-
-
-RULES = [
-    Rule("layout", "vllm", f"{VLLM_CT}: CompressedTensorsConfig (quant_method)", _layout),
-    Rule("scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
-         "_is_static_tensor_w8a8, _is_dynamic_token_w8a8", _scheme),
-    Rule("ct-scheme", "vllm", f"{VLLM_CT}: _get_scheme_from_parts, _is_fp8_w8a8, "
-         "_is_mxfp8, _is_fp8_w8a16, _is_static_tensor_w8a8, _is_dynamic_token_w8a8, "
-         "_is_wNa16_group_channel; is_activation_quantization_format", _config_groups),
-    Rule("block", "vllm", "vLLM compressed_tensors_w8a8_fp8.py / fp8_utils.py: block-FP8 "
-         "(per-group dynamic activations, validate_fp8_block_shape)", _block),
-    Rule("fused-scales", "vllm", "vLLM linear.py QKVParallelLinear / MergedColumnParallelLinear "
-         "weight loaders (max of the shards' scales)", _fused),
-    Rule("fused-moe", "vllm", "vLLM compressed_tensors_moe.py: CompressedTensorsW8A8Fp8MoEMethod "
-         "(per-tensor/static, per-channel/dynamic; one input scale per layer)", _moe),
-    Rule("kv-scales", "vllm", f"{VLLM_CT}: get_cache_scale, kv_cache_scheme", _kv),
-    Rule("finite-scales", "vllm", "every runtime: a NaN scale turns a layer's output to NaN",
-         _scales),
-    Rule("fnuz", "vllm", "vLLM fp8_utils.py normalize_e4m3fn_to_e4m3fnuz", _fnuz_note),
-    Rule("ct-config", "transformers", "compressed-tensors QuantizationConfig (pydantic)",
-         _ct_config),
-]
 
 
 # --- reload ----------------------------------------------------------------------------------
@@ -361,7 +75,7 @@ def validate(path, runtimes=RUNTIMES, *, reload: bool = True) -> Report:
     for rule in RULES:
         if rule.runtime in runtimes:
             report.violations += rule.check(ck)
-    if reload and "transformers" in runtimes and ck["meta"]["layout"] == "compressed-tensors":
+    if reload and "transformers" in runtimes and served(ck, "transformers"):
         try:
             report.reload = reload_difference(ck["path"])
         except Exception as e:  # noqa: BLE001 - transformers refused: that is the finding
@@ -378,3 +92,7 @@ def static_violations(path, runtime: str = "vllm") -> list[Violation]:
 
 def dumps(report: Report) -> str:
     return json.dumps(report.as_dict(), indent=2, default=str)
+
+
+__all__ = ["validate", "static_violations", "reload_difference", "dumps", "Report", "Violation",
+           "Rule", "RULES", "RUNTIMES", "TOLERANCE", "vllm_linear_scheme"]

@@ -194,7 +194,7 @@ class TinyMobileNet(nn.Module):
         return self.classifier(self.pool(self.features(x)).flatten(1))
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "TinyMobileNet":
+    def from_state_dict(cls, state: dict) -> TinyMobileNet:
         """The network a ``state_dict()`` of this class describes (sizes read off the shapes)."""
         try:
             stem, head = state["features.0.weight"], state["classifier.weight"]

@@ -28,9 +28,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import GenerationConfig
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                             convert_and_load_state_dict_in_model,
-                                             dot_natural_key, rename_source_key)
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    convert_and_load_state_dict_in_model,
+    dot_natural_key,
+    rename_source_key,
+)
 from transformers.modeling_utils import LoadStateDictConfig
 
 from .errors import DataError, first_line

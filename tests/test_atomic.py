@@ -12,8 +12,16 @@ import time
 
 import pytest
 
-from fp8ptq.atomic import (atomic_dir, atomic_file, check_writable, remove_stale_temporaries,
-                           scratch_dir, temporary_owner, write_file, write_text)
+from fp8ptq.atomic import (
+    atomic_dir,
+    atomic_file,
+    check_writable,
+    remove_stale_temporaries,
+    scratch_dir,
+    temporary_owner,
+    write_file,
+    write_text,
+)
 from fp8ptq.errors import Fp8ptqError, UsageError
 
 
@@ -54,7 +62,8 @@ def test_disk_full_is_one_line(tmp_path):
 def test_unwritable_folder_is_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(Fp8ptqError, match=r"cannot write .*file/out: .*file is a file, not a folder; nothing was written"):
+    with pytest.raises(Fp8ptqError, match=r"cannot write .*file/out: .*file is a file, not a "
+                                          r"folder; nothing was written"):
         with atomic_dir(blocker / "out"):
             pass
 
@@ -144,9 +153,12 @@ def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
     assert names(tmp_path) == sorted([live.name, other.name])
 
 
+# The child restores Python's own SIGINT handler: a process started from a background job (CI
+# runners, `cmd &`) inherits SIGINT as ignored, and then Python installs no KeyboardInterrupt.
 WRITER = """
-import sys, time
+import signal, sys, time
 from fp8ptq.atomic import atomic_dir
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with atomic_dir(sys.argv[1]) as tmp:
     (tmp / "half.bin").write_bytes(b"x" * 1000)
     print("writing", flush=True)

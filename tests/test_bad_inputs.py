@@ -17,15 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny
 
 import fp8ptq
-from fp8ptq.cli.main import main
 from fp8ptq.errors import DataError, Fp8ptqError, UsageError
+from tiny_models import invoke, tiny
 
 HERE = Path(__file__).parent
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
@@ -52,12 +50,12 @@ def A(tmp_path_factory, word_tokenizer):
     word_tokenizer.save_pretrained(root / "llama")
     (root / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     (root / "wiki.raw").write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
-    res = CliRunner().invoke(main, ["quantize", str(root / "llama"), "-o", str(root / "ckpt"),
-                                    "--calib-data", str(root / "calib.txt"), *CALIB])
+    res = invoke(["quantize", str(root / "llama"), "-o", str(root / "ckpt"),
+                  "--calib-data", str(root / "calib.txt"), *CALIB])
     assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(main, ["quantize", str(root / "llama"), "-o", str(root / "native"),
-                                    "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
-                                    *CALIB])
+    res = invoke(["quantize", str(root / "llama"), "-o", str(root / "native"),
+                  "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
+                  *CALIB])
     assert res.exit_code == 0, res.output
     assert json.loads((root / "native" / "fp8ptq.json").read_text())["layout"] == "fp8ptq-native"
     return root
@@ -477,7 +475,7 @@ def test_bad_input_one_error_line_nothing_left(A, tmp_path, case):
     build, code, fragment = CASES[case]
     args = build(tmp_path, A)
     before = {p.name for p in tmp_path.iterdir()}
-    res = CliRunner().invoke(main, [str(a) for a in args])
+    res = invoke([str(a) for a in args])
     assert res.exit_code == code, (res.output, res.exception)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
@@ -546,8 +544,8 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(tmp_path / "out"),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+    res = invoke(["quantize", str(A / "llama"), "-o", str(tmp_path / "out"),
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 1
     assert [ln for ln in res.stderr.splitlines() if ln.startswith("error:")] == [
         f"error: no space left on device writing {tmp_path / 'out'}; nothing was written"]
@@ -555,11 +553,11 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
 
 
 def test_debug_shows_the_traceback(A, tmp_path, monkeypatch):
-    res = CliRunner().invoke(main, ["--debug", "quantize", "/no/such/model", "-o",
-                                    str(tmp_path / "o")])
+    res = invoke(["--debug", "quantize", "/no/such/model", "-o",
+                  str(tmp_path / "o")])
     assert res.exit_code != 0 and isinstance(res.exception, UsageError)
     monkeypatch.setenv("FP8PTQ_DEBUG", "1")
-    res = CliRunner().invoke(main, ["eval", str(A / "llama"), "--tasks", "no_such_task_xyz"])
+    res = invoke(["eval", str(A / "llama"), "--tasks", "no_such_task_xyz"])
     assert isinstance(res.exception, UsageError)  # raised, so the traceback is printed
 
 
@@ -575,8 +573,8 @@ def test_quiet_by_default(A, tmp_path):
     "Loading weights" bars, lm-eval's notes about ``pretrained``, tqdm bars) unless
     ``--verbose``: a fresh process each, so no earlier test has silenced anything."""
     ck = tmp_path / "ck"
-    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(ck),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+    res = invoke(["quantize", str(A / "llama"), "-o", str(ck),
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 0 and chatter(res.stderr) == [], res.stderr
     cli = [sys.executable, "-m", "fp8ptq.cli"]
     quiet = subprocess.run([*cli, "eval", str(ck), "--tasks", "wikitext", "--data",
@@ -697,8 +695,8 @@ def test_two_runs_on_one_output_one_wins_the_other_fails_cleanly(A, tmp_path, mo
         (out / "fp8ptq.json").write_text("{}")  # the other run's complete checkpoint
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_then_other_run_finishes)
-    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(out),
-                                    "--calib-data", str(A / "calib.txt"), *CALIB])
+    res = invoke(["quantize", str(A / "llama"), "-o", str(out),
+                  "--calib-data", str(A / "calib.txt"), *CALIB])
     assert res.exit_code == 2
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "created by another run" in errors[0]

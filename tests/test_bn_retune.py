@@ -1,11 +1,15 @@
 """BatchNorm re-tuning (Sun et al. 2019 sec 3), --keep-depthwise / --keep-first-last, and the CNN
 path of ``fp8ptq quantize`` (a .pt module, image calibration data, native checkpoint, reload).
 
-The accuracy claims run on a MobileNet-style CNN trained on scikit-learn's digits. The margins
-were chosen from training seeds 0-7 (see benchmarks/digits_cnn.py for the full table): with
-e4m0fn (1-4-0, scale 1) the direct cast lost 0.13-0.24 accuracy, BN re-tuning won back
-0.086-0.173 (56-88% of the loss), keeping depthwise convolutions 0.086-0.145; with e5m2 the
-accuracy stayed within 0.006 of fp32 while re-tuning cut the output error to 0.52-0.72x.
+The accuracy claims run on a MobileNet-style CNN trained on scikit-learn's digits. Training
+is deterministic per machine but not across CPUs (the convolution kernels differ between AVX2
+and AVX-512 machines), and top-1 accuracy on 359 test images moves in steps of 0.0028, so the
+assertions lean on the relative output error (stable across seeds and machines) and keep the
+accuracy margins loose. Measured with e4m0fn (1-4-0, scale 1) over training seeds 0-7 on an AVX2
+machine: the direct cast lost 0.10-0.21 accuracy; BN re-tuning won back 0.025-0.19 and cut the
+output error to 0.51-0.65x; keeping depthwise convolutions won back 0.04-0.15; both together
+0.06-0.21 with the lowest output error. With e5m2 the accuracy stayed within 0.011 of fp32 while
+re-tuning cut the output error to 0.53-0.76x (benchmarks/digits_cnn.py gives the full table).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 from torch import nn
 
 import fp8ptq
@@ -25,12 +28,19 @@ from fp8ptq import job
 from fp8ptq.bn_retune import retune_batchnorm
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.checkpoint.skeleton import SKELETON_NAME
-from fp8ptq.cli.main import main
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.pipeline import plan_targets, quantize_model
 from fp8ptq.recipe import Recipe
-from fp8ptq.vision import (TinyMobileNet, accuracy, image_batches, load_digits_data, predict,
-                           quantize_and_score, train_digits_cnn)
+from fp8ptq.vision import (
+    TinyMobileNet,
+    accuracy,
+    image_batches,
+    load_digits_data,
+    predict,
+    quantize_and_score,
+    train_digits_cnn,
+)
+from tiny_models import invoke
 
 SEED = 0
 CALIB_IMAGES = 512
@@ -73,9 +83,8 @@ def test_coarse_cast_loses_accuracy_and_bn_retune_recovers_it(digits):
     cast, cast_err, _ = direct_cast(digits, "e4m0fn")
     retuned, retuned_err, result = direct_cast(digits, "e4m0fn", bn_retune=True)
     assert cast <= digits.fp32 - 0.08
-    assert retuned >= cast + 0.05
-    assert retuned - cast >= 0.4 * (digits.fp32 - cast)
-    assert retuned_err < 0.8 * cast_err
+    assert retuned > cast
+    assert retuned_err < 0.7 * cast_err
     report = result.extras["bn_retune"]
     assert report["layers"] == 10 and report["batches"] == len(digits.calib)
     assert set(report["per_layer"]) == {n for n, m in result.model.named_modules()
@@ -88,8 +97,8 @@ def test_keep_depthwise_recovers_and_combines_with_retune(digits):
     both, both_err, _ = direct_cast(digits, "e4m0fn", keep_depthwise=True, bn_retune=True)
     _, retuned_err, _ = direct_cast(digits, "e4m0fn", bn_retune=True)
     assert result.skipped == DEPTHWISE
-    assert kept >= cast + 0.05
-    assert both >= cast + 0.08
+    assert kept >= cast + 0.03
+    assert both >= cast + 0.05
     assert both_err < min(kept_err, retuned_err)
 
 
@@ -206,7 +215,7 @@ def test_retune_needs_data_and_ignores_models_without_bn():
 
 
 def run(*args):
-    return CliRunner().invoke(main, list(args))
+    return invoke(list(args))
 
 
 CLI_RECIPE = ["--format", "e5m2", "--act-calib", "cast", "--weight-calib", "cast",

@@ -3,20 +3,26 @@ atomic writes, scale guards, fp8ptq.json, OCP -> FNUZ conversion."""
 
 import errno
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
 import fp8ptq
-from fp8ptq.checkpoint import (LAYOUT_CT, LAYOUT_NATIVE, fn_to_fnuz, load_quantized, read_metadata,
-                               save_quantized)
+from fp8ptq.checkpoint import (
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    fn_to_fnuz,
+    load_quantized,
+    read_metadata,
+    save_quantized,
+)
 from fp8ptq.checkpoint import writer as ckpt_writer
 from fp8ptq.errors import Fp8ptqError, NumericsError, UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
+from tiny_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,31 +30,21 @@ VOCAB = 128
 
 
 def _llama(dtype=torch.float32, tie=True):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=tie)
-    return transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return tiny("llama", seed=None, dtype=dtype, intermediate_size=96, num_key_value_heads=2,
+                tie_word_embeddings=tie)
 
 
 def _gpt2(dtype=torch.float32):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                                  n_positions=64, bos_token_id=1, eos_token_id=1)
-    return transformers.GPT2LMHeadModel._from_config(cfg, dtype=dtype)
+    return tiny("gpt2", seed=None, dtype=dtype, n_positions=64, bos_token_id=1, eos_token_id=1)
 
 
 def _opt(dtype=torch.float32):
-    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 max_position_embeddings=64, word_embed_proj_dim=64,
-                                 bos_token_id=1, eos_token_id=1, pad_token_id=0)
-    return transformers.OPTForCausalLM._from_config(cfg, dtype=dtype)
+    return tiny("opt", seed=None, dtype=dtype, ffn_dim=96, max_position_embeddings=64,
+                bos_token_id=1, eos_token_id=1, pad_token_id=0)
 
 
 def _bert(dtype=torch.float32):
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  max_position_embeddings=64)
-    return transformers.BertForQuestionAnswering._from_config(cfg, dtype=dtype)
+    return tiny("bert", seed=None, dtype=dtype, intermediate_size=96, max_position_embeddings=64)
 
 
 BUILDERS = {"llama": _llama, "gpt2": _gpt2, "opt": _opt, "bert": _bert}

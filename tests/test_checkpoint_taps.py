@@ -8,9 +8,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fp8ptq.checkpoint import (LAYOUT_CT, LAYOUT_NATIVE, load_quantized, read_metadata,
-                               save_quantized)
-from fp8ptq.checkpoint import reader
+from fp8ptq.checkpoint import (
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    load_quantized,
+    read_metadata,
+    reader,
+    save_quantized,
+)
 from fp8ptq.errors import Fp8ptqError, NumericsError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe

@@ -10,12 +10,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
-from tiny_models import tiny
 
 from fp8ptq import job
-from fp8ptq.cli.main import main
 from fp8ptq.recipe import Recipe
+from tiny_models import invoke, tiny
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog .",
@@ -58,7 +56,7 @@ def calib_flags(f, seq_len_flag="--calib-seq-len"):
 
 
 def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+    return invoke([str(a) for a in args])
 
 
 def eval_wiki(f, model, *args):
@@ -131,13 +129,15 @@ def test_baseline_int8_e4m3_table_json_markdown_plot(files, tmp_path):
 
     markdown = (out / "r.md").read_text().splitlines()
     assert markdown[0].startswith("| variant | wikitext.word_perplexity")
-    assert [line.split("|")[1].strip() for line in markdown[2:]] == ["baseline", "int8", "e4m3", "bf16"]
+    assert [line.split("|")[1].strip() for line in markdown[2:]] == ["baseline", "int8", "e4m3",
+                                                                      "bf16"]
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["r.json", "r.md", "r.png"]  # no temp files
 
 
 def test_failed_gate_exits_3_and_names_the_metric(files, tmp_path):
-    res = eval_wiki(files, files.llama, "--compare", "int8,e4m3,e3m0,bf16", "--json", tmp_path / "r.json", "--max-delta", "wikitext.word_perplexity=0",
+    res = eval_wiki(files, files.llama, "--compare", "int8,e4m3,e3m0,bf16", "--json",
+                    tmp_path / "r.json", "--max-delta", "wikitext.word_perplexity=0",
                     "--max-delta", "wikitext.token_perplexity=100%")
     doc = json.loads((tmp_path / "r.json").read_text())  # the report is written before the gates
     # a random model's perplexity may go either way; each variant that got worse fails the gate
@@ -208,7 +208,8 @@ def test_checkpoint_whose_base_model_is_gone(files, checkpoint, tmp_path):
     moved = tmp_path / "orphan"
     shutil.copytree(checkpoint, moved)
     meta = json.loads((moved / "fp8ptq.json").read_text())
-    meta["source"] = {"model": str(tmp_path / "gone"), "kind": "local", "path": str(tmp_path / "gone")}
+    meta["source"] = {"model": str(tmp_path / "gone"), "kind": "local",
+                      "path": str(tmp_path / "gone")}
     (moved / "fp8ptq.json").write_text(json.dumps(meta))
 
     res = run("eval", moved, "--tasks", "wikitext", "--data", f"wikitext={files.wiki}",
@@ -238,7 +239,8 @@ def test_checkpoint_whose_base_model_is_gone(files, checkpoint, tmp_path):
     (["--max-delta", "wikitext.mystery=1"], "higher or lower is better"),
     (["--plot", "deltas.txt"], "--plot deltas.txt: expected a .png"),
     (["--include-path", "/no/such/dir"], "include path is not a directory"),
-    (["--compare", "int8", "--calib-data", "/no/such/calib.txt"], "calibration data file not found"),
+    (["--compare", "int8", "--calib-data", "/no/such/calib.txt"],
+     "calibration data file not found"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(files, args, message):
     args = [a.format(wiki=files.wiki, root=files.root) for a in args]

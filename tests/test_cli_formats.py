@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
-from fp8ptq.cli.main import main
 from fp8ptq.formats import preset_names
+from tiny_models import invoke
 
 WIDE = {"COLUMNS": "200"}
 KEYS = ("name", "exponent_bits", "mantissa_bits", "bias", "max", "min_normal", "min_subnormal",
@@ -19,7 +18,7 @@ KEYS = ("name", "exponent_bits", "mantissa_bits", "bias", "max", "min_normal", "
 
 
 def run(*args, env=None):
-    return CliRunner().invoke(main, list(args), env=env)
+    return invoke(list(args), env=env)
 
 
 def test_table_lists_every_preset():

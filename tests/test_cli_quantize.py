@@ -15,16 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from click.testing import CliRunner
 from safetensors import safe_open
 
 import fp8ptq
 from fp8ptq import job
 from fp8ptq.checkpoint import read_metadata
-from fp8ptq.cli.main import main
 from fp8ptq.data import token_sha256
 from fp8ptq.recipe import Recipe
-from tiny_models import tiny
+from tiny_models import invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"] * 10
@@ -48,7 +46,7 @@ def assets(tmp_path_factory, word_tokenizer):
 
 
 def quantize(model, out, *args, env=None):
-    return CliRunner().invoke(main, ["quantize", str(model), "-o", str(out), *args], env=env)
+    return invoke(["quantize", str(model), "-o", str(out), *args], env=env)
 
 
 def quantize_json(assets, out, *args):
@@ -314,7 +312,9 @@ def test_report_table_shows_module_names(assets, tmp_path, columns):
 def test_real_processes(assets, tmp_path):
     """``python -m fp8ptq.cli`` and the installed ``fp8ptq`` script, run side by side (each
     process pays the torch/transformers import)."""
-    script = shutil.which("fp8ptq") or str(Path(sys.executable).parent / "fp8ptq")
+    # the script installed beside this interpreter (a venv's own), else the one on PATH
+    beside = Path(sys.executable).parent / "fp8ptq"
+    script = str(beside) if beside.is_file() else shutil.which("fp8ptq")
     common = [str(assets / "llama"), "--calib-data", str(assets / "calib.txt"), *CALIB]
     env = {**os.environ, "COLUMNS": "100"}
     runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -338,7 +338,7 @@ def test_real_processes(assets, tmp_path):
     (["m", "-o", "x", "--num-samples", "many"], "'--num-samples'"),
 ])
 def test_click_usage_errors_are_one_error_line(args, fragment):
-    result = CliRunner().invoke(main, ["quantize", *args])
+    result = invoke(["quantize", *args])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]

@@ -36,7 +36,8 @@ def write(path: Path, text: str) -> str:
 
 @pytest.mark.parametrize("suffix", [".txt", ".raw"])
 def test_line_files_strip_and_skip_blank_lines(tmp_path, suffix):
-    spec = write(tmp_path / f"c{suffix}", "  the quick brown fox \r\n\r\njumps over the lazy dog\r\n   \nhello world")
+    spec = write(tmp_path / f"c{suffix}",
+                 "  the quick brown fox \r\n\r\njumps over the lazy dog\r\n   \nhello world")
     assert load_texts(spec) == DOCS
 
 
@@ -51,7 +52,8 @@ def test_json_records_default_and_custom_field(tmp_path):
 
 
 def test_json_data_object(tmp_path):
-    spec = write(tmp_path / "c.json", json.dumps({"version": 2, "data": [{"text": d} for d in DOCS]}))
+    spec = write(tmp_path / "c.json",
+                 json.dumps({"version": 2, "data": [{"text": d} for d in DOCS]}))
     assert load_texts(spec) == DOCS
 
 
@@ -59,7 +61,8 @@ def test_json_squad_uses_contexts(tmp_path):
     squad = {
         "version": "1.1",
         "data": [
-            {"title": "A", "paragraphs": [{"context": DOCS[0], "qas": []}, {"context": DOCS[1], "qas": []}]},
+            {"title": "A", "paragraphs": [{"context": DOCS[0], "qas": []},
+                                          {"context": DOCS[1], "qas": []}]},
             {"title": "B", "paragraphs": [{"context": DOCS[2], "qas": [{"question": "q?"}]}]},
         ],
     }
@@ -115,7 +118,8 @@ def test_bad_json_line(tmp_path):
         load_texts(spec)
 
 
-@pytest.mark.parametrize("spec", ["missing.txt", "data/missing.jsonl", "./missing", "a/b/missing.csv"])
+@pytest.mark.parametrize("spec", ["missing.txt", "data/missing.jsonl", "./missing",
+                                  "a/b/missing.csv"])
 def test_missing_file_names_the_path(spec):
     with pytest.raises(DataError, match="not found") as excinfo:
         load_texts(spec)
@@ -162,11 +166,13 @@ def test_wikitext_raw_asset():
 
 @pytest.fixture
 def corpus():
-    return [" ".join(["the quick brown fox jumps over the lazy dog"] * 3), "hello world and hello again"] * 20
+    return [" ".join(["the quick brown fox jumps over the lazy dog"] * 3),
+            "hello world and hello again"] * 20
 
 
 def test_shape_and_metadata(corpus, word_tokenizer):
-    calib = build_calibration_set(corpus, word_tokenizer, num_samples=8, seq_len=16, seed=3, source="mem")
+    calib = build_calibration_set(corpus, word_tokenizer, num_samples=8, seq_len=16, seed=3,
+                                  source="mem")
     assert isinstance(calib, CalibrationSet)
     assert calib.input_ids.shape == (8, 16) and calib.input_ids.dtype == torch.long
     assert (calib.num_samples, calib.seq_len, calib.seed, calib.source) == (8, 16, 3, "mem")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_moe import tiny_moe
+
 from tiny_models import tiny
 
 HERE = Path(__file__).parent
@@ -27,7 +27,7 @@ def models(tmp_path_factory, word_tokenizer):
     root = tmp_path_factory.mktemp("dist")
     tiny("llama").save_pretrained(root / "llama")
     word_tokenizer.save_pretrained(root / "llama")
-    tiny_moe("mixtral").save_pretrained(root / "mixtral")
+    tiny("mixtral").save_pretrained(root / "mixtral")
     word_tokenizer.save_pretrained(root / "mixtral")
     (root / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     return root

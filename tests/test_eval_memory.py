@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
     sys.path.insert(0, {tests!r})

@@ -42,8 +42,10 @@ SQUAD = {
                     "qas": [
                         {"id": f"q{i}", "question": q, "answers": [{"text": a, "answer_start": 0}]}
                         for i, (q, a) in enumerate(
-                            [("How long is the river?", "120 km"), ("Where does it flow to?", "the sea"),
-                             ("Where does it start?", "the hills"), ("What flows?", "The Blue River")]
+                            [("How long is the river?", "120 km"),
+                             ("Where does it flow to?", "the sea"),
+                             ("Where does it start?", "the hills"),
+                             ("What flows?", "The Blue River")]
                         )
                     ],
                 }
@@ -132,9 +134,11 @@ def test_wikitext_matches_hand_computation(model, tokenizer, wiki_file):
 
     loglikelihoods = [s["word_perplexity"][0] for s in outcome.samples]
     words = sum(len(re.split(r"\s+", s["doc"]["page"])) for s in outcome.samples)
-    assert outcome.metrics["word_perplexity"] == pytest.approx(math.exp(-sum(loglikelihoods) / words))
+    assert outcome.metrics["word_perplexity"] == pytest.approx(
+        math.exp(-sum(loglikelihoods) / words))
     nbytes = sum(len(s["doc"]["page"].encode()) for s in outcome.samples)
-    assert outcome.metrics["bits_per_byte"] == pytest.approx(-sum(loglikelihoods) / nbytes / math.log(2))
+    assert outcome.metrics["bits_per_byte"] == pytest.approx(
+        -sum(loglikelihoods) / nbytes / math.log(2))
 
     direct = [_direct_loglikelihood(model, tokenizer, s["target"]) for s in outcome.samples]
     assert loglikelihoods == pytest.approx([ll for ll, _ in direct], rel=1e-4)
@@ -148,7 +152,8 @@ def test_wikitext_rolling_windows_and_limit(model, tokenizer, wiki_file):
     outcome = evaluate_wikitext(lm, wiki_file, limit=2)
     assert outcome.protocol["documents"] == 2 and outcome.protocol["context_length"] == 16
     assert [s["doc"]["page"] for s in outcome.samples] == ARTICLES[:2]
-    assert set(outcome.metrics) == {"word_perplexity", "byte_perplexity", "bits_per_byte", "token_perplexity"}
+    assert set(outcome.metrics) == {"word_perplexity", "byte_perplexity", "bits_per_byte",
+                                    "token_perplexity"}
     assert all(math.isfinite(v) and v > 0 for v in outcome.metrics.values())
 
 
@@ -195,7 +200,8 @@ def test_run_tasks_passes_other_names_to_lm_eval(model, tokenizer, tmp_path):
         'doc_to_target: "{{text}}"\n'
         "metric_list:\n  - metric: word_perplexity\n"
     )
-    result = run_tasks(model, tokenizer, ["tiny_rolling"], include_path=str(tasks), limit=2, seq_len=64)
+    result = run_tasks(model, tokenizer, ["tiny_rolling"], include_path=str(tasks), limit=2,
+                       seq_len=64)
     assert list(result.metrics) == ["tiny_rolling.word_perplexity"]
     assert math.isfinite(result.metrics["tiny_rolling.word_perplexity"])
     assert result.protocol["tiny_rolling"]["samples"] == {"tiny_rolling": 2}

@@ -18,10 +18,13 @@ from fp8ptq.evals.report import (
 )
 
 VARIANTS = [
-    {"name": "baseline", "metrics": {"wikitext.word_perplexity": 20.0, "squad.f1": 80.0}, "seconds": 10.0},
-    {"name": "int8", "metrics": {"wikitext.word_perplexity": 20.5, "squad.f1": 79.0}, "seconds": 12.0,
+    {"name": "baseline", "metrics": {"wikitext.word_perplexity": 20.0, "squad.f1": 80.0},
+     "seconds": 10.0},
+    {"name": "int8", "metrics": {"wikitext.word_perplexity": 20.5, "squad.f1": 79.0},
+     "seconds": 12.0,
      "recipe": {"format": "int8"}},
-    {"name": "e4m3", "metrics": {"wikitext.word_perplexity": 21.0, "squad.f1": 81.0}, "seconds": 11.0,
+    {"name": "e4m3", "metrics": {"wikitext.word_perplexity": 21.0, "squad.f1": 81.0},
+     "seconds": 11.0,
      "recipe": {"format": "e4m3"}},
 ]
 

@@ -1,4 +1,5 @@
-"""SQuAD v1.1 metric (official normalisation, EM, F1), data loading, and the real MiniLM QA model."""
+"""SQuAD v1.1 metric (official normalisation, EM, F1), data loading, and the real MiniLM QA
+model."""
 
 import json
 import os
@@ -62,7 +63,8 @@ def test_load_examples_order_limit_and_errors(tmp_path):
     path.write_text(json.dumps(squad))
     examples = load_examples(path, limit=3)
     assert [e["question"] for e in examples] == ["q0", "q1", "q2"]
-    assert examples[0] == {"id": "0", "title": "T", "context": "c", "question": "q0", "answers": ["a0"]}
+    assert examples[0] == {"id": "0", "title": "T", "context": "c", "question": "q0",
+                           "answers": ["a0"]}
     with pytest.raises(DataError):
         load_examples(tmp_path / "missing.json")
     path.write_text('{"data": [{"paragraphs": [{"qas": []}]}]}')
@@ -80,7 +82,8 @@ def test_minilm_extractive_squad(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     tokenizer = AutoTokenizer.from_pretrained(MINILM)
     model = AutoModelForQuestionAnswering.from_pretrained(MINILM, dtype=torch.float32).eval()
-    result = run_tasks(model, tokenizer, ["squad"], data={"squad": str(HELDOUT)}, limit=40, batch_size=20)
+    result = run_tasks(model, tokenizer, ["squad"], data={"squad": str(HELDOUT)}, limit=40,
+                       batch_size=20)
     assert 30 <= result.metrics["squad.exact_match"] <= 90
     assert result.metrics["squad.exact_match"] <= result.metrics["squad.f1"] <= 95
     protocol = result.protocol["squad"]

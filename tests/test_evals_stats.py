@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from fp8ptq.evals.report import attach_intervals, check_gates
-from fp8ptq.evals.stats import Records, mean_records, paired_interval, wikitext_records
+from fp8ptq.evals.stats import mean_records, paired_interval, wikitext_records
 
 
 def wiki(ll, words):
-    return [{"word_perplexity": (l, w), "byte_perplexity": (l, 3 * w),
-             "bits_per_byte": (l, 3 * w), "token_perplexity": (l, 2 * w), "doc_id": i}
-            for i, (l, w) in enumerate(zip(ll, words))]
+    return [{"word_perplexity": (ll_, w), "byte_perplexity": (ll_, 3 * w),
+             "bits_per_byte": (ll_, 3 * w), "token_perplexity": (ll_, 2 * w), "doc_id": i}
+            for i, (ll_, w) in enumerate(zip(ll, words))]
 
 
 def test_records_reproduce_lm_eval_aggregations():
@@ -46,7 +46,8 @@ def test_mean_metrics_keep_only_what_reproduces_the_reported_value():
     assert r.metric("acc") == 0.5 and r.metric("f1") == 75.0
     pct = mean_records(rows, {"acc": 50.0})  # reported in percent: scale found
     assert pct.metric("acc") == 50.0
-    assert mean_records(rows, {"acc": 0.7}) is None  # not a mean: no interval rather than a wrong one
+    # not a mean: no interval rather than a wrong one
+    assert mean_records(rows, {"acc": 0.7}) is None
 
 
 def test_interval_coverage_on_synthetic_documents():
@@ -91,10 +92,8 @@ def test_gate_on_ci_upper_fails_what_the_point_estimate_passes():
 
 
 def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_tokenizer):
-    from click.testing import CliRunner
-    from tiny_models import tiny
 
-    from fp8ptq.cli.main import main
+    from tiny_models import invoke, tiny
 
     tiny("llama").save_pretrained(tmp_path / "m")
     word_tokenizer.save_pretrained(tmp_path / "m")
@@ -108,7 +107,7 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
             "--dtype", "float32", "--json", str(tmp_path / "r.json"), "--samples",
             str(tmp_path / "s.jsonl"), "--markdown", str(tmp_path / "r.md"), "--prefix-token",
             "eos"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(args)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "95% CI" in res.stdout and "%, 95% CI" in res.stdout
     assert "prefix_token=eos" in res.stdout
@@ -125,21 +124,21 @@ def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_t
     base = [r for r in records if r["variant"] == "baseline"]
     ll, words = sum(r["loglikelihood"] for r in base), sum(r["words"] for r in base)
     assert math.exp(-ll / words) == pytest.approx(doc["variants"][0]["metrics"][key], rel=1e-6)
-    res = CliRunner().invoke(main, [*args[:-2], "--delta", "abs", "--json",
-                                    str(tmp_path / "r2.json")])
+    res = invoke([*args[:-2], "--delta", "abs", "--json",
+                  str(tmp_path / "r2.json")])
     assert res.exit_code == 0 and "%," not in res.stdout.split("protocol")[0]
 
 
 def test_prefix_token_none_scores_all_but_the_first_token(tmp_path, word_tokenizer):
     """With no prefix, the log-likelihood is that of tokens 2..n given the first, computed by
     hand from the model's logits."""
+    import copy
+
     import torch
-    from tiny_models import tiny
 
     from fp8ptq.evals.harness import make_lm
     from fp8ptq.evals.wikitext import evaluate_wikitext
-
-    import copy
+    from tiny_models import tiny
 
     word_tokenizer = copy.deepcopy(word_tokenizer)  # HFLM sets a pad token on the one it gets
     model = tiny("llama").float()

@@ -16,8 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8ptq.errors import UsageError
-from fp8ptq.formats import (PRESETS, FormatSpec, decode, encode, fake_quantize, get_format,
-                            preset_names, quantize_values)
+from fp8ptq.formats import (
+    PRESETS,
+    FormatSpec,
+    decode,
+    encode,
+    fake_quantize,
+    get_format,
+    preset_names,
+    quantize_values,
+)
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True)
 

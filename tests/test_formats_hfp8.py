@@ -15,8 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from fp8ptq.formats import decode, encode, fake_quantize, get_format, quantize_values, registry
-from fp8ptq.formats import codec
+from fp8ptq.formats import (
+    codec,
+    decode,
+    encode,
+    fake_quantize,
+    get_format,
+    quantize_values,
+    registry,
+)
 
 HFP8 = get_format("hfp8")
 B11 = ml_dtypes.float8_e4m3b11fnuz

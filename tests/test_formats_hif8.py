@@ -45,7 +45,8 @@ def paper_decode(code: int) -> float:
     """Luo et al. 2024 Tables 2-3 and eqs. (1)-(2), parsed from the bit string."""
     sign = -1.0 if code & 0x80 else 1.0
     bits = f"{code & 0x7F:07b}"
-    for prefix, d in (("11", 4), ("10", 3), ("01", 2), ("001", 1), ("0001", 0), ("0000", None)):
+    for prefix, d in (("11", 4), ("10", 3), ("01", 2), ("001", 1), ("0001", 0),  # noqa: B007
+                      ("0000", None)):  # d is read after the loop
         if bits.startswith(prefix):
             rest = bits[len(prefix):]
             break

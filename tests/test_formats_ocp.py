@@ -15,9 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from fp8ptq.formats import (codes_as_torch_float8, decode, encode, fake_quantize, get_format,
-                            quantize_values, to_torch_float8, torch_dtype)
-from fp8ptq.formats import codec
+from fp8ptq.formats import (
+    codec,
+    codes_as_torch_float8,
+    decode,
+    encode,
+    fake_quantize,
+    get_format,
+    quantize_values,
+    to_torch_float8,
+    torch_dtype,
+)
 
 # name -> (ml_dtypes dtype, torch dtype or None, canonical NaN code we must write)
 FORMATS = {

@@ -4,11 +4,11 @@ simulates is what vLLM serves."""
 
 import pytest
 import torch
-from tiny_models import IDS, tiny
 
 from fp8ptq.formats import encode, get_format
 from fp8ptq.pipeline import fused_groups, quantize_model, token_batches
 from fp8ptq.recipe import Recipe
+from tiny_models import IDS, tiny
 
 QKV = [f"model.layers.0.self_attn.{s}_proj" for s in "qkv"]
 GATE_UP = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]

@@ -3,7 +3,6 @@ round-to-nearest for every format and granularity, and the pipeline / checkpoint
 
 import pytest
 import torch
-from tiny_models import IDS, tiny
 
 import fp8ptq
 from fp8ptq.calibrators.gptq import gptq_codes, output_error
@@ -13,6 +12,7 @@ from fp8ptq.formats import decode, encode, get_format
 from fp8ptq.granularity import weight_granularity
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe
+from tiny_models import IDS, tiny
 
 
 def test_identity_hessian_is_round_to_nearest():

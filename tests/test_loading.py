@@ -4,10 +4,10 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
-    AutoModel,
     BertConfig,
     GPT2Config,
     LlamaConfig,
@@ -57,7 +57,8 @@ def test_local_folder(tiny_llama_dir):
     # The tokenizer had no pad token: it borrows eos.
     assert loaded.tokenizer.pad_token == loaded.tokenizer.eos_token == "</s>"
     with torch.no_grad():
-        logits = loaded.model(loaded.tokenizer("the quick fox", return_tensors="pt").input_ids).logits
+        ids = loaded.tokenizer("the quick fox", return_tensors="pt").input_ids
+        logits = loaded.model(ids).logits
     assert logits.shape[-1] == len(loaded.tokenizer)
 
 
@@ -82,8 +83,10 @@ def test_unknown_task(tiny_llama_dir):
 @pytest.mark.parametrize(
     "config, task, expected",
     [
-        (BertConfig(architectures=["BertForQuestionAnswering"]), None, AutoModelForQuestionAnswering),
-        (BertConfig(architectures=["BertForSequenceClassification"]), None, AutoModelForSequenceClassification),
+        (BertConfig(architectures=["BertForQuestionAnswering"]), None,
+         AutoModelForQuestionAnswering),
+        (BertConfig(architectures=["BertForSequenceClassification"]), None,
+         AutoModelForSequenceClassification),
         (LlamaConfig(architectures=["LlamaForCausalLM"]), None, AutoModelForCausalLM),
         (GPT2Config(architectures=["GPT2LMHeadModel"]), None, AutoModelForCausalLM),
         (BertConfig(architectures=["BertModel"]), None, AutoModel),
@@ -128,7 +131,8 @@ def test_hub_id_unreachable_without_offline_mode(monkeypatch):
     assert time.perf_counter() - start < 10
 
 
-@pytest.mark.parametrize("spec", ["./missing-model", "/nonexistent/dir/model", "a/b/c", "missing.gguf"])
+@pytest.mark.parametrize("spec", ["./missing-model", "/nonexistent/dir/model", "a/b/c",
+                                  "missing.gguf"])
 def test_missing_path(spec):
     with pytest.raises(UsageError, match="no such file or folder"):
         load_model(spec)
@@ -192,7 +196,8 @@ def test_real_gguf_is_cached(tmp_path, monkeypatch):
         assert isinstance(loaded.model, LlamaForCausalLM)
         assert loaded.kind == "gguf"
         assert loaded.model.config.num_hidden_layers == 30
-        assert all(type(m) is torch.nn.Linear for m in loaded.model.modules() if "Linear" in type(m).__name__)
+        assert all(type(m) is torch.nn.Linear for m in loaded.model.modules()
+                   if "Linear" in type(m).__name__)
     assert cached_s < uncached_s / 3
 
     ids = second.tokenizer("The capital of France is", return_tensors="pt").input_ids

@@ -6,8 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
@@ -16,24 +14,10 @@ from fp8ptq.model.experts import expert_weight, find_experts, router_names
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qexperts import QuantExperts
 from fp8ptq.recipe import Recipe
+from tiny_models import invoke, tiny
 
 VOCAB, E = 128, 8
 IDS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
-
-
-def tiny_moe(arch: str):
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts_per_tok=2)
-    if arch == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=E,
-                                                **common)).eval()
-    if arch == "qwen2_moe":
-        return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-            intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-            num_experts=E, **common)).eval()
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32,
-                                              num_experts=E, **common)).eval()
 
 
 def batches():
@@ -47,7 +31,7 @@ def logits(model):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_expert_quantized_saved_and_reloaded_bit_exact(arch, tmp_path):
-    model = tiny_moe(arch)
+    model = tiny(arch)
     found = list(find_experts(model))
     assert len(found) == 2  # one fused experts module per layer
     originals = {n: {p: expert_weight(m, i, p).detach().clone() for p in i.projections}
@@ -80,14 +64,14 @@ def test_every_expert_quantized_saved_and_reloaded_bit_exact(arch, tmp_path):
 
 
 def test_routers_stay_high_precision_unless_asked(tmp_path):
-    model = tiny_moe("qwen2_moe")
+    model = tiny("qwen2_moe")
     routers = router_names(model)
     assert "model.layers.0.mlp.shared_expert_gate" in routers
     result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
     names = {m.name for m in result.modules}
     assert not names & set(routers)
     assert "model.layers.0.mlp.shared_expert.gate_proj" in names  # shared expert: quantized
-    model = tiny_moe("qwen2_moe")
+    model = tiny("qwen2_moe")
     result = quantize_model(model, Recipe(format="e4m3", batch_size=2, quantize_router=True),
                             batches())
     assert set(routers) <= {m.name for m in result.modules}
@@ -95,7 +79,7 @@ def test_routers_stay_high_precision_unless_asked(tmp_path):
 
 def _force_router(model, allowed: list[int]):
     """Route every token only to the experts in ``allowed`` (the others never see a token)."""
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if type(module).__name__.endswith("TopKRouter"):
             def forward(hidden_states, module=module):
                 hidden_states = hidden_states.reshape(-1, module.hidden_dim)
@@ -109,13 +93,13 @@ def _force_router(model, allowed: list[int]):
 
 
 def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
-    model = tiny_moe("mixtral")
+    model = tiny("mixtral")
     _force_router(model, [0, 1, 2])
     recipe = Recipe(format="e4m3", batch_size=2, calibrate_all_experts=False,
                     unify_fused_scales=False)
     result = quantize_model(model, recipe, batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
-    for proj, facts in layer["projections"].items():
+    for facts in layer["projections"].values():
         assert facts["experts_without_tokens"] == [3, 4, 5, 6, 7]
         scales = facts["input_scales"]
         assert all(s > 0 and s != float("inf") for s in scales)
@@ -130,7 +114,7 @@ def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
 
 
 def test_calibrate_all_experts_observes_every_expert():
-    model = tiny_moe("mixtral")
+    model = tiny("mixtral")
     _force_router(model, [0, 1])
     result = quantize_model(model, Recipe(format="e4m3", batch_size=2, unify_fused_scales=False),
                             batches())
@@ -145,7 +129,7 @@ def test_calibrate_all_experts_observes_every_expert():
 @pytest.mark.parametrize("gran,act", [("tensor", "tensor"), ("block", "token"),
                                       ("channel", "token")])
 def test_granularities_and_dynamic_activations(gran, act, tmp_path):
-    model = tiny_moe("qwen3_moe")
+    model = tiny("qwen3_moe")
     recipe = Recipe(format="e4m3", weight_granularity=gran, block_size=16,
                     act_granularity=act, batch_size=2)
     result = quantize_model(model, recipe, batches() if act == "tensor" else None)
@@ -162,7 +146,7 @@ def test_granularities_and_dynamic_activations(gran, act, tmp_path):
 
 
 def test_skip_experts_by_glob_lists_them_in_high_precision():
-    model = tiny_moe("mixtral")
+    model = tiny("mixtral")
     result = quantize_model(model, Recipe(format="e4m3", batch_size=2,
                                           skip=["*.experts"]), batches())
     assert "model.layers.0.mlp.experts" in result.skipped
@@ -172,23 +156,21 @@ def test_skip_experts_by_glob_lists_them_in_high_precision():
 
 
 def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_tokenizer):
-    from click.testing import CliRunner
 
-    from fp8ptq.cli.main import main
 
     model_dir = tmp_path / "qwen2moe"
-    tiny_moe("qwen2_moe").save_pretrained(model_dir)
+    tiny("qwen2_moe").save_pretrained(model_dir)
     word_tokenizer.save_pretrained(model_dir)
     calib = tmp_path / "calib.txt"
     calib.write_text("the quick brown fox jumps over the lazy dog\nhello world and hello again\n")
     out = tmp_path / "out"
     args = ["quantize", str(model_dir), "-o", str(out), "--calib-data", str(calib),
             "--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
-    res = CliRunner().invoke(main, args)
+    res = invoke(args)
     assert res.exit_code == 0, (res.output, res.exception)
     assert "model.layers.0.mlp.experts: 8 experts x 2 GEMMs" in res.output
     assert "left in high precision:" in res.output
-    res = CliRunner().invoke(main, [*args, "--force", "--json", "--routed-experts-only"])
+    res = invoke([*args, "--force", "--json", "--routed-experts-only"])
     report = json.loads(res.stdout)
     assert set(report["experts"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
     assert report["high_precision"]["high_precision_fraction"] < 0.25
@@ -199,8 +181,8 @@ def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_to
 
 
 def test_unified_expert_input_scales_are_the_layer_maximum():
-    model = tiny_moe("mixtral")
-    own = quantize_model(tiny_moe("mixtral"), Recipe(format="e4m3", batch_size=2,
+    model = tiny("mixtral")
+    own = quantize_model(tiny("mixtral"), Recipe(format="e4m3", batch_size=2,
                                                      unify_fused_scales=False), batches())
     result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
     for name, layer in result.extras["experts"].items():
@@ -210,7 +192,7 @@ def test_unified_expert_input_scales_are_the_layer_maximum():
 
 
 def _ct_layout_case(arch, tmp_path, **recipe):
-    model = tiny_moe(arch)
+    model = tiny(arch)
     recipe = Recipe(format="e4m3", batch_size=2, **recipe)
     result = quantize_model(model, recipe,
                             batches() if recipe.act_granularity == "tensor" else None)

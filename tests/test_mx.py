@@ -7,13 +7,23 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.quant_scheme import MXFP8
-from compressed_tensors.quantization.utils.mxfp_utils import (maybe_convert_from_mx_exp,
-                                                              should_generate_mx_scales)
+from compressed_tensors.quantization.utils.mxfp_utils import (
+    maybe_convert_from_mx_exp,
+    should_generate_mx_scales,
+)
 
 from fp8ptq.formats import get_format
 from fp8ptq.granularity import PerGroup
-from fp8ptq.mx import (e8m0_decode, e8m0_encode, emax_elem, mx_decode, mx_encode,
-                       mx_fake_quantize, mx_quantize, shared_exponent)
+from fp8ptq.mx import (
+    e8m0_decode,
+    e8m0_encode,
+    emax_elem,
+    mx_decode,
+    mx_encode,
+    mx_fake_quantize,
+    mx_quantize,
+    shared_exponent,
+)
 
 E4M3, E5M2 = get_format("e4m3"), get_format("e5m2")
 
@@ -64,7 +74,8 @@ def _reference(x: torch.Tensor, spec, dtype) -> torch.Tensor:
         for b in range(0, x.shape[1], 32):
             v = x[r, b:b + 32].double()
             amax = v.abs().max().item()
-            e = -127 if amax == 0 else max(-127, min(127, math.floor(math.log2(amax)) - emax_elem(spec)))
+            e = -127 if amax == 0 else max(-127, min(127, math.floor(math.log2(amax))
+                                                     - emax_elem(spec)))
             y = (v / 2.0 ** e).clamp(-spec.max, spec.max).to(dtype).double()
             out[r, b:b + 32] = (y * 2.0 ** e).float()
     return out

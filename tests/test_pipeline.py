@@ -47,7 +47,8 @@ def test_weights_are_exactly_format_values_times_scale():
 def test_lm_head_skipped_by_default_and_globs_and_overrides():
     model = tiny("llama")
     targets, skipped = plan_targets(model, Recipe(skip=["*.mlp.*"],
-                                                  overrides={"*.q_proj": "e5m2", "*.k_proj": "none"}))
+                                                  overrides={"*.q_proj": "e5m2",
+                                                             "*.k_proj": "none"}))
     names = {t.name: t.weight_format.name for t in targets}
     assert "lm_head" in skipped and not any(".mlp." in n for n in names)
     assert not any(n.endswith("k_proj") for n in names)

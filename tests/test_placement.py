@@ -6,13 +6,11 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny_models import tiny
 
-from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
 from fp8ptq.placement import Placement, parse_device_map, parse_max_memory
+from tiny_models import invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"]
@@ -48,8 +46,8 @@ def test_parsers():
 
 
 def quantize(assets, out, *extra):
-    res = CliRunner().invoke(main, ["quantize", str(assets / "llama"), "-o", str(out),
-                                    "--calib-data", str(assets / "calib.txt"), *CALIB, *extra])
+    res = invoke(["quantize", str(assets / "llama"), "-o", str(out),
+                  "--calib-data", str(assets / "calib.txt"), *CALIB, *extra])
     assert res.exit_code == 0, (res.output, res.exception)
     return load_file(out / "model.safetensors")
 
@@ -91,8 +89,8 @@ def test_auto_map_with_a_cpu_budget_offloads_and_still_works(assets, tmp_path):
 
 
 def test_bad_device_map_is_one_error_line(assets, tmp_path):
-    res = CliRunner().invoke(main, ["quantize", str(assets / "llama"), "-o", str(tmp_path / "o"),
-                                    "--device-map", "everywhere"])
+    res = invoke(["quantize", str(assets / "llama"), "-o", str(tmp_path / "o"),
+                  "--device-map", "everywhere"])
     assert res.exit_code == 2
     assert res.output.count("error:") == 1 and "--device-map" in res.output
     assert not (tmp_path / "o").exists()
@@ -106,7 +104,7 @@ def test_eval_and_sensitivity_take_the_device_map(assets, tmp_path):
 
     def eval_json(*extra):
         out = tmp_path / f"eval{len(extra)}.json"
-        res = CliRunner().invoke(main, [
+        res = invoke([
             "eval", str(assets / "llama"), "--tasks", "wikitext", "--data", f"wikitext={wiki}",
             "--compare", "e4m3", "--calib-batch-size", "2", "--calib-seq-len", "8",
             "--json", str(out), *common[:2], "--num-samples", "8", "--dtype", "float32",
@@ -117,7 +115,7 @@ def test_eval_and_sensitivity_take_the_device_map(assets, tmp_path):
     plain = eval_json()
     mapped = eval_json("--device-map", str(assets / "map.json"))
     assert plain == mapped  # the same numbers with layer 1 on disk
-    res = CliRunner().invoke(main, [
+    res = invoke([
         "sensitivity", str(assets / "llama"), "--format", "e4m3", "--metric", "sqnr",
         "--no-verify", "--device-map", str(assets / "map.json"), *common])
     assert res.exit_code == 0, (res.output, res.exception)

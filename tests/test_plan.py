@@ -5,19 +5,17 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from fp8ptq import job
 from fp8ptq.calibrators import registry
 from fp8ptq.calibrators.layerwise import choose_layerwise
 from fp8ptq.checkpoint import save_quantized
-from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.plan import build_plan, run_facts
 from fp8ptq.recipe import Recipe
 from fp8ptq.vision import TinyMobileNet
-from tiny_models import IDS, tiny
+from tiny_models import IDS, invoke, tiny
 
 
 @pytest.mark.parametrize("flags", [
@@ -115,7 +113,7 @@ def test_cli_token_activations_with_bn_retune_read_the_calibration_data(tmp_path
     needs-calibration rule ignored BN re-tuning) and then fail for want of data."""
     model_file = tmp_path / "cnn.pt"
     torch.save(TinyMobileNet(num_classes=10, in_channels=1, width=16).eval(), model_file)
-    res = CliRunner().invoke(main, [
+    res = invoke([
         "quantize", str(model_file), "--calib-data", "digits", "--act-granularity", "token",
         "--bn-retune", "--num-samples", "32", "--batch-size", "16", "--dtype", "float32",
         "-o", str(tmp_path / "q"), "--json"])

@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-from tiny_models import IDS, tiny
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 import fp8ptq
@@ -11,8 +10,9 @@ from fp8ptq.checkpoint import save_quantized
 from fp8ptq.errors import UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe
-from fp8ptq.sequential import quantize_sequential
 from fp8ptq.rotation import keep_ones, random_hadamard, rotate_model
+from fp8ptq.sequential import quantize_sequential
+from tiny_models import IDS, tiny
 
 
 def _gen(seed=0):
@@ -29,7 +29,8 @@ def test_rotation_matrices_are_orthogonal(n):
         assert torch.allclose(Q.abs(), torch.full((n, n), n ** -0.5, dtype=torch.float64))
     K = keep_ones(Q)
     assert torch.allclose(K @ K.T, torch.eye(n, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose(torch.ones(n, dtype=torch.float64) @ K, torch.ones(n, dtype=torch.float64))
+    ones = torch.ones(n, dtype=torch.float64)
+    assert torch.allclose(ones @ K, ones)
 
 
 def _tiny(kind):
@@ -47,7 +48,8 @@ def _tiny(kind):
     with torch.no_grad():  # non-trivial norms (gains, biases) so folding is really exercised
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
-                p.copy_(torch.rand_like(p) + 0.5 if name.endswith("weight") else torch.randn_like(p) * 0.1)
+                p.copy_(torch.rand_like(p) + 0.5 if name.endswith("weight")
+                        else torch.randn_like(p) * 0.1)
             elif name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.05)
     return model

@@ -4,11 +4,9 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from fp8ptq import sensitivity as sens
 from fp8ptq.atomic import write_file
-from fp8ptq.cli.main import main
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.lm_probes import PerplexityProbe
 from fp8ptq.model.gemm import weight_2d
@@ -18,6 +16,7 @@ from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.scales import histogram_sqnr_db, sqnr_db
 from test_pipeline import tiny
+from tiny_models import invoke
 
 HARD = "model.layers.0.self_attn.o_proj"
 SENTENCES = ["the quick brown fox jumps over the lazy dog",
@@ -244,7 +243,7 @@ def model_dir(hard_model, word_tokenizer, tmp_path_factory):
 
 
 def _cli(model_dir, *args):
-    return CliRunner().invoke(main, [
+    return invoke([
         "sensitivity", str(model_dir), "--calib-data", str(model_dir / "text.txt"),
         "--num-samples", "8", "--seq-len", "24", "--eval-data", str(model_dir / "text.txt"),
         "--eval-tokens", "96", "--eval-seq-len", "24", "--dtype", "float32", *args])
@@ -283,7 +282,7 @@ def test_cli_json_plot_and_suggestion(model_dir, tmp_path):
 
 
 def test_cli_block_sqnr_layer_aware_calibrator(model_dir, tmp_path):
-    result = CliRunner().invoke(main, [
+    result = invoke([
         "sensitivity", str(model_dir), "--calib-data", str(model_dir / "text.txt"),
         "--plot", str(tmp_path / "s.png"),
         "--num-samples", "4", "--seq-len", "16", "--dtype", "float32", "--metric", "sqnr",

@@ -3,35 +3,21 @@
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
-                          OPTForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from fp8ptq.model.blocks import find_blocks
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.sequential import ActivationStore, quantize_sequential
+from tiny_models import invoke, tiny
 
 VOCAB = 128
 IDS = torch.randint(2, VOCAB, (6, 24), generator=torch.Generator().manual_seed(3))
 
 
 def _tiny(arch):
-    torch.manual_seed(0)
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            intermediate_size=128))
-    if arch == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            intermediate_size=128))
-    if arch == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4,
-                                          bos_token_id=0, eos_token_id=0))
-    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
-                                    num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
-                                    bos_token_id=0, eos_token_id=0, pad_token_id=1))
+    kv = {"num_key_value_heads": 2} if arch == "llama" else {}
+    return tiny(arch, **{"n_layer" if arch == "gpt2" else "num_hidden_layers": 3}, **kv)
 
 
 def _saved(arch, tmp_path):
@@ -138,11 +124,9 @@ def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp
                                                                                word_tokenizer):
     import json
 
-    from click.testing import CliRunner
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from cli.main import main
 
     folder = _saved("llama", tmp_path)
     word_tokenizer.save_pretrained(folder)
@@ -152,11 +136,12 @@ def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp
     outs = {}
     for mode, extra in (("memory", []), ("sequential", ["--sequential", "--propagate", "fp"])):
         out = tmp_path / mode
-        res = CliRunner().invoke(main, ["quantize", str(folder), "-o", str(out), *args, *extra])
+        res = invoke(["quantize", str(folder), "-o", str(out), *args, *extra])
         assert res.exit_code == 0, (res.output, res.exception)
         assert json.loads(res.stdout)["peak_rss_mb"] > 0
         outs[mode] = out
-    a = {k: v for f in sorted(outs["memory"].glob("*.safetensors")) for k, v in load_file(f).items()}
+    a = {k: v for f in sorted(outs["memory"].glob("*.safetensors"))
+         for k, v in load_file(f).items()}
     b = {k: v for f in sorted(outs["sequential"].glob("*.safetensors"))
          for k, v in load_file(f).items()}
     assert set(a) == set(b) and any(k.endswith("input_scale") for k in a)

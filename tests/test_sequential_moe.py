@@ -16,7 +16,8 @@ from fp8ptq.qexperts import QuantExperts
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.sequential import quantize_sequential
-from test_moe import IDS, batches, logits, tiny_moe
+from test_moe import batches, logits
+from tiny_models import tiny
 
 
 def quant_state(model):
@@ -27,7 +28,7 @@ def quant_state(model):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_sequential_moe_is_bit_identical_and_reloads(arch, tmp_path):
-    tiny_moe(arch).save_pretrained(tmp_path / "src", max_shard_size="200KB")  # experts span files
+    tiny(arch).save_pretrained(tmp_path / "src", max_shard_size="200KB")  # experts span files
     # the recipe vLLM's fused-MoE kernels serve: compressed-tensors with per-expert names
     recipe = Recipe(dtype="float32", weight_granularity="tensor", batch_size=2)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()

@@ -10,8 +10,13 @@ import torch
 from fp8ptq.checkpoint import load_quantized, read_metadata, save_quantized
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.model.gemm import weight_2d
-from fp8ptq.pipeline import (SAMPLE_BATCHES, collect_stats, plan_targets, quantize_model,
-                             token_batches)
+from fp8ptq.pipeline import (
+    SAMPLE_BATCHES,
+    collect_stats,
+    plan_targets,
+    quantize_model,
+    token_batches,
+)
 from fp8ptq.recipe import Recipe
 from fp8ptq.scales import amax_to_scale
 from fp8ptq.smoothquant import FACTOR_MAX, FACTOR_MIN, apply_smoothquant, smoothing_factors

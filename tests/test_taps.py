@@ -10,35 +10,23 @@ from fp8ptq.errors import Fp8ptqError, UsageError
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.recipe import Recipe
 from fp8ptq.taps import ATTN_IMPLEMENTATION, ActivationTaps, fp8ptq_eager_attention
+from tiny_models import tiny as tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 100
 
 
+TAPS_CONFIG = {  # over tiny_models' defaults
+    "llama": dict(num_key_value_heads=2, max_position_embeddings=64),
+    "bert": dict(max_position_embeddings=64, head=transformers.BertForMaskedLM),
+    "gpt2": dict(n_positions=64),
+    "opt": dict(max_position_embeddings=64),
+}
+
+
 def tiny(arch: str, attn: str = "eager"):
-    torch.manual_seed(0)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2,
-                                       vocab_size=VOCAB, max_position_embeddings=64)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "bert":
-        cfg = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, vocab_size=VOCAB,
-                                      max_position_embeddings=64)
-        cls = transformers.BertForMaskedLM
-    elif arch == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
-                                      n_positions=64, bos_token_id=0, eos_token_id=0)
-        cls = transformers.GPT2LMHeadModel
-    else:
-        cfg = transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                                     num_attention_heads=4, vocab_size=VOCAB,
-                                     max_position_embeddings=64, word_embed_proj_dim=64)
-        cls = transformers.OPTForCausalLM
-    cfg._attn_implementation = attn
-    return cls(cfg).eval()
+    return tiny_model(arch, attn=attn, vocab_size=VOCAB, **TAPS_CONFIG[arch])
 
 
 # attention modules and residual branch modules each tiny model must get

@@ -6,12 +6,10 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny
 
-from fp8ptq.cli.main import main
 from fp8ptq.validate import RULES, validate
+from tiny_models import invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "hello world and hello again"]
 CALIB = ["--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
@@ -27,8 +25,8 @@ def A(tmp_path_factory, word_tokenizer):
 
 
 def quantize(A, out, *extra):
-    res = CliRunner().invoke(main, ["quantize", str(A / "llama"), "-o", str(out), "--calib-data",
-                                    str(A / "calib.txt"), *CALIB, *extra])
+    res = invoke(["quantize", str(A / "llama"), "-o", str(out), "--calib-data",
+                  str(A / "calib.txt"), *CALIB, *extra])
     return res
 
 
@@ -38,7 +36,7 @@ def test_every_rule_cites_its_source():
 
 def test_default_e4m3_checkpoint_is_valid_and_reloads_identically(A, tmp_path):
     assert quantize(A, tmp_path / "ck").exit_code == 0
-    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--json"])
+    res = invoke(["validate", str(tmp_path / "ck"), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     assert report["valid"] and report["reload"]["ok"]
@@ -53,8 +51,8 @@ def test_default_e4m3_checkpoint_is_valid_and_reloads_identically(A, tmp_path):
 ])
 def test_violations_exit_4_one_line_each(A, tmp_path, extra, rule):
     assert quantize(A, tmp_path / "ck", *extra).exit_code == 0
-    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--runtime", "vllm",
-                                    "--no-reload"])
+    res = invoke(["validate", str(tmp_path / "ck"), "--runtime", "vllm",
+                  "--no-reload"])
     assert res.exit_code == 4, res.output
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("invalid")]
     assert any(f"[{rule}]" in ln and "fix:" in ln for ln in lines), res.stdout
@@ -76,14 +74,13 @@ def test_fused_shards_with_different_scales_are_flagged(A, tmp_path):
 
 def test_moe_reload_difference_is_measured_within_tolerance(tmp_path, word_tokenizer):
     """transformers does not quantize the inputs of fused experts: a real, small difference."""
-    from test_moe import tiny_moe
 
-    tiny_moe("qwen2_moe").save_pretrained(tmp_path / "moe")
+    tiny("qwen2_moe").save_pretrained(tmp_path / "moe")
     word_tokenizer.save_pretrained(tmp_path / "moe")
     (tmp_path / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
-    res = CliRunner().invoke(main, ["quantize", str(tmp_path / "moe"), "-o", str(tmp_path / "ck"),
-                                    "--calib-data", str(tmp_path / "calib.txt"), *CALIB,
-                                    "--weight-granularity", "tensor"])
+    res = invoke(["quantize", str(tmp_path / "moe"), "-o", str(tmp_path / "ck"),
+                  "--calib-data", str(tmp_path / "calib.txt"), *CALIB,
+                  "--weight-granularity", "tensor"])
     assert res.exit_code == 0, res.output
     report = validate(tmp_path / "ck")
     assert 0 < report.reload["relative"] <= report.reload["tolerance"]
@@ -115,14 +112,14 @@ def test_model_card_in_every_output_and_update_card(A, tmp_path):
     assert "fp8ptq quantize" in card and "Not evaluated yet" in card
     wiki = tmp_path / "wiki.raw"
     wiki.write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
-    res = CliRunner().invoke(main, ["eval", str(tmp_path / "ck"), "--tasks", "wikitext",
-                                    "--data", f"wikitext={wiki}", "--update-card"])
+    res = invoke(["eval", str(tmp_path / "ck"), "--tasks", "wikitext",
+                  "--data", f"wikitext={wiki}", "--update-card"])
     assert res.exit_code == 0, res.output
     card = (tmp_path / "ck" / "README.md").read_text()
     assert "Not evaluated yet" not in card and "| baseline |" in card and "95% CI" in card
     assert card.count("<!-- fp8ptq:eval:begin -->") == 1
-    res = CliRunner().invoke(main, ["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
-                                    f"wikitext={wiki}", "--update-card"])
+    res = invoke(["eval", str(A / "llama"), "--tasks", "wikitext", "--data",
+                  f"wikitext={wiki}", "--update-card"])
     assert res.exit_code == 2 and "needs MODEL to be an fp8ptq checkpoint" in res.stderr
 
 
@@ -172,8 +169,8 @@ def test_config_json_that_vllm_cannot_serve_is_flagged(A, tmp_path):
     for g in groups.values():
         g["input_activations"].update(dynamic=False, strategy="tensor", symmetric=False)
     cfg_path.write_text(json.dumps(cfg))
-    res = CliRunner().invoke(main, ["validate", str(tmp_path / "ck"), "--runtime", "vllm",
-                                    "--no-reload"])
+    res = invoke(["validate", str(tmp_path / "ck"), "--runtime", "vllm",
+                  "--no-reload"])
     assert res.exit_code == 4, res.output
     line = next(ln for ln in res.stdout.splitlines() if "[ct-scheme]" in ln)
     assert "asymmetric" in line and "fix:" in line and "group_0" in line

@@ -10,7 +10,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_moe import batches, tiny_moe
 
 import fp8ptq
 from fp8ptq.checkpoint import check_checkpoint, save_quantized
@@ -18,6 +17,8 @@ from fp8ptq.checkpoint import verify as V
 from fp8ptq.errors import DataError
 from fp8ptq.pipeline import quantize_model
 from fp8ptq.recipe import Recipe
+from test_moe import batches
+from tiny_models import tiny
 
 EXPERTS = "model.layers.0.mlp.experts"
 
@@ -29,7 +30,7 @@ def moe(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     for name, recipe in (("native", Recipe(format="e4m3", batch_size=2)),
                          ("ct", Recipe(format="e4m3", batch_size=2, weight_granularity="tensor"))):
-        result = quantize_model(tiny_moe("qwen3_moe"), recipe, batches())
+        result = quantize_model(tiny("qwen3_moe"), recipe, batches())
         facts = save_quantized(result, recipe, root / name)
         assert facts["layout"] == {"native": "fp8ptq-native", "ct": "compressed-tensors"}[name]
     return root

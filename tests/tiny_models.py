@@ -1,31 +1,80 @@
-"""Tiny randomly initialised models of every architecture family we claim (shared by tests)."""
+"""Shared by the tests: tiny randomly initialised models of every architecture family we claim,
+and the in-process CLI runner."""
 
 import torch
-from transformers import (BertConfig, BertForQuestionAnswering, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM)
+from click.testing import CliRunner
+from transformers import (
+    BertConfig,
+    BertForQuestionAnswering,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from fp8ptq.cli.main import main
 
 VOCAB = 128
 ARCHS = ("llama", "gpt2", "opt", "bert")
 
+MOE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, num_experts_per_tok=2)  # fused experts (transformers 5)
 
-def tiny(arch: str):
-    torch.manual_seed(0)
-    if arch == "llama":
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, intermediate_size=128)
-        return LlamaForCausalLM(cfg).eval()
-    if arch == "gpt2":
-        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
-                         eos_token_id=0)
-        return GPT2LMHeadModel(cfg).eval()
-    if arch == "opt":
-        cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
-                        bos_token_id=0, eos_token_id=0, pad_token_id=1)
-        return OPTForCausalLM(cfg).eval()
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, intermediate_size=128)
-    return BertForQuestionAnswering(cfg).eval()
+# family -> (config class, model class, config fields of the default tiny model)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM,
+              dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=128)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM,
+              dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128)),
+    "gpt2": (GPT2Config, GPT2LMHeadModel,
+             dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
+                  eos_token_id=0)),
+    "opt": (OPTConfig, OPTForCausalLM,
+            dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 ffn_dim=128, word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0,
+                 pad_token_id=1)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM,
+                dict(MOE, intermediate_size=32, num_local_experts=8)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                  dict(MOE, intermediate_size=128, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, num_experts=8)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(MOE, intermediate_size=128, moe_intermediate_size=32, num_experts=8)),
+    "bert": (BertConfig, BertForQuestionAnswering,
+             dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128)),
+}
+
+
+def tiny(arch: str, *, seed: int | None = 0, dtype=None, head=None, attn: str | None = None,
+         **config):
+    """A tiny randomly initialised ``arch`` model (a key of ``FAMILIES``) in eval mode.
+
+    ``config``: config fields over the family's defaults; ``head``: another model class of the
+    family (e.g. ``BertForMaskedLM``); ``seed``: torch's seed before the weights are drawn
+    (None: the caller's random state); ``dtype``: built in that dtype (``_from_config``);
+    ``attn``: the attention implementation."""
+    config_cls, model_cls, defaults = FAMILIES[arch]
+    cfg = config_cls(**{**defaults, **config})
+    if attn is not None:
+        cfg._attn_implementation = attn
+    if seed is not None:
+        torch.manual_seed(seed)
+    cls = head or model_cls
+    model = cls(cfg) if dtype is None else cls._from_config(cfg, dtype=dtype)
+    return model.eval()
 
 
 def run(model, ids):
@@ -35,3 +84,9 @@ def run(model, ids):
 
 
 IDS = torch.randint(2, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+
+
+def invoke(args, **kwargs):
+    """``fp8ptq ARGS`` in this process through click's ``CliRunner`` (arguments made strings);
+    ``kwargs`` go to ``CliRunner.invoke`` (``env=...``, ``input=...``)."""
+    return CliRunner().invoke(main, [str(a) for a in args], **kwargs)

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ..atomic import write_text
+from .layouts import get_layout
 
 CARD_NAME = "README.md"
 EVAL_BEGIN = "<!-- fp8ptq:eval:begin -->"
@@ -33,13 +34,13 @@ def command_line() -> str:
 
 def render(meta: dict, config: dict) -> str:
     layout = meta.get("layout")
+    stored = get_layout(layout)
     source = meta.get("source") or {}
     base = source.get("model") or "unknown"
     recipe = meta.get("recipe") or {}
-    tags = ["fp8", "fp8ptq", "quantized"] + (["compressed-tensors"]
-                                             if layout == "compressed-tensors" else [])
+    tags = ["fp8", "fp8ptq", "quantized", *stored.card_tags]
     front = {"base_model": base if source.get("kind") == "hub" else None,
-             "library_name": "transformers" if layout == "compressed-tensors" else "fp8ptq",
+             "library_name": stored.library_name,
              "tags": tags, "pipeline_tag": "text-generation"
              if any(a.endswith(("ForCausalLM", "LMHeadModel"))
                     for a in meta.get("architectures") or []) else None}
@@ -76,7 +77,7 @@ def render(meta: dict, config: dict) -> str:
                                                                                       {})},
                                         sort_keys=True).strip(), "```", "",
               "## How to load it", ""]
-    if layout == "compressed-tensors":
+    if "transformers" in stored.runtimes:
         lines += ["```python", "from transformers import AutoModelForCausalLM",
                   "model = AutoModelForCausalLM.from_pretrained(\"PATH\")  # needs "
                   "compressed-tensors", "```", "", "```bash", "vllm serve PATH", "```", ""]

@@ -27,30 +27,30 @@ import torch
 from torch import nn
 
 from .layout import ct_type
-from ..qexperts import QuantExperts
 
 SERVABLE = {("tensor", "tensor"), ("channel", "token")}
 
 
-def ct_problem(name: str, q: QuantExperts) -> str | None:
-    """Why these experts cannot be a compressed-tensors (vLLM fused-MoE) checkpoint, or None."""
-    if ct_type(q.weight_format) != "float" or (q.act_format is not None
-                                               and ct_type(q.act_format) != "float"):
+def ct_problem(desc) -> str | None:
+    """Why these experts (a ``layouts.ModuleDesc``) cannot be a compressed-tensors (vLLM
+    fused-MoE) checkpoint, or None."""
+    name = desc.name
+    if ct_type(desc.weight_format) != "float" or (desc.act_format is not None
+                                                  and ct_type(desc.act_format) != "float"):
         return f"{name}: fused-MoE compressed-tensors checkpoints are e4m3 only"
-    if q.act_format is None:
+    if desc.act_format is None:
         return f"{name}: weight-only fused experts have no vLLM FP8 MoE kernel"
-    if (q.weight_granularity.name, q.act_granularity) not in SERVABLE:
+    if (desc.weight_granularity, desc.act_granularity) not in SERVABLE:
         return (f"{name}: vLLM's fused-MoE FP8 kernels take per-tensor weights with static "
                 "activations or per-channel weights with dynamic per-token activations "
                 "(--weight-granularity tensor, or --act-granularity token), not "
-                f"{q.weight_granularity.name} weights with {q.act_granularity} activations")
+                f"{desc.weight_granularity} weights with {desc.act_granularity} activations")
     return None
 
 
-def _mapping(model: nn.Module):
+def _mapping(model_type: str | None):
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
     return get_checkpoint_conversion_mapping(model_type) or [] if model_type else []
 
 
@@ -59,11 +59,14 @@ def _patterns(obj, attr) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
-def checkpoint_keys(model: nn.Module, name: str, q: QuantExperts) -> dict | None:
+def checkpoint_keys(model_type: str | None, desc) -> dict | None:
     """``{proj: [(key with {e}, first row, last row), ...]}``: the per-expert checkpoint keys of
-    each projection's shards, from transformers' conversion mapping; None if it has none."""
+    each projection's shards of experts ``desc`` (a ``layouts.ModuleDesc``) in a model of
+    transformers type ``model_type``, from transformers' conversion mapping; None if it has
+    none."""
+    name = desc.name
     converters, renamings = [], []
-    for op in _mapping(model):
+    for op in _mapping(model_type):
         (converters if type(op).__name__ == "WeightConverter" else renamings).append(op)
     path = name
     for r in renamings:  # model name -> checkpoint name (the inverse of each renaming)
@@ -71,8 +74,8 @@ def checkpoint_keys(model: nn.Module, name: str, q: QuantExperts) -> dict | None
             if re.fullmatch(r"[\w.]+", src) and re.fullmatch(r"[\w.]+", tgt):
                 path = path.replace(tgt, src)
     out = {}
-    for proj in q.info.projections:
-        rows = q.codes(proj).shape[1]
+    for proj in desc.experts.projections:
+        rows = desc.experts.rows(proj)
         for conv in converters:
             targets = _patterns(conv, "target_patterns")
             if not any(f"{name}.{proj}".endswith(t.lstrip(".")) for t in targets):
@@ -94,14 +97,18 @@ def checkpoint_keys(model: nn.Module, name: str, q: QuantExperts) -> dict | None
     return out
 
 
-def ct_tensors(name: str, q: QuantExperts, keys: dict) -> dict[str, torch.Tensor]:
+def ct_tensors(desc, projections: dict, keys: dict) -> dict[str, torch.Tensor]:
+    """Per-expert tensors under runtime names from ``projections`` (``{proj:
+    ProjectionQuant}``) of experts ``desc``."""
     out = {}
+    channel = desc.weight_granularity == "channel"
     for proj, shards in keys.items():
-        codes, scale, inp = q.codes(proj), q.weight_scale(proj), q.input_scale(proj)
-        for e in range(q.num_experts):
+        pq = projections[proj]
+        codes, scale, inp = pq.codes, pq.weight_scale, pq.input_scale
+        for e in range(desc.experts.num_experts):
             for key, lo, hi in shards:
                 k = key.format(e=e)
-                w_scale = scale[e][lo:hi] if q.weight_granularity.name == "channel" else scale[e]
+                w_scale = scale[e][lo:hi] if channel else scale[e]
                 out[k] = codes[e, lo:hi].view(torch.float8_e4m3fn).contiguous()
                 out[k.removesuffix("weight") + "weight_scale"] = w_scale.float().clone()
                 if inp is not None:
@@ -130,16 +137,17 @@ def pop_ct_tensors(tensors: dict, entry: dict) -> dict[str, tuple]:
     return out
 
 
-def router_modules(model: nn.Module) -> list[str]:
-    """Non-expert weight holders next to fused experts (routers such as ``mlp.gate``): runtimes
-    build them as linear layers, so compressed-tensors' ``ignore`` must name them."""
+def router_modules(model: nn.Module, experts: list[str]) -> list[str]:
+    """Non-expert weight holders next to the fused experts named ``experts`` (routers such as
+    ``mlp.gate``): runtimes build them as linear layers, so compressed-tensors' ``ignore`` must
+    name them. ``model`` may be on the meta device, its experts wrapped or not."""
     names = []
-    for mname, module in model.named_modules():
-        if not any(isinstance(c, QuantExperts) for c in module.children()):
-            continue
+    for parent in dict.fromkeys(n.rpartition(".")[0] for n in experts):
+        module = model.get_submodule(parent)
         for cname, child in module.named_children():
+            full = f"{parent}.{cname}" if parent else cname
             w = getattr(child, "weight", None)
-            if not isinstance(child, QuantExperts) and isinstance(w, torch.Tensor) and \
-                    w.dim() == 2 and not isinstance(child, nn.Linear):
-                names.append(f"{mname}.{cname}" if mname else cname)
+            if full not in experts and isinstance(w, torch.Tensor) and w.dim() == 2 and \
+                    not isinstance(child, nn.Linear):
+                names.append(full)
     return names

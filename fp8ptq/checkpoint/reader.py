@@ -24,11 +24,12 @@ from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
 from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
-from .experts_io import pop_ct_tensors
+from .layout import INDEX_NAME, META_NAME, WEIGHTS_NAME  # noqa: F401 - re-exported
+from .layouts import get_layout, names
 from .skeleton import MODULE_KEY, build_module
 from .taps_io import install_taps, pop_kv_tensors
 from .verify import format_from_facts, verify_checkpoint, weight_files  # noqa: F401
-from .writer import INDEX_NAME, LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME
+
 
 def read_metadata(path) -> dict:
     """The parsed ``fp8ptq.json`` of checkpoint folder ``path``."""
@@ -39,7 +40,7 @@ def read_metadata(path) -> dict:
     meta = read_json(meta_file, expect=None)
     if not isinstance(meta, dict) or not isinstance(meta.get("modules", {}), dict):
         raise DataError(f"{meta_file} is not an fp8ptq checkpoint description")
-    if meta.get("tool") != "fp8ptq" or meta.get("layout") not in (LAYOUT_CT, LAYOUT_NATIVE):
+    if meta.get("tool") != "fp8ptq" or meta.get("layout") not in names():
         raise UsageError(f"{meta_file} is not an fp8ptq checkpoint description")
     return meta
 
@@ -135,28 +136,19 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
     """
     p = Path(path).expanduser()
     meta = check_checkpoint(p)  # before anything is loaded or built
-    layout = meta["layout"]
+    layout = get_layout(meta["layout"])
     dtype = _as_dtype(dtype or meta.get("dtype") or "float32")
     tensors = _load_tensors(p)
 
     quant: dict[str, tuple] = {}
     for name, entry in meta["modules"].items():
         try:
-            if layout == LAYOUT_CT:
-                w = tensors.pop(f"{name}.weight")
-                want = torch.float8_e4m3fn if entry["weight_format"].get("bits") == 8 and \
-                    entry["weight_format"].get("exponent_bits") else torch.int8
-                if w.dtype != want:
-                    raise Fp8ptqError(f"{name}.weight is {w.dtype}, expected {want}")
-                codes = w.view(torch.uint8)
-            else:
-                codes = tensors.pop(f"{name}.weight_codes")
-            scale = tensors.pop(f"{name}.weight_scale")
+            q = layout.read_gemm(tensors, name, entry)
         except KeyError as e:
             raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
-        quant[name] = (entry, codes, scale, tensors.pop(f"{name}.input_scale", None))
+        quant[name] = (entry, q.codes, q.weight_scale, q.input_scale)
 
-    experts = {name: (entry, _pop_experts(tensors, name, entry, p))
+    experts = {name: (entry, _pop_experts(layout, tensors, name, entry, p))
                for name, entry in (meta.get("experts") or {}).items()}
     pop_kv_tensors(tensors, meta.get("taps"), p)
     model = _build_model(p, dtype, trust_pickle)
@@ -191,26 +183,12 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
     return _loaded(model, _tokenizer(p), p)
 
 
-def _pop_experts(tensors: dict, name: str, entry: dict, p: Path) -> dict[str, ProjectionQuant]:
-    if entry.get("checkpoint_keys"):  # compressed-tensors: per-expert tensors, runtime names
-        try:
-            return {proj: ProjectionQuant(codes, scale.float(), inp) for proj, (codes, scale, inp)
-                    in pop_ct_tensors(tensors, entry).items()}
-        except KeyError as e:
-            raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
-    out = {}
-    for proj in entry["projections"]:
-        try:
-            codes = tensors.pop(f"{name}.{proj}_codes")
-            scale = tensors.pop(f"{name}.{proj}_scale")
-        except KeyError as e:
-            raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
-        if list(codes.shape) != list(entry["codes_shapes"][proj]) or codes.dtype != torch.uint8:
-            raise Fp8ptqError(f"{name}.{proj}_codes: {codes.dtype} {list(codes.shape)} differs "
-                              f"from fp8ptq.json uint8 {entry['codes_shapes'][proj]}")
-        out[proj] = ProjectionQuant(codes, scale.float(),
-                                    tensors.pop(f"{name}.{proj}_input_scale", None))
-    return out
+def _pop_experts(layout, tensors: dict, name: str, entry: dict, p: Path
+                 ) -> dict[str, ProjectionQuant]:
+    try:
+        return layout.read_experts(tensors, name, entry)
+    except KeyError as e:
+        raise DataError(f"checkpoint {p} lacks tensor {e.args[0]}") from None
 
 
 def _quant_experts(model, name: str, entry: dict, projections) -> QuantExperts:

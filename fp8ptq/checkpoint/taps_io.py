@@ -8,6 +8,7 @@ layout; in the compressed-tensors layout, together with ``kv_cache_scheme`` in c
 compressed-tensors can use them (e4m3 / int8 taps, attention modules it treats as KV-cached:
 Llama family, OPT, ...; not BERT's ``query/key/value``), so transformers / vLLM quantize the KV
 cache with the same scales. Q, P and residual scales have no compressed-tensors counterpart.
+What a layout does with the k/v tensors is its ``Layout.kv_cache``.
 """
 
 from __future__ import annotations
@@ -18,29 +19,18 @@ import torch
 from torch import nn
 
 from ..errors import Fp8ptqError, NumericsError
-from ..formats import get_format
 from ..taps import ActivationTaps, kv_scales_from_report
-from .layout import LAYOUT_CT, ct_type
 
 
 def taps_report(result) -> dict | None:
     return (getattr(result, "extras", None) or {}).get("taps")
 
 
-def _cached_attention(module: nn.Module) -> bool:
-    """Would compressed-tensors' ``kv_cache_scheme`` give this module k_scale / v_scale?"""
-    try:
-        from compressed_tensors.quantization.lifecycle.initialize import \
-            is_cached_attention_module
-    except ImportError:  # older compressed-tensors: no KV-cache scales written
-        return False
-    return bool(is_cached_attention_module(module))
-
-
-def kv_cache_export(model: nn.Module, report: dict | None, layout: str
+def kv_cache_export(model: nn.Module, report: dict | None, layout
                     ) -> tuple[dict[str, torch.Tensor], dict | None, str | None]:
-    """(k/v scale tensors, compressed-tensors ``kv_cache_scheme`` or None, note for
-    fp8ptq.json) for ``report``, the taps' ``freeze`` report (None: no taps)."""
+    """(k/v scale tensors, ``kv_cache_scheme`` for the config or None, note for fp8ptq.json)
+    for ``report``, the taps' ``freeze`` report (None: no taps), as ``layout`` (a
+    ``layouts.Layout``) stores them."""
     if not report:
         return {}, None, None
     for name, entry in report.items():
@@ -53,19 +43,7 @@ def kv_cache_export(model: nn.Module, report: dict | None, layout: str
         return {}, None, None
     tensors = {f"{a}.{k}": torch.tensor([s[k]], dtype=torch.float32)
                for a, s in kv.items() for k in ("k_scale", "v_scale")}
-    if layout != LAYOUT_CT:
-        return tensors, None, "tensors <attention>.k_scale / .v_scale (all taps: fp8ptq.json)"
-    fmt = get_format(next(iter(report.values()))["format"])
-    kv_type = ct_type(fmt)
-    if kv_type is None:
-        return {}, None, f"not written: compressed-tensors has no KV-cache type for {fmt.name}"
-    odd = [a for a in kv if not _cached_attention(model.get_submodule(a))]
-    if odd:
-        return {}, None, (f"not written: compressed-tensors does not treat {odd[0]} as a "
-                          "KV-cached attention module (all taps: fp8ptq.json)")
-    scheme = {"num_bits": 8, "type": kv_type, "symmetric": True, "group_size": None,
-              "strategy": "tensor", "dynamic": False}
-    return tensors, scheme, "kv_cache_scheme + tensors <attention>.k_scale / .v_scale"
+    return layout.kv_cache(model, report, tensors)
 
 
 def pop_kv_tensors(tensors: dict[str, torch.Tensor], report: dict | None, path) -> None:

@@ -21,24 +21,22 @@ entry to these tables; nothing else changes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import DataError, UsageError, first_line
+from ..errors import DataError, UsageError
 from ..files import read_json
 from ..formats import FormatSpec, get_format
 from ..taps import kv_scales_from_report
-from .layout import INDEX_NAME, LAYOUT_CT, META_NAME, WEIGHTS_NAME
+from .expect import SCALE_CHECKS, SCALE_DTYPES, Expect, dtype_name, scale_problem  # noqa: F401 - re-exported
+from .layout import INDEX_NAME, META_NAME, WEIGHTS_NAME
+from .layouts import Layout, get_layout
 
 # tensors that hold scales, whatever module kind they belong to (also read by fp8ptq.validate)
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale", "_scale")
-FLOAT_SCALES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-CT_CODES = {"float": torch.float8_e4m3fn, "int": torch.int8}
 FORMAT_FIELDS = ("weight_format", "act_format")
 _SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")
 # safetensors header dtype names
@@ -46,46 +44,6 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
-
-
-@dataclass(frozen=True)
-class Expect:
-    """One tensor an fp8ptq.json entry implies."""
-
-    key: str
-    role: str  # "codes" or "scale": scales get their values checked
-    dtypes: tuple[torch.dtype, ...]
-    shape: list[int] | None = None  # None: any
-    required: bool = True
-    source: str = ""  # the fp8ptq.json entry that implies it (for the message)
-
-
-def _float_scale_problem(t: torch.Tensor) -> str | None:
-    t = t.float()
-    bad = ~torch.isfinite(t) | (t <= 0)
-    if t.numel() == 0:
-        return "is empty; every scale must be finite and > 0"
-    if bool(bad.any()):
-        return (f"has {int(bad.sum())} scale value(s) that are NaN, inf, zero or negative; every "
-                "scale must be finite and > 0")
-    return None
-
-
-def _e8m0_scale_problem(t: torch.Tensor) -> str | None:
-    bad = t == 255  # E8M0's NaN code (OCP MX v1.0, section 5.4.1)
-    if bool(bad.any()):
-        return f"has {int(bad.sum())} E8M0 scale code(s) 255 (NaN); every scale must be finite"
-    return None
-
-
-SCALE_CHECKS: dict[torch.dtype, Callable[[torch.Tensor], str | None]] = {
-    **{d: _float_scale_problem for d in FLOAT_SCALES}, torch.uint8: _e8m0_scale_problem}
-
-
-def scale_problem(t: torch.Tensor) -> str | None:
-    """Why scale tensor ``t`` would decode to NaN / inf / 0, or None when it is valid."""
-    check = SCALE_CHECKS.get(t.dtype)
-    return None if check is None else check(t)
 
 
 def format_from_facts(facts: dict | None) -> FormatSpec | None:
@@ -106,61 +64,22 @@ def format_from_facts(facts: dict | None) -> FormatSpec | None:
 # --- what each fp8ptq.json entry implies ---------------------------------------------------------
 
 
-def _gemm(name: str, entry: dict, layout: str) -> Iterable[Expect]:
-    src = f"fp8ptq.json module {name}"
-    if layout == LAYOUT_CT:
-        yield Expect(f"{name}.weight", "codes", tuple(CT_CODES.values()),
-                     entry.get("weight_codes_shape"), source=src)
-    else:
-        yield Expect(f"{name}.weight_codes", "codes", (torch.uint8,),
-                     entry.get("weight_codes_shape"), source=src)
-    yield Expect(f"{name}.weight_scale", "scale", tuple(SCALE_CHECKS),
-                 entry.get("weight_scale_shape"), source=src)
-    static = entry.get("act_format") and entry.get("act_granularity") == "tensor"
-    yield Expect(f"{name}.input_scale", "scale", tuple(SCALE_CHECKS),
-                 required=bool(static and entry.get("input_scale") is not None),
-                 source=f"{src} (static activations)")
-
-
-def _experts(name: str, entry: dict, layout: str) -> Iterable[Expect]:
-    src = f"fp8ptq.json experts {name}"
-    static = entry.get("act_format") and entry.get("act_granularity") == "tensor"
-    if entry.get("checkpoint_keys"):  # compressed-tensors: per-expert tensors, runtime names
-        for shards in entry["checkpoint_keys"].values():
-            for e in range(entry["num_experts"]):
-                for key, _lo, _hi in shards:
-                    k = key.format(e=e)
-                    stem = k.removesuffix("weight")
-                    yield Expect(k, "codes", (torch.float8_e4m3fn,), source=src)
-                    yield Expect(stem + "weight_scale", "scale", tuple(SCALE_CHECKS), source=src)
-                    yield Expect(stem + "input_scale", "scale", tuple(SCALE_CHECKS),
-                                 required=bool(static), source=src)
-        return
-    for proj in entry["projections"]:
-        yield Expect(f"{name}.{proj}_codes", "codes", (torch.uint8,),
-                     (entry.get("codes_shapes") or {}).get(proj), source=src)
-        yield Expect(f"{name}.{proj}_scale", "scale", tuple(SCALE_CHECKS),
-                     (entry.get("scale_shapes") or {}).get(proj), source=src)
-        yield Expect(f"{name}.{proj}_input_scale", "scale", tuple(SCALE_CHECKS),
-                     required=bool(static), source=src)
-
-
 def _kv_scales(report: dict | None) -> Iterable[Expect]:
     for attn, scales in kv_scales_from_report(report or {}).items():
         for key in scales:  # written in the native layout, in compressed-tensors with a scheme
-            yield Expect(f"{attn}.{key}", "scale", tuple(SCALE_CHECKS), required=False,
+            yield Expect(f"{attn}.{key}", "scale", SCALE_DTYPES, required=False,
                          source="fp8ptq.json taps")
 
 
-# fp8ptq.json section -> the tensors one of its entries implies
-EXPECTATIONS: dict[str, Callable[[str, dict, str], Iterable[Expect]]] = {
-    "modules": _gemm,
-    "experts": _experts,
+# fp8ptq.json section -> the tensors one of its entries implies (each layout lists its own)
+EXPECTATIONS: dict[str, Callable[[str, dict, Layout], Iterable[Expect]]] = {
+    "modules": lambda name, entry, layout: layout.expect_gemm(name, entry),
+    "experts": lambda name, entry, layout: layout.expect_experts(name, entry),
 }
 
 
 def expectations(meta: dict) -> list[Expect]:
-    layout = meta["layout"]
+    layout = get_layout(meta["layout"])
     out = [x for section, implied in EXPECTATIONS.items()
            for name, entry in (meta.get(section) or {}).items()
            for x in implied(name, entry, layout)]
@@ -246,9 +165,9 @@ def verify_checkpoint(folder, meta: dict, config: dict, tensors: dict | None = N
             continue
         dtype, shape = index.dtype(x.key), index.shape(x.key)
         if dtype not in x.dtypes:
-            raise DataError(f"{folder}: tensor {x.key} is {_name(dtype)}; a {meta['layout']} "
-                            f"checkpoint stores its {x.role} as "
-                            f"{' or '.join(_name(d) for d in x.dtypes)}")
+            raise DataError(f"{folder}: tensor {x.key} is {dtype_name(dtype)}; a "
+                            f"{meta['layout']} checkpoint stores its {x.role} as "
+                            f"{' or '.join(dtype_name(d) for d in x.dtypes)}")
         if x.shape is not None and list(shape) != list(x.shape):
             raise DataError(f"{folder}: tensor {x.key} has shape {list(shape)}, fp8ptq.json "
                             f"says {list(x.shape)}")
@@ -258,8 +177,7 @@ def verify_checkpoint(folder, meta: dict, config: dict, tensors: dict | None = N
         problem = scale_problem(index.value(key))
         if problem:
             raise DataError(f"{folder}: tensor {key} {problem}")
-    if meta["layout"] == LAYOUT_CT:
-        _check_ct_config(folder, meta, config, index)
+    get_layout(meta["layout"]).check_config(folder, meta, config, index)
 
 
 def _check_formats(folder: Path, meta: dict) -> None:
@@ -275,70 +193,6 @@ def _check_formats(folder: Path, meta: dict) -> None:
                                     f"a format ({e})") from None
                 if field == "weight_format" and spec is None:
                     raise DataError(f"{folder}/{META_NAME}: {name} has no weight_format")
-
-
-def _check_ct_config(folder: Path, meta: dict, config: dict, index: TensorIndex) -> None:
-    """config.json's ``quantization_config`` (compressed-tensors' own pydantic classes validate
-    it) must quantize every module fp8ptq.json lists, with the codes type, weight strategy and
-    activation scheme its tensors have."""
-    from compressed_tensors.quantization import QuantizationConfig
-    from pydantic import ValidationError
-
-    where = f"{folder}/config.json"
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors" or \
-            not qc.get("config_groups"):
-        raise DataError(f"{where} has no compressed-tensors quantization_config, but "
-                        f"{META_NAME} says the layout is compressed-tensors")
-    try:
-        parsed = QuantizationConfig.model_validate(qc)
-    except ValidationError as e:
-        first = e.errors()[0]
-        at = ".".join(str(x) for x in first.get("loc", ()) if "[" not in str(x))
-        raise DataError(f"{where}: quantization_config does not validate ({at}: "
-                        f"{first.get('msg')})") from None
-    except (ValueError, TypeError) as e:
-        raise DataError(f"{where}: quantization_config does not validate "
-                        f"({first_line(e)})") from None
-    ignore = set(parsed.ignore or [])
-    for name, entry in (meta.get("modules") or {}).items():
-        group = _group_of(name, entry, parsed.config_groups)
-        if group is None or name in ignore:
-            raise DataError(f"{where}: no quantization_config group quantizes {name}, but its "
-                            "tensors are quantized")
-        gname, scheme = group
-        weights, acts = scheme.weights, scheme.input_activations
-        codes = f"{name}.weight"
-        want = None if weights is None else \
-            CT_CODES.get(str(getattr(weights.type, "value", weights.type)))
-        if want is None or index.dtype(codes) != want:
-            raise DataError(f"{where}: {gname} says {getattr(weights, 'type', None)} weights, "
-                            f"but tensor {codes} is {_name(index.dtype(codes))}")
-        strategy = str(getattr(weights.strategy, "value", weights.strategy))
-        if strategy != entry.get("weight_granularity"):
-            raise DataError(f"{where}: {gname} says {strategy} weight scales, but {META_NAME} "
-                            f"says {entry.get('weight_granularity')} for {name}")
-        static = acts is not None and not acts.dynamic
-        if static and f"{name}.input_scale" not in index:
-            raise DataError(f"{where}: {gname} says static activations, but tensor "
-                            f"{name}.input_scale is missing")
-        if acts is None and entry.get("act_format"):
-            raise DataError(f"{where}: {gname} has no input_activations, but {META_NAME} says "
-                            f"{name} quantizes its activations")
-
-
-def _group_of(name: str, entry: dict, groups: dict):
-    for gname, scheme in groups.items():
-        for target in scheme.targets:
-            if target == name or target == entry.get("class") or \
-                    (target.startswith("re:") and re.fullmatch(target[3:], name)):
-                return gname, scheme
-    return None
-
-
-def _name(dtype) -> str:
-    return str(dtype).removeprefix("torch.") if dtype is not None else "an unknown dtype"
-
 
 
 __all__ = ["verify_checkpoint", "scale_problem", "format_from_facts", "expectations",

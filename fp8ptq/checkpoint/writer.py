@@ -1,354 +1,350 @@
-"""Write a quantized model to disk, atomically.
+"""Write a quantized model to disk, atomically, at once or piece by piece.
 
-Two layouts (see ``README.md`` beside this file):
+``save_quantized(result, out_dir)`` writes a whole in-memory quantized model. It is a thin use
+of ``CheckpointWriter``, the session object that streaming writers use directly:
 
-* ``compressed-tensors`` when every quantized module is an ``nn.Linear`` with OCP E4M3 weights
-  (and E4M3 or no activation quantization), or int8 weights (and int8 or no activations): the
-  format transformers (``CompressedTensorsHfQuantizer``) and vLLM read.
-* ``fp8ptq-native`` otherwise: uint8 codes + scales, the formats described in ``fp8ptq.json``.
+    choice = choose_layout(describe_plan(plan), model_type=model_type_of(model))
+    with CheckpointWriter.open(out_dir, choice, force=force) as ckpt:
+        for prefix, block in blocks:            # e.g. "model.layers.3."
+            ...quantize the block...
+            ckpt.add_block(block, prefix, reports)   # its tensors are written (buffered) now
+            ...free the block...
+        ckpt.add_tensors(other_tensors)         # embeddings, final norm, lm_head, ...
+        ckpt.close(model, recipe, result=...)   # config.json, fp8ptq.json, card; rename
 
-``fp8ptq.json`` is always written and describes every quantized module.
+* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.atomic``).
+* ``add_modules(model_or_block, names, reports, prefix=)`` writes the quantized modules'
+  tensors in the layout's form and records their fp8ptq.json entries; ``add_block`` also adds
+  the block's other tensors. A model-free writer that holds no module calls ``add_gemm`` /
+  ``add_experts`` with a ``ModuleDesc`` and the codes and scales it computed, and
+  ``add_tensors`` for tensors it copies unchanged.
+* Tensors go to ``ShardWriter`` (``shards.py``): a shard is written as soon as it is full, so
+  the writer holds at most one shard; the last one and the index are written by ``close``.
+* ``close(model, recipe, ...)`` needs the model's *structure* only (config, module names, the
+  meta device is fine): it writes config.json with the layout's ``quantization_config``,
+  fp8ptq.json with the entries accumulated along the way, tokenizer, generation config and
+  model card, runs ``check`` on the complete folder, and renames it into place.
+* An exception (an interruption included) in any call, or leaving the ``with`` block without
+  ``close``, removes the temporary folder: nothing half-written is left.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
+import sys
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..atomic import atomic_dir
-from ..errors import Fp8ptqError, NumericsError, UsageError
-from ..qexperts import QuantExperts
+from ..errors import Fp8ptqError, UsageError
+from ..numbers import dumps, json_safe
+from ..qexperts import ProjectionQuant, QuantExperts
 from ..qmodules import QuantGemm
 from ..version import __version__
 from .card import command_line
 from .card import write as write_card
-from .experts_io import checkpoint_keys, ct_problem, ct_tensors, router_modules
-from .jsonsafe import dumps, json_safe
-from .layout import (CT_FLOAT, CT_INT, CT_MIXED, CT_NAIVE, INDEX_NAME,  # noqa: F401 - re-exported
-                     LAYOUT_CT, LAYOUT_NATIVE, META_NAME, WEIGHTS_NAME, ct_type)
-from .skeleton import MODULE_KEY, SKELETON_NAME, has_hf_config, module_config
+from .contents import (
+    check_scales,
+    config_dict,
+    experts_entry,
+    experts_quant,
+    experts_scales,
+    gemm_entry,
+    gemm_quant,
+    gemm_scales,
+    module_scales,
+    original_bytes,
+    plain_tensors,
+    tied_quantized,
+)
+from .layout import (  # noqa: F401 - re-exported
+    CT_FLOAT,
+    CT_INT,
+    CT_MIXED,
+    CT_NAIVE,
+    INDEX_NAME,
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    META_NAME,
+    WEIGHTS_NAME,
+)
+from .layouts import (
+    GemmQuant,
+    LayoutChoice,
+    ModuleDesc,
+    choose_layout,
+    describe_model,
+    describe_quantized,
+    get_layout,
+    model_type_of,
+    quantized_modules,
+)
+from .shards import SHARD_BYTES, ShardWriter
+from .skeleton import SKELETON_NAME
 from .taps_io import kv_cache_export, taps_report
 
-SHARD_BYTES = 2 * 1024**3  # split model.safetensors only above this
-FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
-               "rounding", "max", "torch_dtype")
+
+class CheckpointWriter:
+    """One checkpoint being written (see the module docstring). Make it with ``open``."""
+
+    def __init__(self, out: Path, tmp: Path, choice: LayoutChoice, stack: ExitStack,
+                 max_shard_bytes: int):
+        self.out, self.tmp, self.choice, self._stack = out, tmp, choice, stack
+        self.layout = choice.layout
+        self._shards = ShardWriter(tmp, max_shard_bytes)
+        self._descs: list[ModuleDesc] = []
+        self._modules: dict[str, dict] = {}  # fp8ptq.json "modules"
+        self._experts: dict[str, dict] = {}  # fp8ptq.json "experts"
+        self._done = False
+
+    @classmethod
+    def open(cls, output, layout, *, force: bool = False, model_type: str | None = None,
+             max_shard_bytes: int | None = None) -> CheckpointWriter:
+        """Start writing checkpoint folder ``output`` in ``layout`` (a ``LayoutChoice`` from
+        ``choose_layout``, or a layout name / ``Layout``). An existing ``output`` is refused
+        unless ``force`` (then replaced only once the new folder is complete)."""
+        out = Path(output).expanduser().absolute()
+        if out.exists() or out.is_symlink():
+            if not force:
+                raise UsageError(f"output directory {out} already exists (use --force to "
+                                 "replace it)")
+            if not out.is_dir() or out.is_symlink():
+                raise UsageError(f"{out} exists and is not a directory; refusing to replace it")
+        if not isinstance(layout, LayoutChoice):
+            chosen = get_layout(layout)
+            layout = LayoutChoice(chosen, f"{chosen.name} layout chosen by the caller",
+                                  model_type=model_type)
+        stack = ExitStack()
+        tmp = stack.enter_context(atomic_dir(out, if_exists="replace" if force else "fail"))
+        return cls(out, tmp, layout, stack, max_shard_bytes or SHARD_BYTES)  # read at call time
+
+    # -- the session: any exception removes the temporary folder -------------------------------
+
+    @contextmanager
+    def _guard(self):
+        if self._done:
+            raise UsageError("this checkpoint writer is closed")
+        try:
+            yield
+        except BaseException:
+            self._done = True
+            if not self._stack.__exit__(*sys.exc_info()):
+                raise
+
+    def abort(self) -> None:
+        """Give up: remove the temporary folder (``output`` is left as it was)."""
+        if not self._done:
+            self._done = True
+            self._stack.__exit__(Fp8ptqError, Fp8ptqError("aborted"), None)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        if exc_type is not None:
+            return bool(self._stack.__exit__(exc_type, exc, tb))
+        self._stack.__exit__(Fp8ptqError, Fp8ptqError("not closed"), None)
+        raise Fp8ptqError(f"the checkpoint writer of {self.out} was left without close(); "
+                          "nothing was written")
+
+    # -- adding -------------------------------------------------------------------------------
+
+    def add_modules(self, model_or_block: nn.Module, names=None, reports=None, *,
+                    prefix: str = "") -> list[str]:
+        """Write the quantized modules (``QuantGemm`` / ``QuantExperts``) of ``model_or_block``
+        (all, or those ``names`` relative to it) now; returns their full names. ``prefix`` is
+        the block's name in the model; ``reports`` (``ModuleReport`` s, or a dict by full
+        name) give the SQNR / amax facts of fp8ptq.json. The caller may free them after."""
+        prefix = _dotted(prefix)
+        with self._guard():
+            found = quantized_modules(model_or_block)
+            if names is not None:
+                wanted = set(names)
+                missing = wanted - {n for n, _ in found}
+                if missing:
+                    raise UsageError(f"no quantized module {sorted(missing)[0]!r} to add")
+                found = [(n, m) for n, m in found if n in wanted]
+            if reports is not None and not isinstance(reports, dict):
+                reports = {r.name: r for r in reports}
+            added = []
+            for name, module in found:
+                desc = replace(describe_quantized(name, module), name=prefix + name)
+                if isinstance(module, QuantExperts):
+                    self.add_experts(desc, experts_quant(module),
+                                     module_class=type(module.inner).__name__)
+                else:
+                    self.add_gemm(desc, gemm_quant(module),
+                                  module_class=type(module.inner).__name__,
+                                  weight_shape=module.inner.weight.shape,
+                                  report=(reports or {}).get(desc.name))
+                added.append(desc.name)
+        return added
+
+    def add_gemm(self, desc: ModuleDesc, q: GemmQuant, *, module_class: str, weight_shape,
+                 report=None) -> None:
+        """Write one quantized GEMM given as codes and scales (no module needed)."""
+        with self._guard():
+            self._new(desc)
+            check_scales(desc.name, gemm_scales(q))
+            self._shards.add(self.layout.gemm_tensors(desc, q))
+            self._modules[desc.name] = gemm_entry(
+                desc, q, module_class=module_class, weight_shape=weight_shape,
+                stored_as=self.layout.gemm_stored_as(desc), report=report)
+            self._descs.append(desc)
+
+    def add_experts(self, desc: ModuleDesc, projections: dict[str, ProjectionQuant], *,
+                    module_class: str) -> None:
+        """Write one fused-experts module given as per-projection codes and scales."""
+        with self._guard():
+            self._new(desc)
+            check_scales(desc.name, experts_scales(projections))
+            mt = self.choice.model_type
+            self._shards.add(self.layout.experts_tensors(desc, projections, model_type=mt))
+            self._experts[desc.name] = experts_entry(
+                desc, projections, module_class=module_class,
+                extra=self.layout.experts_facts(desc, model_type=mt))
+            self._descs.append(desc)
+
+    def add_tensors(self, tensors: dict) -> None:
+        """Write tensors as they are (embeddings, norms, biases, modules left unquantized)."""
+        with self._guard():
+            self._shards.add(tensors)
+
+    def add_block(self, block: nn.Module, prefix: str = "", reports=None) -> None:
+        """Everything of ``block`` (named ``prefix`` in the model): its quantized modules and
+        its other tensors."""
+        prefix = _dotted(prefix)
+        with self._guard():
+            quantized = {n for n, _ in quantized_modules(block)}
+            self.add_modules(block, None, reports, prefix=prefix)
+            self.add_tensors(plain_tensors(block, quantized, prefix))
+
+    def _new(self, desc: ModuleDesc) -> None:
+        if desc.name in self._modules or desc.name in self._experts:
+            raise UsageError(f"module {desc.name} is added twice")
+        problem = self.layout.module_problem(desc, model_type=self.choice.model_type)
+        if problem:
+            raise Fp8ptqError(f"the {self.layout.name} layout cannot store {problem}")
+
+    @property
+    def names(self) -> list[str]:
+        """The quantized modules written so far."""
+        return [*self._modules, *self._experts]
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self, model: nn.Module, recipe, *, result=None, tokenizer=None,
+              source: dict | None = None, calib: dict | None = None,
+              tool_version: str | None = None, check=None, config: dict | None = None,
+              original: int | None = None) -> dict:
+        """Finish the checkpoint and rename it into place; returns size facts.
+
+        ``model``: the model's structure (config, module names; tensors may be on the meta
+        device). ``result`` (optional): anything with ``skipped``, ``warnings``, ``extras``
+        (a ``QuantizeResult``); ``config``: config.json to write instead of the model's;
+        ``original``: the unquantized model's bytes when ``model`` cannot tell;
+        ``check(tmp)``: runs on the complete temporary folder, raising there writes nothing.
+        """
+        with self._guard():
+            facts = self._finish(model, recipe, result, tokenizer, source, calib,
+                                 tool_version or __version__, check, config, original)
+            self._done = True
+            self._stack.__exit__(None, None, None)  # the rename
+        facts["path"] = str(self.out)
+        return facts
+
+    def _finish(self, model, recipe, result, tokenizer, source, calib, tool_version, check,
+                config, original) -> dict:
+        if not self._descs:
+            raise UsageError("no quantized module was written; nothing to save")
+        refusal = self.layout.accepts(self._descs, model_type=self.choice.model_type)
+        if refusal is not None:
+            raise Fp8ptqError(f"the {self.layout.name} layout cannot store these modules: "
+                              f"{refusal}")  # a set rule (one 8-bit type, one scheme, ...)
+        tmp = self.tmp
+        taps = taps_report(result)
+        kv_tensors, kv_scheme, kv_note = kv_cache_export(model, taps, self.layout)
+        self._shards.add(kv_tensors)
+        files = self._shards.finish()
+
+        if config is not None:
+            cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+        else:
+            cfg = config_dict(model, self.names, tmp)
+        if (tmp / SKELETON_NAME).is_file():
+            files.append(SKELETON_NAME)
+        tied = tied_quantized(model, [(n, m) for n, m in model.named_modules()
+                                      if isinstance(m, QuantGemm) and n in self._modules])
+        if tied and cfg.get("tie_word_embeddings"):
+            # The shared tensor now holds the dequantized weight and the quantized module keeps
+            # its own codes: stored separately, loaded untied (same numbers, no re-tying).
+            cfg["tie_word_embeddings"] = False
+        cfg["quantization_config"] = self.layout.quantization_config(
+            model, self._descs, kv_scheme=kv_scheme, tool_version=tool_version)
+        (tmp / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            try:
+                gen.save_pretrained(str(tmp))
+            except Exception:  # an invalid generation config must not sink the checkpoint
+                pass
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+        weight_bytes = sum((tmp / f).stat().st_size for f in files if f.endswith(".safetensors"))
+        original = original_bytes(model) if original is None else original
+        sizes = {"checkpoint_bytes": weight_bytes, "original_bytes": original,
+                 "compression_ratio": (original / weight_bytes) if weight_bytes else None}
+        warnings = list(getattr(result, "warnings", []) or [])
+        if self.choice.warning and self.choice.warning not in warnings:
+            warnings.append(self.choice.warning)
+        meta = {
+            "tool": "fp8ptq",
+            "version": tool_version,
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "layout": self.layout.name,
+            "layout_reason": self.choice.reason,
+            "files": files,
+            "dtype": cfg["dtype"],
+            "architectures": cfg.get("architectures"),
+            "source": source or {},
+            "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
+            "calibration": calib,
+            "modules": self._modules,
+            "experts": self._experts,
+            "skipped": list(getattr(result, "skipped", []) or []),
+            "untied": tied,
+            "warnings": warnings,
+            "sizes": sizes,
+            "taps": taps,
+            "kv_cache_scales": kv_note,
+            "command": command_line(),
+            "extras": {k: v for k, v in (getattr(result, "extras", None) or {}).items()
+                       if k != "taps"},
+        }
+        (tmp / META_NAME).write_text(dumps(meta, indent=2) + "\n")
+        write_card(tmp, json_safe(meta), cfg)
+        if check is not None:
+            check(tmp)
+        return json_safe({"layout": self.layout.name, "files": files, **sizes})
 
 
-
-# ---------------------------------------------------------------------------------------------
-# which modules, which layout
-
-
-def quantized_modules(model: nn.Module) -> list[tuple[str, QuantGemm]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantGemm)]
-
-
-def quantized_experts(model: nn.Module) -> list[tuple[str, QuantExperts]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantExperts)]
-
-
-def choose_layout(qmods: list[tuple[str, QuantGemm]]) -> tuple[str, str]:
-    """(layout, reason). compressed-tensors needs one 8-bit type throughout (e4m3 or int8, the
-    activations the same type or unquantized) and ``nn.Linear`` modules: it quantizes only Linear
-    (and Embedding) modules, so e.g. transformers' ``Conv1D`` (GPT-2) would load unquantized,
-    i.e. silently wrong, through transformers' default path."""
-    types = set()
-    for name, q in qmods:
-        wt = ct_type(q.weight_format)
-        at = ct_type(q.act_format) if q.act_format is not None else wt
-        if wt is None or at != wt:
-            act = q.act_format.name if q.act_format is not None else "none"
-            return LAYOUT_NATIVE, (f"{name}: weight {q.weight_format.name} / activation {act} "
-                                   "has no compressed-tensors equivalent")
-        if q.kind != "linear":
-            return LAYOUT_NATIVE, (f"{name}: a {q.kind} module; compressed-tensors quantizes "
-                                   "nn.Linear only")
-        types.add(wt)
-    if len(types) != 1:
-        return LAYOUT_NATIVE, "float and int modules mixed"
-    return LAYOUT_CT, f"all quantized modules are nn.Linear with {types.pop()} 8-bit weights"
-
-
-# ---------------------------------------------------------------------------------------------
-# tensors
-
-
-def _check_scales(name: str, q) -> None:
-    pairs = ((("weight_scale", q.weight_scale), ("input_scale", q.input_scale))
-             if isinstance(q, QuantGemm) else
-             [(f"{p}_{k}", getattr(q, f"{p}_{k}")) for p in q.info.projections
-              for k in ("scale", "input_scale")])
-    for what, s in pairs:
-        if s is None:
-            continue
-        s = s.detach().float()
-        if s.numel() == 0 or not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
-            raise NumericsError(f"{name}.{what} has a non-finite or non-positive value; refusing "
-                                "to write a checkpoint that would decode to NaN/inf/0")
-
-
-def tied_quantized(model: nn.Module, qmods) -> list[str]:
-    """Quantized modules whose weight tensor is shared with another parameter (e.g. a quantized
-    lm_head tied to the input embeddings)."""
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
-    return [n for n, q in qmods if owners.get(id(q.inner.weight), 0) > 1]
-
-
-def _plain_state_dict(model: nn.Module, qnames: set[str]) -> dict[str, torch.Tensor]:
-    """State dict without the ``QuantGemm`` internals: ``N.inner.X`` -> ``N.X`` (bias etc.);
-    the dequantized ``N.inner.weight`` and the ``N.weight_codes/_scale/input_scale`` buffers are
-    left out (each layout writes them its own way). Tied aliases are kept once (first name)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple, str] = {}
-    # transformers v5: {tied target: source}, e.g. {"lm_head.weight": "model.embed_tokens.weight"}
-    tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
-    for key, t in model.state_dict(keep_vars=False).items():
-        mod, _, leaf = key.rpartition(".")
-        if mod in qnames and leaf in ("weight_codes", "weight_scale", "input_scale"):
-            continue
-        if mod.endswith(".inner") or mod == "inner":
-            owner = mod[: -len(".inner")] if mod != "inner" else ""
-            if owner in qnames:
-                if leaf == "weight":
-                    continue
-                key = f"{owner}.{leaf}" if owner else leaf
-        if t is None:
-            continue
-        ident = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-        if t.numel() and ident in seen:
-            # a tied alias (e.g. lm_head.weight = embed_tokens.weight): keep the tie source,
-            # like save_pretrained, so transformers' tie_weights restores the target
-            kept = seen[ident]
-            if kept in tie_targets and key not in tie_targets:
-                del out[kept]
-                seen[ident] = key
-                out[key] = t
-            continue
-        seen[ident] = key
-        out[key] = t
-    return out
-
-
-def _quant_tensors(name: str, q: QuantGemm, layout: str) -> dict[str, torch.Tensor]:
-    codes = q.weight_codes.detach()
-    scale = q.weight_scale.detach().float()
-    if layout == LAYOUT_CT:
-        dt = torch.float8_e4m3fn if q.weight_format.is_float else torch.int8
-        t = {f"{name}.weight": codes.view(dt), f"{name}.weight_scale": scale}
-    else:
-        t = {f"{name}.weight_codes": codes, f"{name}.weight_scale": scale}
-    if q.input_scale is not None:
-        t[f"{name}.input_scale"] = q.input_scale.detach().float().reshape(1)
-    return t
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
-    """One ``model.safetensors``, or shards of at most ``SHARD_BYTES`` plus the index, split
-    and named by huggingface_hub's ``split_torch_state_dict_into_shards`` (what
-    ``save_pretrained`` uses), so every loader finds them."""
-    import safetensors.torch as st  # looked up at call time (tests patch save_file)
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    meta = {"format": "pt"}
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=SHARD_BYTES)
-    names = []
-    for fname, keys in split.filename_to_tensors.items():
-        st.save_file({k: tensors[k] for k in keys}, str(directory / fname), metadata=meta)
-        names.append(fname)
-    if split.is_sharded:
-        (directory / INDEX_NAME).write_text(json.dumps(
-            {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
-        names.append(INDEX_NAME)
-    return names
-
-
-# ---------------------------------------------------------------------------------------------
-# configs
-
-
-def _weight_args(q: QuantGemm) -> dict:
-    gran = q.weight_granularity.name
-    args = {"num_bits": 8, "type": ct_type(q.weight_format), "symmetric": True,
-            "group_size": None, "strategy": gran, "dynamic": False}
-    if gran == "block":
-        args["block_structure"] = [q.weight_granularity.size, q.weight_granularity.size]
-    return args
-
-
-def _input_args(q: QuantGemm) -> dict | None:
-    if q.act_format is None:
-        return None
-    token = q.act_granularity == "token"
-    return {"num_bits": 8, "type": ct_type(q.act_format), "symmetric": True, "group_size": None,
-            "strategy": "token" if token else "tensor", "dynamic": token}
-
-
-def compressed_tensors_config(model: nn.Module, qmods: list[tuple[str, QuantGemm]],
-                              kv_cache_scheme: dict | None = None) -> dict:
-    """``quantization_config`` for config.json, built from compressed-tensors' own pydantic
-    classes (``QuantizationArgs`` / ``QuantizationScheme`` / ``QuantizationConfig``) and
-    dumped, so what we write is what compressed-tensors validates and transformers / vLLM
-    parse. One config group per distinct scheme; a single group targets the class ``Linear``
-    and ignores the Linear modules left unquantized (lm_head, routers...), several groups name
-    their modules exactly."""
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                                 QuantizationScheme)
-
-    groups: dict[str, dict] = {}
-    members: dict[str, list[str]] = {}
-    for name, q in qmods:
-        w, a = _weight_args(q), _input_args(q)
-        key = json.dumps([w, a], sort_keys=True)
-        if key not in groups:
-            fmt = CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
-            groups[key] = {"weights": w, "input_activations": a, "format": fmt}
-            members[key] = []
-        members[key].append(name)
-    qnames = {n for n, _ in qmods}
-    ignore = [n for n, m in model.named_modules()
-              if isinstance(m, nn.Linear) and n not in qnames
-              and not any(n == f"{q}.inner" for q in qnames)] + router_modules(model)
-    single = len(groups) == 1
-    schemes = {
-        f"group_{i}": QuantizationScheme(
-            targets=["Linear"] if single else list(members[key]),
-            weights=QuantizationArgs(**g["weights"]),
-            input_activations=None if g["input_activations"] is None else
-            QuantizationArgs(**g["input_activations"]))
-        for i, (key, g) in enumerate(groups.items())}
-    formats = {g["format"] for g in groups.values()}
-    config = QuantizationConfig(
-        config_groups=schemes, quant_method="compressed-tensors",
-        kv_cache_scheme=None if kv_cache_scheme is None else QuantizationArgs(**kv_cache_scheme),
-        format=formats.pop() if len(formats) == 1 else CT_MIXED,
-        quantization_status="compressed", ignore=ignore)
-    out = config.model_dump(mode="json")
-    for i, g in enumerate(groups.values()):  # per-group format, as compressed-tensors writes it
-        out["config_groups"][f"group_{i}"]["format"] = g["format"]
-    return out
-
-
-def native_quantization_config(tool_version: str) -> dict:
-    """A marker transformers does not know: it logs "Unknown quantization type, got fp8ptq" and
-    skips it (no crash; ``AutoConfig`` is unaffected); vLLM refuses it. Load with
-    ``fp8ptq.load``."""
-    return {"quant_method": "fp8ptq", "format": LAYOUT_NATIVE, "version": tool_version,
-            "metadata": META_NAME, "load_with": "fp8ptq.load(path)"}
-
-
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
-def _config_dict(model: nn.Module, qnames: set[str], directory: Path) -> dict:
-    if has_hf_config(model):
-        cfg = json.loads(model.config.to_json_string(use_diff=False))
-        cfg.pop("quantization_config", None)
-    else:  # e.g. a CNN from a .pt file
-        cfg = {MODULE_KEY: module_config(model, sorted(qnames), directory)}
-    if not cfg.get("architectures"):
-        cfg["architectures"] = [type(model).__name__]
-    dtype = str(_model_dtype(model)).removeprefix("torch.")
-    cfg["dtype"] = dtype
-    if "torch_dtype" in cfg:
-        cfg["torch_dtype"] = dtype
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------
-# fp8ptq.json
-
-
-def format_facts(spec) -> dict | None:
-    if spec is None:
-        return None
-    d = spec.describe()
-    return {k: d[k] for k in FORMAT_KEYS}
-
-
-def _module_entry(name: str, q: QuantGemm, report, layout: str) -> dict:
-    gran = q.weight_granularity
-    static = q.act_format is not None and q.act_granularity != "token"
-    entry = {
-        "kind": q.kind,
-        "class": type(q.inner).__name__,
-        "weight_format": format_facts(q.weight_format),
-        "act_format": format_facts(q.act_format),
-        "weight_granularity": gran.name,
-        "block_size": getattr(gran, "size", None) if gran.name == "block" else None,
-        "act_granularity": q.act_granularity if q.act_format is not None else None,
-        "weight_shape": list(q.inner.weight.shape),
-        "weight_codes_shape": list(q.weight_codes.shape),
-        "weight_scale_shape": list(q.weight_scale.shape),
-        "input_scale": float(q.input_scale.reshape(-1)[0]) if static and
-        q.input_scale is not None else None,
-        "weight_sqnr_db": None, "input_sqnr_db": None, "weight_amax": None, "input_amax": None,
-        "stored_as": ({"weight": f"{q.weight_format.torch_dtype or 'int8'} [out, in]"}
-                      if layout == LAYOUT_CT else {"weight_codes": "uint8 [out, in]"}),
-    }
-    if report is not None:
-        entry.update(weight_sqnr_db=report.weight_sqnr_db, input_sqnr_db=report.input_sqnr_db,
-                     weight_amax=report.weight_amax, input_amax=report.input_amax)
-    else:
-        entry["weight_amax"] = float(q.dequantized_weight_2d().abs().max())
-    return entry
-
-
-def experts_entry(q: QuantExperts) -> dict:
-    """fp8ptq.json facts of a fused-experts module: its tensors are
-    ``NAME.{proj}_codes`` uint8 [E, out, in], ``NAME.{proj}_scale`` float32 [E, ...] and, for
-    static activations, ``NAME.{proj}_input_scale`` float32 [E]."""
-    gran = q.weight_granularity
-    return {
-        "kind": "experts",
-        "class": type(q.inner).__name__,
-        "num_experts": q.num_experts,
-        "projections": list(q.info.projections),
-        "transposed": q.info.transposed,
-        "weight_format": format_facts(q.weight_format),
-        "act_format": format_facts(q.act_format),
-        "weight_granularity": gran.name,
-        "block_size": getattr(gran, "size", None) if gran.name == "block" else None,
-        "act_granularity": q.act_granularity if q.act_format is not None else None,
-        "codes_shapes": {p: list(q.codes(p).shape) for p in q.info.projections},
-        "scale_shapes": {p: list(q.weight_scale(p).shape) for p in q.info.projections},
-    }
-
-
-def _original_bytes(model: nn.Module) -> int:
-    """Estimate of the unquantized model: every (unique) parameter in its dtype; the quantized
-    GEMM weights count at the dtype of the weights they replaced."""
-    total, seen = 0, set()
-    for p in model.parameters():
-        if p.data_ptr() in seen and p.numel():
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    for _, q in quantized_experts(model):  # the fused weights they replaced, in their dtype
-        size = torch.empty((), dtype=q.dtype).element_size()
-        total += sum(q.codes(p).numel() for p in q.info.projections) * size
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# entry point
+def _dotted(prefix: str) -> str:
+    return f"{prefix}." if prefix and not prefix.endswith(".") else prefix
 
 
 def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
                    source: dict | None = None, calib: dict | None = None, force: bool = False,
                    tool_version: str | None = None, check=None) -> dict:
-    """Write ``result.model`` (its ``QuantGemm`` modules) to ``out_dir`` and return size facts.
+    """Write ``result.model`` (its ``QuantGemm`` / ``QuantExperts`` modules) to ``out_dir`` and
+    return size facts.
 
     The recorded recipe is ``result.recipe`` (the one the model was quantized with) unless one
     is passed; ``save_quantized(result, out_dir)`` is the short form.
@@ -359,8 +355,6 @@ def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
     (a callable taking the complete temporary folder) runs before the rename: raising there
     writes nothing (``quantize --runtime vllm``).
     """
-    if tool_version is None:
-        tool_version = __version__
     if out_dir is None and isinstance(recipe, (str, os.PathLike)):
         recipe, out_dir = None, recipe
     if out_dir is None:
@@ -369,123 +363,22 @@ def save_quantized(result, recipe=None, out_dir=None, *, tokenizer=None,
     if recipe is None:
         raise UsageError("save_quantized needs the recipe the model was quantized with")
     model = result.model
-    out = Path(out_dir).expanduser().absolute()
-    if out.exists() or out.is_symlink():
-        if not force:
-            raise UsageError(f"output directory {out} already exists (use --force to replace it)")
-        if not out.is_dir() or out.is_symlink():
-            raise UsageError(f"{out} exists and is not a directory; refusing to replace it")
-    qmods = quantized_modules(model)
-    experts = quantized_experts(model)
-    if not qmods and not experts:
+    found = quantized_modules(model)
+    if not found:
         raise UsageError("the model has no quantized (QuantGemm) module to save")
-    for name, q in [*qmods, *experts]:
-        _check_scales(name, q)
-    layout, reason = choose_layout(qmods)
-    expert_keys: dict = {}
-    if experts and layout == LAYOUT_CT:
-        layout, reason, expert_keys = _experts_layout(model, qmods, experts)
-        if layout != LAYOUT_CT and hasattr(result, "warnings"):
-            result.warnings.append(f"written in the fp8ptq-native layout, not compressed-tensors "
-                                   f"(vLLM would not serve it): {reason}")
-
-    with atomic_dir(out, if_exists="replace" if force else "fail") as tmp:
-        facts = _write(tmp, model, qmods, layout, reason, result, recipe, tokenizer, source,
-                       calib, tool_version, expert_keys)
-        if check is not None:
-            check(tmp)
-    facts["path"] = str(out)
-    return facts
+    for name, module in found:  # before any file: a bad scale writes nothing
+        check_scales(name, module_scales(module))
+    choice = choose_layout(describe_model(model), model_type=model_type_of(model))
+    if choice.warning and hasattr(result, "warnings"):
+        result.warnings.append(choice.warning)
+    quantized = {n for n, _ in found}
+    tie_targets = getattr(model, "all_tied_weights_keys", None) or {}
+    with CheckpointWriter.open(out_dir, choice, force=force) as ckpt:
+        ckpt.add_tensors(plain_tensors(model, quantized, tie_targets=tie_targets))
+        ckpt.add_modules(model, reports=getattr(result, "modules", None) or [])
+        return ckpt.close(model, recipe, result=result, tokenizer=tokenizer, source=source,
+                          calib=calib, tool_version=tool_version, check=check)
 
 
-def _experts_layout(model, qmods, experts) -> tuple[str, str, dict]:
-    """compressed-tensors for fused experts when vLLM's fused-MoE kernels serve their recipe,
-    the Linear modules share it and transformers' conversion mapping names the experts."""
-    schemes = {(q.weight_granularity.name, q.act_granularity if q.act_format else None)
-               for _, q in [*qmods, *experts]}
-    keys = {}
-    for name, q in experts:
-        problem = ct_problem(name, q)
-        if problem:
-            return LAYOUT_NATIVE, problem, {}
-        keys[name] = checkpoint_keys(model, name, q)
-        if keys[name] is None:
-            return LAYOUT_NATIVE, (f"{name}: transformers has no per-expert checkpoint names for "
-                                   "this architecture"), {}
-    if len(schemes) != 1:
-        return LAYOUT_NATIVE, "experts and Linear modules use different schemes", {}
-    return LAYOUT_CT, (f"nn.Linear and {len(experts)} fused-experts modules with e4m3 weights, "
-                       "experts under transformers' per-expert checkpoint names"), keys
-
-
-def _write(tmp: Path, model, qmods, layout, reason, result, recipe, tokenizer, source, calib,
-           tool_version, expert_keys=None) -> dict:
-    experts = quantized_experts(model)
-    qnames = {n for n, _ in qmods} | {n for n, _ in experts}
-    tensors = _plain_state_dict(model, qnames)
-    for name, q in experts:
-        if expert_keys:
-            for proj in q.info.projections:
-                for leaf in ("codes", "scale", "input_scale"):
-                    tensors.pop(f"{name}.{proj}_{leaf}", None)
-            tensors.update(ct_tensors(name, q, expert_keys[name]))
-    for name, q in qmods:
-        tensors.update(_quant_tensors(name, q, layout))
-    taps = taps_report(result)
-    kv_tensors, kv_scheme, kv_note = kv_cache_export(model, taps, layout)
-    files = _save_tensors({**tensors, **kv_tensors}, tmp)
-
-    cfg = _config_dict(model, qnames, tmp)
-    if (tmp / SKELETON_NAME).is_file():
-        files.append(SKELETON_NAME)
-    tied = tied_quantized(model, qmods)
-    if tied and cfg.get("tie_word_embeddings"):
-        # The shared tensor now holds the dequantized weight and the quantized module keeps its
-        # own codes: stored separately, loaded untied (same numbers, no re-tying to the codes).
-        cfg["tie_word_embeddings"] = False
-    cfg["quantization_config"] = (compressed_tensors_config(model, qmods, kv_scheme)
-                                  if layout == LAYOUT_CT
-                                  else native_quantization_config(tool_version))
-    (tmp / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        try:
-            gen.save_pretrained(str(tmp))
-        except Exception:  # an invalid generation config must not sink the checkpoint
-            pass
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-
-    weight_bytes = sum((tmp / f).stat().st_size for f in files if f.endswith(".safetensors"))
-    original = _original_bytes(model)
-    reports = {r.name: r for r in getattr(result, "modules", []) or []}
-    sizes = {"checkpoint_bytes": weight_bytes, "original_bytes": original,
-             "compression_ratio": (original / weight_bytes) if weight_bytes else None}
-    meta = {
-        "tool": "fp8ptq",
-        "version": tool_version,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "layout": layout,
-        "layout_reason": reason,
-        "files": files,
-        "dtype": cfg["dtype"],
-        "architectures": cfg.get("architectures"),
-        "source": source or {},
-        "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
-        "calibration": calib,
-        "modules": {n: _module_entry(n, q, reports.get(n), layout) for n, q in qmods},
-        "experts": {n: {**experts_entry(q), "checkpoint_keys": (expert_keys or {}).get(n)}
-                    for n, q in experts},
-        "skipped": list(getattr(result, "skipped", []) or []),
-        "untied": tied,
-        "warnings": list(getattr(result, "warnings", []) or []),
-        "sizes": sizes,
-        "taps": taps,
-        "kv_cache_scales": kv_note,
-        "command": command_line(),
-        "extras": {k: v for k, v in (getattr(result, "extras", None) or {}).items()
-                   if k != "taps"},
-    }
-    (tmp / META_NAME).write_text(dumps(meta, indent=2) + "\n")
-    write_card(tmp, json_safe(meta), cfg)
-    return json_safe({"layout": layout, "files": files, **sizes})
+__all__ = ["CheckpointWriter", "save_quantized", "choose_layout", "SHARD_BYTES", "LAYOUT_CT",
+           "LAYOUT_NATIVE"]

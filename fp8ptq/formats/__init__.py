@@ -1,7 +1,14 @@
 """Number formats: specs as data, one registry, bit-exact vectorised codecs."""
 
-from .codec import (codes_as_torch_float8, decode, encode, fake_quantize, quantize_values,
-                    to_torch_float8, torch_dtype)
+from .codec import (
+                    codes_as_torch_float8,
+                    decode,
+                    encode,
+                    fake_quantize,
+                    quantize_values,
+                    to_torch_float8,
+                    torch_dtype,
+)
 from .registry import PRESETS, get_format, preset_names
 from .spec import ROUNDINGS, FormatSpec, scaled_mm_pair
 

@@ -13,7 +13,7 @@ exactly like the ``clamp`` of the frexp-based reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -26,7 +26,7 @@ class BinadeTables:
     first_rank: torch.Tensor  # float32 [256]: its index in ``layout.magnitudes``
     codes: torch.Tensor  # int64: ``layout.magnitude_codes``
 
-    def to(self, device) -> "BinadeTables":
+    def to(self, device) -> BinadeTables:
         device = torch.device(device)
         if self.step.device == device:
             return self
@@ -34,7 +34,7 @@ class BinadeTables:
                                                      self.first_rank, self.codes)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def binade_tables(spec) -> BinadeTables:
     lay = spec.layout
     steps = lay.step_log2.tolist()

@@ -34,6 +34,13 @@ class ExpertsInfo:
     transposed: bool  # weights stored [E, in, out] instead of [E, out, in]
     has_gate: bool
     has_bias: bool
+    # (projection, [experts, out, in]) in forward order: what checkpoints name and split, known
+    # even after quantization has replaced the fused weights by codes
+    shapes: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+
+    def rows(self, proj: str) -> int:
+        """Output rows of one expert's projection ``proj``."""
+        return dict(self.shapes)[proj][1]
 
 
 def experts_info(module: nn.Module) -> ExpertsInfo | None:
@@ -48,9 +55,12 @@ def experts_info(module: nn.Module) -> ExpertsInfo | None:
     num = weights[0].shape[0]
     if weights[1].shape[0] != num:
         return None
-    return ExpertsInfo(num_experts=num, projections=(first, "down_proj"),
-                       transposed=bool(getattr(module, "is_transposed", False)),
-                       has_gate=has_gate, has_bias=bool(getattr(module, "has_bias", False)))
+    transposed = bool(getattr(module, "is_transposed", False))
+    shapes = tuple((proj, (w.shape[0], *(w.shape[2:0:-1] if transposed else w.shape[1:])))
+                   for proj, w in zip((first, "down_proj"), weights))
+    return ExpertsInfo(num_experts=num, projections=(first, "down_proj"), transposed=transposed,
+                       has_gate=has_gate, has_bias=bool(getattr(module, "has_bias", False)),
+                       shapes=shapes)
 
 
 def find_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertsInfo]]:
