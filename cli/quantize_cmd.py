@@ -77,12 +77,17 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
         if job.needs_calibration(recipe):
             with bars.step("reading calibration data"), timings.timed("calibration data"):
                 texts = job.calibration_texts(recipe, model)
-        calib, data_warnings, result = None, [], None
-        if sequential is not None:
+        calib, data_warnings, result, sizes = None, [], None, None
+        if sequential is not None:  # each block written as it is quantized, then freed
+            def close_kwargs(result, calib):
+                return dict(source={"model": model, "kind": "local", "path": str(model)},
+                            calib=calib_facts(calib), tool_version=__version__,
+                            check=runtime_check(result, runtime))
+
             with timings.timed("calibrate+quantize"), scratch_dir(output) as scratch:
-                result, loaded, calib = quantize_folder(
+                result, loaded, calib, sizes = quantize_folder(
                     model, recipe, texts, propagate=sequential, spill_dir=scratch,
-                    progress=None)
+                    progress=None, output=output, force=force, close_kwargs=close_kwargs)
             timings.seconds.update(result.seconds)
         else:
             with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
@@ -97,8 +102,8 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
             result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                          progress=bars.counter("calibrating"))
         result.warnings[:0] = data_warnings
-        sizes, error = {}, None
-        if main_rank:
+        error = None
+        if main_rank and sizes is None:
             try:
                 with bars.step(f"writing {output}"), timings.timed("write"):
                     sizes = save_quantized(

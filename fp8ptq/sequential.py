@@ -11,15 +11,19 @@ every calibrator, best-of, pow2-search, SmoothQuant, GPTQ, taps, fused experts, 
 unchanged; under torchrun each rank runs its share and the statistics are reduced per block)
 -> run the batches through the block for the next block's inputs (``propagate="quantized"``:
 through the quantized block, the error propagates as at inference; ``"fp"``: the unquantized
-outputs, which makes the result bit-identical to the in-memory pipeline) -> hand the block to
-``on_block`` (the streaming checkpoint writer) and free it. GEMMs outside the blocks
-(``--quantize-lm-head``) are quantized last, from the last block's outputs.
+outputs, which makes the result bit-identical to the in-memory pipeline) -> write the block
+(``CheckpointWriter.add_block``) and free it (its tensors go to the meta device). GEMMs outside
+the blocks (``--quantize-lm-head``) are quantized last, from the last block's outputs; then the
+tensors outside the blocks are written and the checkpoint closed. Resident at once: the
+outside modules, one block being quantized (two with ``propagate="fp"`` briefly holding its
+float outputs), the writer's one open shard, and the activations up to their budget.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +32,9 @@ from torch import nn
 
 from . import distributed
 from .activations import ActivationStore, capture_block_inputs, run_block
+from .checkpoint.contents import plain_tensors
+from .checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
+from .checkpoint.writer import CheckpointWriter
 from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
 from .loading import LoadedModel, load_config, load_tokenizer, model_class
@@ -65,15 +72,17 @@ class BlockLoader:
 
 def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
-                        spill_dir: str | Path | None = None, progress=None, on_block=None):
+                        spill_dir: str | Path | None = None, progress=None, open_writer=None):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
     ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
 
-    ``on_block(prefix, block, reports)`` receives every quantized block (the streaming
-    checkpoint writer's ``add_block``); the block's tensors are freed as soon as it returns,
-    so about two blocks are ever resident. Without it the quantized blocks stay in
-    ``result.model``. Under torchrun every rank streams the same blocks, runs its share of the
-    batches, and the statistics are reduced per block (inside ``quantize_model``)."""
+    ``open_writer(model, plan)`` (called once the plan is made, before any block) returns a
+    ``CheckpointWriter``: every quantized block is written to it and freed at once, the
+    tensors outside the blocks are added last, and the caller closes it (``save_sequential``).
+    Without it (or on a rank other than 0 under torchrun, which writes nothing) the quantized
+    blocks stay in ``result.model``, or are freed when ``open_writer`` is given on another
+    rank. Under torchrun every rank streams the same blocks, runs its share of the batches,
+    and the statistics are reduced per block (inside ``quantize_model``)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
@@ -103,6 +112,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     if not batches and plan.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
+    writer = open_writer(model, plan) if open_writer and distributed.is_main() else None
     run = _Run(plan, progress)
     t0 = time.perf_counter()
     store = ActivationStore(activation_budget, spill_dir)
@@ -122,27 +132,59 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
             tupled = run_block(block, store, kwargs_list, nxt)
         store.close()
         store = nxt
-        if on_block is not None:
-            error = None
-            try:
-                on_block(prefix, block, reports)
-            except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
-                error = e
-            distributed.agree(error)
-            block.to("meta")  # written: its tensors are freed
+        if open_writer is not None:
+            _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
+            block.to("meta")  # written (by rank 0): its tensors are freed
         loader.release_block(i)
     if outside:
         run.quantize_outside(model, list_name, blocks, store, batches, tupled)
     store.close()
+    if open_writer is not None:
+        _agreed(writer, lambda w: _write_outside(w, model, list_name, run.reports))
     extras = run.extras
     extras["high_precision"] = high_precision_report(model)
     extras["sequential"] = {"blocks": len(blocks), "block_list": list_name,
                             "propagate": propagate, "max_resident_blocks": loader.max_resident,
                             "activation_budget": activation_budget,
-                            "outside_blocks": outside, "streamed": on_block is not None}
+                            "outside_blocks": outside}
     result = QuantizeResult(model, run.reports, plan.skipped, run.stats, run.times,
                             run.warnings, extras, recipe=recipe, plan=plan)
     return result, loader
+
+
+def _agreed(writer: CheckpointWriter | None, work) -> None:
+    """``work(writer)`` where there is a writer (rank 0); a failure ends every rank together."""
+    error = None
+    try:
+        if writer is not None:
+            work(writer)
+    except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
+        error = e
+    distributed.agree(error)
+
+
+def _write_outside(writer: CheckpointWriter, model: nn.Module, list_name: str,
+                   reports: list) -> None:
+    """The quantized GEMMs outside the blocks and every other tensor outside them (tied
+    aliases once, as ``save_quantized``), the blocks themselves detached: they are written."""
+    with _detached(model, list_name):
+        quantized = [n for n, _ in quantized_modules(model)]
+        if quantized:
+            writer.add_modules(model, quantized, [r for r in reports if r.name in quantized])
+        tie_targets = getattr(model, "all_tied_weights_keys", None) or {}
+        writer.add_tensors(plain_tensors(model, set(quantized), tie_targets=tie_targets))
+
+
+@contextmanager
+def _detached(model: nn.Module, list_name: str):
+    parent_name, _, attr = list_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    blocks = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleList())
+    try:
+        yield
+    finally:
+        setattr(parent, attr, blocks)
 
 
 class _Run:
@@ -272,10 +314,44 @@ class _Stand(nn.Module):
         return (h,) if self.tupled else h
 
 
+def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, output, *,
+                     force: bool = False, tokenizer=None, close_kwargs=None, **options):
+    """``quantize_sequential`` writing checkpoint ``output`` as it goes: each block is written
+    (``CheckpointWriter.add_block``) as soon as it is quantized and then freed; the writer is
+    closed at the end with ``close_kwargs(result)`` (source, calibration facts, ``check``...)
+    passed to ``CheckpointWriter.close``. Rank 0 writes under torchrun. Returns (result,
+    sizes: what ``close`` returns, {} on other ranks). Any failure leaves nothing at
+    ``output``. ``options``: those of ``quantize_sequential``."""
+    writers: list[CheckpointWriter] = []
+    sizes: dict = {}
+    with ExitStack() as stack:
+        def open_writer(model, plan):
+            choice = choose_layout(describe_plan(plan), model_type=model_type_of(model))
+            writers.append(stack.enter_context(CheckpointWriter.open(output, choice,
+                                                                     force=force)))
+            return writers[-1]
+
+        result, _ = quantize_sequential(folder, recipe, batches, open_writer=open_writer,
+                                        **options)
+        writer = writers[0] if writers else None
+        if writer is not None and writer.choice.warning:
+            result.warnings.append(writer.choice.warning)
+
+        def close(w):
+            sizes.update(w.close(result.model, recipe, result=result, tokenizer=tokenizer,
+                                 **(close_kwargs(result) if close_kwargs else {})))
+
+        _agreed(writer, close)
+    return result, sizes
+
+
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
-                    activation_budget: int = 1 << 30, spill_dir=None, progress=None):
+                    activation_budget: int = 1 << 30, spill_dir=None, progress=None,
+                    output=None, force: bool = False, close_kwargs=None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
-    ``quantize_sequential``. Returns (result, LoadedModel stand-in for the writer, calib)."""
+    ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
+    ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
+    LoadedModel stand-in, calib, sizes)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
@@ -286,8 +362,13 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
                                       seq_len=recipe.seq_len, seed=recipe.seed,
                                       source=resolve_calib_spec(recipe.calib_data))
     batches = list(token_batches(calib.input_ids, recipe.batch_size)) if calib else None
-    result, _ = quantize_sequential(folder, recipe, batches, propagate=propagate,
-                                    activation_budget=activation_budget, spill_dir=spill_dir,
-                                    progress=progress)
+    options = dict(propagate=propagate, activation_budget=activation_budget,
+                   spill_dir=spill_dir, progress=progress)
+    if output is None:
+        (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
+    else:
+        result, sizes = write_sequential(
+            folder, recipe, batches, output, force=force, tokenizer=tokenizer,
+            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)), **options)
     loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
-    return result, loaded, calib
+    return result, loaded, calib, sizes

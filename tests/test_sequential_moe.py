@@ -15,8 +15,9 @@ from fp8ptq.pipeline import quantize_model
 from fp8ptq.qexperts import QuantExperts
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
-from fp8ptq.sequential import quantize_sequential
+from fp8ptq.sequential import quantize_sequential, write_sequential
 from test_moe import batches, logits
+from test_sequential import checkpoint_tensors
 from tiny_models import tiny
 
 
@@ -32,7 +33,7 @@ def test_sequential_moe_is_bit_identical_and_reloads(arch, tmp_path):
     # the recipe vLLM's fused-MoE kernels serve: compressed-tensors with per-expert names
     recipe = Recipe(dtype="float32", weight_granularity="tensor", batch_size=2)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
-    quantize_model(ref, recipe, batches())
+    ref_result = quantize_model(ref, recipe, batches())
     result, loader = quantize_sequential(tmp_path / "src", recipe, batches(), propagate="fp")
     want, got = quant_state(ref), quant_state(result.model)
     assert any(".experts." in k for k in want) and set(want) == set(got)
@@ -43,8 +44,16 @@ def test_sequential_moe_is_bit_identical_and_reloads(arch, tmp_path):
     out = logits(result.model)
     assert torch.equal(out, logits(ref))
 
-    facts = save_quantized(result, recipe, tmp_path / "ck")
+    # written block by block (each block freed once written): the in-memory checkpoint's
+    # tensors bit for bit, reloaded by fp8ptq and transformers
+    save_quantized(ref_result, recipe, tmp_path / "memory")
+    _, facts = write_sequential(tmp_path / "src", recipe, batches(), tmp_path / "ck",
+                                propagate="fp")
     assert facts["layout"] == "compressed-tensors"
+    a, b = checkpoint_tensors(tmp_path / "memory"), checkpoint_tensors(tmp_path / "ck")
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
     meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
     assert set(meta["experts"]) == set(result.extras["experts"])
     assert torch.equal(logits(fp8ptq.load(tmp_path / "ck").model), out)
