@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from contextlib import contextmanager
@@ -11,9 +12,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-SMOLLM2 = "../shared/assets/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
-CALIB = "../shared/assets/calib/wiki-paragraphs.txt"
-WIKITEXT = "../shared/assets/wikitext-2-raw/wiki.test.raw"
+# The offline assets: ``../shared/assets`` beside the checkout, or ``$FP8PTQ_ASSETS`` (a git
+# worktree elsewhere points it at the shared folder).
+ASSETS = Path(os.environ.get("FP8PTQ_ASSETS") or
+              Path(__file__).resolve().parent.parent.parent / "shared" / "assets")
+SMOLLM2 = str(ASSETS / "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
+CALIB = str(ASSETS / "calib/wiki-paragraphs.txt")
+WIKITEXT = str(ASSETS / "wikitext-2-raw/wiki.test.raw")
 
 
 def peak_rss_mb() -> float:

@@ -1,21 +1,33 @@
-"""fp8ptq against llm-compressor on the same model, calibration text and evaluation harness.
+"""fp8ptq against llm-compressor: same model, same calibration windows, one evaluation harness.
 
-    python benchmarks/compare_llmcompressor.py [--assets ../shared/assets] [--out out/llmc]
-        [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8] [--quick] [--setup-only]
+    python benchmarks/compare_llmcompressor.py smollm2|minilm [--assets ../shared/assets]
+        [--out out/recipes] [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8,GPTQ-FP8_DYNAMIC]
+        [--fp8ptq NAME,...] [--timings] [--prefix CMD] [--setup-only]
 
-llm-compressor lives in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
-(``--system-site-packages``, so it reuses the machine's CPU torch): llmcompressor 0.14.0.1 pins
-``transformers<=5.17`` and ``compressed-tensors==0.19``, which the venv installs for itself, while
-``-c constraints.txt`` keeps torch at the CPU wheel (an unpinned resolve pulls GBs of CUDA). The
-venv is checked to import a ``+cpu`` torch before anything runs; other benchmarks (quantize wall
-time) reuse the same path.
+llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
+(``--system-site-packages``: it reuses the machine's CPU torch), created on first use with
+``pip install -c constraints.txt llmcompressor==0.14.0.1`` so that torch stays the CPU wheel
+(an unpinned resolve pulls GBs of CUDA); llm-compressor pins its own transformers (<= 5.17) and
+compressed-tensors (0.19) inside it. The venv must import a ``+cpu`` torch before anything runs.
 
-Steps: (1) the SmolLM2 GGUF is dequantized into a Hugging Face folder (llm-compressor needs
-one); (2) each llm-compressor recipe runs ``oneshot`` in a child process of that venv on the
-same calibration paragraphs fp8ptq uses, timing itself and reporting its peak RSS; (3) every
-checkpoint folder, theirs and fp8ptq's, goes through one ``fp8ptq eval`` call (first 5 WikiText
-articles, context 2048). Wall times are from a machine shared by other jobs: noisy; the
-accuracy columns are what matter.
+Steps:
+
+1. The model as a float32 Hugging Face folder (the SmolLM2 GGUF dequantized once; MiniLM's folder
+   as it is), the calibration windows: the first ``--num-samples`` paragraphs of
+   ``calib/wiki-paragraphs.txt`` cut to 512 tokens for llm-compressor (its ``oneshot`` takes a
+   dataset of documents), the same file for fp8ptq.
+2. Each llm-compressor recipe (``QuantizationModifier`` with ``FP8`` / ``FP8_DYNAMIC`` /
+   ``FP8_BLOCK``, ``GPTQModifier`` with ``FP8`` / ``FP8_DYNAMIC``; lm_head / qa_outputs
+   ignored) runs ``oneshot`` in a child process of that venv and saves its compressed-tensors
+   folder; with ``--timings`` each fp8ptq equivalent also runs ``fp8ptq quantize`` as a child
+   process. Wall time is the parent's clock around the child, peak RSS the child's own
+   ``ru_maxrss``. ``--prefix /work/bin/cpu-quiet`` runs every quantize child through that
+   command (timings taken on a quiet machine).
+3. Evaluation (``benchmarks/recipe_study.py``'s cached rows, one baseline): llm-compressor's
+   folders are ``fp8ptq eval --compare DIR`` checkpoint variants (transformers loads them with
+   their quantization applied: FP8 weights, activations quantized in forward); fp8ptq's rows are
+   the same recipes quantized in memory (bit-identical to their written checkpoints, tested).
+   Every delta gets its paired bootstrap 95% interval against the one baseline.
 """
 
 from __future__ import annotations
@@ -28,49 +40,56 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import recipe_study as study  # noqa: E402
+
 VENV = Path.home() / ".cache/fp8ptq-bench/llmc-venv"
 LLMC_VERSION = "0.14.0.1"
-SCHEMES = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "GPTQ-FP8")
+SCHEMES = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "GPTQ-FP8", "GPTQ-FP8_DYNAMIC")
+# llm-compressor recipe -> fp8ptq's equivalent (a recipe_study name)
+EQUIVALENT = {"FP8": "fp8-static", "FP8_DYNAMIC": "fp8-dynamic", "FP8_BLOCK": "fp8-block",
+              "GPTQ-FP8": "fp8-static-gptq", "GPTQ-FP8_DYNAMIC": "fp8-dynamic-gptq"}
+QUANTIZE_FLAGS = {  # fp8ptq quantize flags of the recipe_study rows timed with --timings
+    "fp8-static": ["--scheme", "fp8-static"],
+    "fp8-dynamic": ["--scheme", "fp8-dynamic"],
+    "fp8-block": ["--scheme", "fp8-block"],
+    "fp8-static-gptq": ["--scheme", "fp8-static", "--weight-calib", "gptq"],
+    "fp8-dynamic-gptq": ["--scheme", "fp8-dynamic", "--weight-calib", "gptq"],
+}
 
-# Runs inside the llm-compressor venv: argv = hf_dir, scheme, out_dir, calib_file, n, seq_len,
-# wikitext file, articles. After oneshot the model simulates its scheme (compressed-tensors'
-# fake-quantized weights *and* activations in forward), and fp8ptq's own evaluation code
-# (imported from this checkout through PYTHONPATH) scores it: the same harness as fp8ptq's rows.
-# Reloading the saved folder instead would go through transformers' compressed-tensors loader,
-# which on CPU decompresses the weights and drops activation quantization.
+# Runs inside the llm-compressor venv: argv = model dir, scheme, out dir, calib file, n,
+# seq_len, task ("causal-lm" | "qa"). Saves the compressed-tensors folder and llmc_run.json.
 CHILD = r'''
 import json, resource, sys, time
 t0 = time.perf_counter()
-from evals import run_tasks
+import torch
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer
-hf, scheme, out, calib, n, seq, wiki, articles = sys.argv[1:9]
+from transformers import AutoModelForCausalLM, AutoModelForQuestionAnswering, AutoTokenizer
+src, scheme, out, calib, n, seq, task = sys.argv[1:8]
 n, seq = int(n), int(seq)
-model = AutoModelForCausalLM.from_pretrained(hf, dtype="auto")
-tok = AutoTokenizer.from_pretrained(hf)
+cls = AutoModelForQuestionAnswering if task == "qa" else AutoModelForCausalLM
+model = cls.from_pretrained(src, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained(src)
+ignore = ["qa_outputs"] if task == "qa" else ["lm_head"]
 lines = [l.strip() for l in open(calib, encoding="utf-8") if l.strip()][:n]
 ds = Dataset.from_dict({"text": lines}).map(
     lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True,
     remove_columns=["text"])
-if scheme == "GPTQ-FP8":
-    recipe = GPTQModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
-else:
-    recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
-kw = {} if scheme in ("FP8_DYNAMIC", "FP8_BLOCK") else dict(
-    dataset=ds, num_calibration_samples=n, max_seq_length=seq)
+base = scheme.removeprefix("GPTQ-")
+Modifier = GPTQModifier if scheme.startswith("GPTQ-") else QuantizationModifier
+recipe = Modifier(targets="Linear", scheme=base, ignore=ignore)
+static = base == "FP8" or scheme.startswith("GPTQ-")
+kw = dict(dataset=ds, num_calibration_samples=n, max_seq_length=seq) if static else {}
 oneshot(model=model, recipe=recipe, **kw)
-seconds = time.perf_counter() - t0
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-res = run_tasks(model, tok, ["wikitext"], data={"wikitext": wiki}, limit=int(articles),
-                seq_len=2048)
 model.save_pretrained(out, save_compressed=True)
 tok.save_pretrained(out)
-json.dump({"seconds": seconds, "peak_rss_mb": rss, "metrics": res.metrics},
+json.dump({"scheme": scheme, "seconds_in_process": time.perf_counter() - t0,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "llmcompressor": __import__("llmcompressor").__version__},
           open(out + "/llmc_run.json", "w"))
 '''
 
@@ -97,13 +116,13 @@ def hf_folder(gguf: Path, out: Path) -> Path:
     """The GGUF dequantized to a float32 safetensors folder (once)."""
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (script)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype="float32")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # transformers refuses to save a GGUF-loaded model; rebuild a plain one from its config.
-    cfg = model.config
+    cfg = model.config  # transformers refuses to save a GGUF-loaded model: rebuild a plain one
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -113,55 +132,99 @@ def hf_folder(gguf: Path, out: Path) -> Path:
     return out
 
 
-def run_llmc(py: Path, hf: Path, scheme: str, out: Path, calib: Path, n: int, seq: int,
-             wiki: Path, articles: int) -> dict:
+def timed_child(cmd: list[str], prefix: list[str], env=None
+                ) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    done = subprocess.run([*prefix, *cmd], check=True, capture_output=True, text=True, env=env)
+    return time.perf_counter() - t0, done
+
+
+def run_llmc(py: Path, src: Path, scheme: str, out: Path, calib: Path, n: int, task: str,
+             prefix: list[str]) -> dict:
     dest = out / f"llmc-{scheme}"
     if not (dest / "llmc_run.json").exists():
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-        subprocess.run([str(py), "-c", CHILD, str(hf), scheme, str(dest), str(calib), str(n),
-                        str(seq), str(wiki), str(articles)], check=True, env=env)
-    return {"scheme": scheme, "path": str(dest),
-            **json.loads((dest / "llmc_run.json").read_text())}
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        wall, _ = timed_child([str(py), "-c", CHILD, str(src), scheme, str(dest), str(calib),
+                               str(n), "512", task], prefix, env)
+        facts = json.loads((dest / "llmc_run.json").read_text())
+        facts["wall_seconds"] = wall
+        (dest / "llmc_run.json").write_text(json.dumps(facts, indent=1))
+    return {"path": str(dest), **json.loads((dest / "llmc_run.json").read_text())}
 
 
-def main() -> None:
+def time_fp8ptq(src: Path, name: str, out: Path, calib: Path, n: int, prefix: list[str]
+                ) -> dict:
+    dest = out / f"fp8ptq-{name}"
+    facts_file = out / f"fp8ptq-{name}.json"
+    if not facts_file.exists():
+        cmd = [str(Path(sys.executable).parent / "fp8ptq"), "quantize", str(src), "-o",
+               str(dest), "--force", "--calib-data", str(calib), "--num-samples", str(n),
+               "--seq-len", "512", "--dtype", "float32", *QUANTIZE_FLAGS[name], "--json"]
+        wall, done = timed_child(cmd, prefix)
+        report = json.loads(done.stdout)
+        facts_file.write_text(json.dumps({"name": name, "wall_seconds": wall,
+                                          "peak_rss_mb": report["peak_rss_mb"],
+                                          "seconds": report["seconds"]}, indent=1))
+    return json.loads(facts_file.read_text())
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--assets", default=str(ROOT.parent / "shared/assets"))
-    ap.add_argument("--out", default=str(ROOT / "out/llmc"))
+    ap.add_argument("model", choices=sorted(study.MODELS), nargs="?", default="smollm2")
+    ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
+                                                       str(ROOT.parent / "shared/assets")))
+    ap.add_argument("--out", default=str(ROOT / "out/recipes"))
     ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--quick", action="store_true", help="1 article, 8 calibration samples")
+    ap.add_argument("--fp8ptq", default="", help="extra recipe_study rows (fp8ptq's best)")
+    ap.add_argument("--num-samples", type=int, default=32)
+    ap.add_argument("--articles", type=int, default=5)
+    ap.add_argument("--questions", type=int, default=1000)
+    ap.add_argument("--timings", action="store_true",
+                    help="also time fp8ptq quantize of each equivalent (child processes)")
+    ap.add_argument("--prefix", default="", help="command the quantize children run under")
     ap.add_argument("--setup-only", action="store_true", help="build the venv and stop")
-    ap.add_argument("--json", help="write the eval report here")
-    args = ap.parse_args()
+    ap.add_argument("--no-eval", action="store_true", help="quantize (and time) only")
+    args = ap.parse_args(argv)
     py = ensure_venv()
     if args.setup_only:
         print(f"llm-compressor {LLMC_VERSION} venv ready: {py}")
         return
-    assets, out = Path(args.assets).resolve(), Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    assets = Path(args.assets).resolve()
+    m = study.MODELS[args.model]
+    limit = args.articles if m["task"] == "wikitext" else args.questions
+    cache = Path(args.out).resolve() / f"{args.model}-{limit}"
+    cache.mkdir(parents=True, exist_ok=True)
     calib = assets / "calib/wiki-paragraphs.txt"
-    n = 8 if args.quick else 32
-    hf = hf_folder(assets / "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
-                   out / "smollm2-hf")
-    wiki, articles = assets / "wikitext-2-raw/wiki.test.raw", 1 if args.quick else 5
-    runs = [run_llmc(py, hf, s, out, calib, n, 512, wiki, articles)
-            for s in args.schemes.split(",")]
-    for r in runs:
-        print(f"llm-compressor {r['scheme']}: quantize {r['seconds']:.1f} s, peak RSS "
-              f"{r['peak_rss_mb']:.0f} MB (shared machine: noisy), {r['metrics']}")
-    report = Path(args.json) if args.json else out / "compare.json"
-    cmd = [sys.executable, "-m", "fp8ptq.cli", "eval", str(hf), "--tasks", "wikitext",
-           "--data", f"wikitext={wiki}", "--limit", str(articles), "--seq-len", "2048",
-           "--compare", "e4m3",
-           "--calib-data", str(calib), "--num-samples", str(n), "--calib-seq-len", "512",
-           "--act-calib", "best", "--json", str(report)]
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    data = json.loads(report.read_text())
-    data["llmcompressor"] = {"version": LLMC_VERSION, "runs": runs,
-                             "eval_seconds": time.perf_counter() - t0}
-    report.write_text(json.dumps(data, indent=2))
-    print(f"wrote {report}")
+    if args.model == "smollm2":
+        src = hf_folder(assets / m["spec"], Path(args.out).resolve() / "smollm2-hf")
+    else:
+        src = assets / m["spec"]
+    prefix = args.prefix.split() if args.prefix else []
+    schemes = [s for s in args.schemes.split(",") if s]
+    task = "qa" if m["task"] == "squad" else "causal-lm"
+    llmc = {s: run_llmc(py, src, s, cache, calib, args.num_samples, task, prefix)
+            for s in schemes}
+    timings = {n: time_fp8ptq(src, n, cache, calib, args.num_samples, prefix)
+               for n in dict.fromkeys(EQUIVALENT[s] for s in schemes)} if args.timings else {}
+    if args.no_eval:
+        path = cache / "compare_llmcompressor_timings.json"
+        path.write_text(json.dumps({"llmcompressor": llmc, "fp8ptq": timings}, indent=1) + "\n")
+        print(f"wrote {path}")
+        return
+    extra = [n for n in args.fp8ptq.split(",") if n]
+    # evaluation: the study's harness and cache (one baseline, paired intervals)
+    rows = study.main([args.model, "--out", args.out, "--assets", str(assets),
+                       "--num-samples", str(args.num_samples), "--articles", str(args.articles),
+                       "--questions", str(args.questions),
+                       "--only", ",".join(dict.fromkeys([EQUIVALENT[s] for s in schemes]
+                                                        + extra)),
+                       "--checkpoints", ",".join(f"llmc-{s}={llmc[s]['path']}"
+                                                 for s in schemes)])
+    report = {"llmcompressor": {"version": LLMC_VERSION, "runs": llmc},
+              "fp8ptq_timings": timings, "equivalent": EQUIVALENT, "report": rows}
+    path = cache / "compare_llmcompressor.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

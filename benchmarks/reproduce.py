@@ -139,14 +139,18 @@ def main() -> None:
         exps = [e for e in exps if e.name in wanted]
     for exp in exps:
         run(exp, s, args.rerun)
-    from results_page import render  # noqa: PLC0415 (sibling module)
+    from results_page import kept_block, render, splice  # noqa: PLC0415 (sibling module)
 
     every = experiments(s)
     for exp in every:
         path = s.out / f"{exp.name}.json"
         if path.exists():
             exp.result = json.loads(path.read_text())
-    Path(args.doc).write_text(render({e.name: e for e in every}, s, plt))
+    doc = Path(args.doc)
+    old = doc.read_text() if doc.exists() else ""
+    page = render({e.name: e for e in every}, s, plt)
+    kept = kept_block(old)  # recipe_table.py's tables (their rows come from other scripts)
+    doc.write_text(splice(page, kept) if kept else page)
     print(f"wrote {args.doc}")
 
 

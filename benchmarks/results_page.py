@@ -10,6 +10,8 @@ from fp8ptq.numbers import fmt_num
 
 WORD_PPL = "wikitext.word_perplexity"
 TOKEN_PPL = "wikitext.token_perplexity"
+# the block recipe_table.py writes; kept when the rest of the page is regenerated
+BEGIN, END = "<!-- recipes:begin -->", "<!-- recipes:end -->"
 
 
 def _num(v, digits=3) -> str:
@@ -299,3 +301,20 @@ Timing numbers live in `benchmarks/` scripts (`bench_quantize.py`, `bench_eval.p
 `bench_formats.py`), not here: rerun them on your machine. The `eval s` columns above are the
 evaluation wall time of each variant in the same process (simulated FP8 on CPU).
 """
+
+
+def splice(doc: str, block: str) -> str:
+    """``doc`` with the marked block replaced by ``block`` (appended when there is none)."""
+    block = f"{BEGIN}\n{block.strip()}\n{END}"
+    if BEGIN in doc and END in doc:
+        head, _, rest = doc.partition(BEGIN)
+        return head + block + rest.partition(END)[2]
+    return doc.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def kept_block(doc: str) -> str:
+    """The text inside the marked block of ``doc`` ("" when none): what ``reproduce.py``
+    carries over into the regenerated page."""
+    if BEGIN not in doc or END not in doc:
+        return ""
+    return doc.partition(BEGIN)[2].partition(END)[0].strip()

@@ -50,7 +50,8 @@ def choose_layerwise(model, targets, stats, samples, recipe, gran, w_calib, batc
     choose = activation_entry(recipe.act_calib).choose
     if choose is None:
         raise ValueError(f"{recipe.act_calib!r} is not a layer-aware calibrator")
-    targets = [t for t in targets if t.act_format is not None and t.name in samples]
+    targets = [t for t in targets if t.input is not None and t.input.static
+               and t.name in samples]
     return choose(model, targets, stats, samples, recipe, gran, w_calib, batches)
 
 

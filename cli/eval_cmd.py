@@ -8,7 +8,10 @@ Variants, evaluated one after another (each freed before the next is loaded):
   baseline's own dtype add nothing).
 * ``--compare FORMAT``: MODEL freshly loaded and quantized like ``fp8ptq quantize`` would with
   the same recipe flags; one calibration set is tokenized once and shared.
-* ``--compare DIR``: an fp8ptq checkpoint folder, named by its folder name.
+* ``--compare SCHEME``: the same with a named preset (``fp8ptq schemes``) over the recipe flags.
+* ``--compare DIR``: an fp8ptq checkpoint folder, named by its folder name; or another tool's
+  quantized model folder (config.json, no fp8ptq.json: e.g. llm-compressor's
+  compressed-tensors output), loaded by transformers with its quantization applied.
 
 A calibration file that is also an evaluation file is refused (``--allow-calib-overlap``
 accepts it, with a note in the report): calibrating on the test text flatters the numbers.
@@ -57,7 +60,10 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
                    "--include-path.")
 @click.option("--compare", default="",
               help="Comma-separated variants besides the baseline: formats to quantize MODEL to "
-                   "(int8, e4m3, ...), dtypes (bf16, fp16, fp32) or fp8ptq checkpoint folders.")
+                   "(int8, e4m3, ...), schemes (fp8-dynamic, fp8-block, ...: fp8ptq schemes), "
+                   "dtypes (bf16, fp16, fp32), fp8ptq checkpoint folders or other tools' "
+                   "quantized model folders (e.g. llm-compressor output, loaded by "
+                   "transformers).")
 @click.option("--data", "data_items", multiple=True, metavar="TASK=PATH",
               help="Local data: wikitext=wiki.test.raw, squad=dev.json (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), help="First N documents/questions per task.")

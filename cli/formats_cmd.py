@@ -1,4 +1,5 @@
-"""``fp8ptq formats``: the format table, or every code of one format."""
+"""``fp8ptq formats``: the format table, or every code of one format; ``fp8ptq schemes``: the
+named presets of ``--scheme``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.table import Table
 
 from fp8ptq.formats import PRESETS, decode, get_format
 from fp8ptq.numbers import json_number
+from fp8ptq.schemes import SCHEMES, scheme_flags
 
 from .tables import Column, fitted_table
 
@@ -55,6 +57,8 @@ def formats(name, codes, as_json):
         Column("-0", cells(lambda d: yes(d["has_negative_zero"])), drop=5),
         Column("binades", cells(lambda d: str(d["binades"])), drop=2),
         Column("rounding", cells(lambda d: d["rounding"]), "left", drop=1),
+        Column("scales", cells(lambda d: f"E8M0/{d['mx_block']}" if d["mx_block"] else "-"),
+               drop=6),
     ]
     console = Console()
     table, hidden = fitted_table(console, columns, title="fp8ptq number formats")
@@ -74,4 +78,23 @@ def _print_codes(spec, as_json):
         table.add_column(col, justify="right")
     for code, v in enumerate(values):
         table.add_row(str(code), f"0x{code:02X}", f"{code:0{spec.bits}b}", str(v))
+    Console().print(table)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+def schemes(as_json):
+    """Show the named presets of --scheme: the flags each stands for, what the peers call it,
+    how vLLM serves it."""
+    rows = [{"name": s.name, "flags": scheme_flags(s.name), "description": s.description,
+             "peers": s.peers, "vllm": s.vllm, "evidence": s.evidence}
+            for s in SCHEMES.values()]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="fp8ptq schemes (--scheme NAME; explicit flags override its fields)")
+    for col in ("scheme", "flags", "peers", "vLLM"):
+        table.add_column(col, justify="left")
+    for r in rows:
+        table.add_row(r["name"], " ".join(r["flags"]), r["peers"] or "-", r["vllm"] or "-")
     Console().print(table)

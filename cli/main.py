@@ -27,6 +27,7 @@ from fp8ptq.errors import Fp8ptqError, first_line
 # ``quantize`` never uses and would otherwise carry into its peak RSS.
 COMMANDS = {
     "formats": ("formats_cmd", "formats"),
+    "schemes": ("formats_cmd", "schemes"),
     "quantize": ("quantize_cmd", "command"),
     "eval": ("eval_cmd", "command"),
     "sensitivity": ("sensitivity_cmd", "command"),

@@ -10,6 +10,7 @@ from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from fp8ptq.placement import parse_placement
 from fp8ptq.recipe import Recipe
+from fp8ptq.schemes import scheme_names
 
 
 def _opt(*decls: str, **attrs):
@@ -20,6 +21,8 @@ def _opt(*decls: str, **attrs):
 _SPECS = [
     _opt("--recipe", "recipe_path", type=click.Path(),
          help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a run)."),
+    _opt("--scheme", help="Named preset: " + ", ".join(scheme_names()) + " (fp8ptq schemes "
+         "lists them); explicit flags override its fields."),
     _opt("--calib-data", help="Calibration text: .txt/.json/.jsonl/.parquet file or hub "
          "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub); for "
                  "CNNs an image tensor file (.pt/.npz) or 'digits'."),
@@ -35,7 +38,11 @@ _SPECS = [
          help="Weight scales per tensor, output channel or 2-D block [channel]."),
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
-         help="tensor = static calibrated scales; token = dynamic per-token [tensor]."),
+         help="tensor = static calibrated scales; token = dynamic per token; group = dynamic "
+              "per --act-group-size features of each token (with --weight-granularity block: "
+              "FP8_BLOCK) [tensor]."),
+    _opt("--act-group-size", type=int,
+         help="Features per dynamic activation group (--act-granularity group) [128]."),
     _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} [max]."),
     _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
          "diagonal [0.01]."),
@@ -186,12 +193,14 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
     path = kwargs.pop("recipe_path", None)
     base = Recipe.load(path) if path else Recipe()
     flags = dict(
-        calib_data=kwargs.pop("calib_data"), text_field=kwargs.pop("text_field"),
+        scheme=kwargs.pop("scheme"), calib_data=kwargs.pop("calib_data"),
+        text_field=kwargs.pop("text_field"),
         num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
         seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
         weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
-        act_granularity=kwargs.pop("act_granularity"), weight_calib=kwargs.pop("weight_calib"),
+        act_granularity=kwargs.pop("act_granularity"),
+        act_group_size=kwargs.pop("act_group_size"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
         gptq_damp=kwargs.pop("gptq_damp"), gptq_act_order=kwargs.pop("gptq_act_order"),
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),

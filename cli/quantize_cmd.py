@@ -21,7 +21,10 @@ from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import check_model_spec
 from fp8ptq.numbers import finite_or_none, fmt_bytes, fmt_num, fmt_short
+from fp8ptq.schemes import scheme_flags
+from fp8ptq.sensitivity import parse_target
 from fp8ptq.sequential import quantize_folder
+from fp8ptq.target import HIGH_PRECISION, check_target_recipe
 from fp8ptq.validate import static_violations
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
@@ -49,12 +52,29 @@ _db = partial(fmt_num, spec="{:.1f}", nan="nan")  # SQNR columns
               show_default=True,
               help="--sequential: next block's inputs from the quantized block (as at inference) "
                    "or from the unquantized one (bit-identical to the in-memory pipeline).")
+@click.option("--target-delta", default=None, metavar="VALUE[%]",
+              help="Meet this perplexity loss on held-out text (1% of the baseline, or an "
+                   "absolute 0.5): per module the cheapest of the recipe, GPTQ, a finer "
+                   "granularity and --fallback-format that keeps the summed predicted loss "
+                   "within it; the final loss is measured and reported.")
+@click.option("--fallback-format", default="bf16", show_default=True,
+              help="--target-delta's last resort per module: bf16 (high precision) or a format.")
+@click.option("--target-level", type=click.Choice(["module", "block"]), default="module",
+              show_default=True, help="--target-delta decides per GEMM or per decoder block.")
+@click.option("--target-data", default=None,
+              help="--target-delta's held-out text [every 10th calibration document, not "
+                   "calibrated on].")
+@click.option("--target-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
+              help="Held-out tokens --target-delta measures on (windows of 512).")
 @recipe_options
-def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate, **flags):
+def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate,
+            target_delta, fallback_format, target_level, target_data, target_tokens, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
+    request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
+                             target_tokens, sequential)
     # Everything that can be checked without the model fails here, before a long load.
     check_output(output, force)
     check_model_spec(model)  # a missing model is reported before the calibration data
@@ -63,20 +83,37 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     distributed.init(job.resolve_device(device))
     try:
         _run(model, output, force, device, load_options, as_json, recipe, runtime,
-             (propagate if sequential else None))
+             (propagate if sequential else None), request)
     finally:
         distributed.shutdown()
 
 
+def target_request(recipe, target, fallback, level, data, tokens, sequential):
+    """The --target-delta request, checked before anything loads (None without the flag)."""
+    if target is None:
+        return None
+    parse_target(target)
+    check_target_recipe(recipe)
+    if fallback.lower() not in HIGH_PRECISION:
+        get_format(fallback)
+    if sequential:
+        raise UsageError("--target-delta does not combine with --sequential")
+    if distributed.active():
+        raise UsageError("--target-delta runs in one process (not under torchrun)")
+    return job.TargetRequest(target, fallback, level, tokens, data=data)
+
+
 def _run(model, output, force, device, load_options, as_json, recipe, runtime=None,
-         sequential=None):
+         sequential=None, request=None):
     main_rank = distributed.is_main()
     timings = job.JobTimings()
     with progress_bars(enabled=not as_json and main_rank) as bars:
-        texts = None
-        if job.needs_calibration(recipe):
+        texts, heldout = None, None
+        if job.needs_calibration(recipe) or request is not None:
             with bars.step("reading calibration data"), timings.timed("calibration data"):
                 texts = job.calibration_texts(recipe, model)
+                if request is not None:
+                    texts, heldout = job.target_texts(recipe, request, texts)
         calib, data_warnings, result, sizes = None, [], None, None
         if sequential is not None:  # each block written as it is quantized, then freed
             def close_kwargs(result, calib):
@@ -98,6 +135,10 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
                 warnings.simplefilter("always")
                 calib = job.calibration_set(loaded, recipe, texts)
             data_warnings = [str(w.message) for w in caught]  # e.g. overlapping windows
+        if result is None and request is not None:
+            result = job.quantize_to_target(loaded, recipe, calib, heldout, request,
+                                            timings=timings,
+                                            progress=lambda d, total: bars.counter(d)(total))
         if result is None:
             result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                          progress=bars.counter("calibrating"))
@@ -106,8 +147,11 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime=No
         if main_rank and sizes is None:
             try:
                 with bars.step(f"writing {output}"), timings.timed("write"):
+                    # the recipe the model was quantized with (--target-delta's decisions
+                    # are overrides in it, so --recipe OUTPUT reproduces them)
                     sizes = save_quantized(
-                        result, recipe, output, tokenizer=loaded.tokenizer, force=force,
+                        result, result.recipe or recipe, output, tokenizer=loaded.tokenizer,
+                        force=force,
                         source={"model": model, "kind": loaded.kind,
                                 "path": loaded.resolved_path},
                         calib=calib_facts(calib), tool_version=__version__,
@@ -181,8 +225,12 @@ def calib_facts(calib) -> dict | None:
 
 
 def report_dict(result, output, sizes, timings, calib) -> dict:
+    recipe = result.recipe
     return {
         "output": str(output),
+        # the preset the run started from and the flags it stands for (explicit flags win)
+        "scheme": None if recipe is None or recipe.scheme is None else {
+            "name": recipe.scheme, "flags": scheme_flags(recipe.scheme)},
         "modules": [{k: finite_or_none(v) for k, v in vars(m).items()} for m in result.modules],
         "skipped": result.skipped,
         "warnings": result.warnings,
@@ -190,6 +238,7 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "high_precision": result.extras.get("high_precision"),
         "rotation": result.extras.get("rotation"),  # --rotate: method, kind, seed
         "gptq": result.extras.get("gptq"),  # --weight-calib gptq: hessian_bytes, damp, ...
+        "target_delta": result.extras.get("target_delta"),  # decisions, predicted vs measured
         "calibration": calib_facts(calib),
         "sizes": sizes,
         "seconds": {k: round(v, 3) for k, v in timings.seconds.items()},
@@ -199,6 +248,9 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
 
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
+    if report.get("scheme"):
+        console.print(f"scheme {report['scheme']['name']}: {' '.join(report['scheme']['flags'])}"
+                      " (explicit flags override it)", highlight=False)
     modules = report["modules"]
     names = [m["name"] for m in modules]
     title = f"quantized {len(modules)} modules"
@@ -223,6 +275,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"left in high precision: {100 * hp['high_precision_fraction']:.1f}% of "
                       f"parameters ({hp['high_precision_parameters']:,}; largest: {top})",
                       highlight=False)
+    if report.get("target_delta"):
+        for line in target_lines(report["target_delta"]):
+            console.print(line, highlight=False)
     for w in report["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
     s = report["sizes"]
@@ -234,6 +289,25 @@ def print_report(report: dict, console: Console | None = None) -> None:
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in report["seconds"].items()
                      if k != "calibrate+quantize" and (v >= 0.05 or k in ("load", "write")))
     console.print(f"time: {secs}; peak RSS {report['peak_rss_mb']:.0f} MiB -> {report['output']}")
+
+
+def target_lines(t: dict) -> list[str]:
+    """The --target-delta summary: the rungs taken and predicted vs measured loss."""
+    rungs = ", ".join(f"{n} {c}" for n, c in t["modules_per_rung"].items())
+    measured = "-" if t["measured"] is None else (
+        f"{t['measured']:.4g} ({t['measured_delta']:+.3g}, {t['measured_delta_pct']:+.2f}%)")
+    lines = [f"target-delta {t['target']} (<= {t['budget']:.3g} perplexity on "
+             f"{t['eval']['tokens']:,} held-out tokens; baseline {t['baseline']:.4g}): "
+             f"modules per rung: {rungs}",
+             f"  predicted {t['predicted']:+.3g} ({t['predicted_pct']:+.2f}%; all on the base "
+             f"rung {t['predicted_base']:+.3g}), measured {measured}"]
+    changed = [u for u in t["units"] if u["rung"] != "base"]
+    for u in changed[:8]:
+        lines.append(f"  {u['unit']}: {u['rung']} (alone: base {u['deltas']['base']:+.3g} -> "
+                     f"{u['deltas'][u['rung']]:+.3g})")
+    if len(changed) > 8:
+        lines.append(f"  ... and {len(changed) - 8} more (fp8ptq.json extras.target_delta)")
+    return lines
 
 
 def report_columns(modules: list[dict], names: list[str]) -> list[Column]:

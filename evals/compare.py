@@ -25,6 +25,7 @@ from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format
 from fp8ptq.loading import hub_offline
 from fp8ptq.recipe import Recipe
+from fp8ptq.schemes import get_scheme
 
 from . import wikitext
 from .extractive_qa import is_extractive_qa
@@ -109,19 +110,49 @@ def plan_variants(model: str, model_meta: dict | None, compare: list[str],
                 need_base(item)
         elif Path(item).expanduser().is_dir():
             variants.append(Variant(_folder_name(item), "checkpoint", item, recipe,
-                                    check_checkpoint(item)))
+                                    _folder_meta(item)))
+        elif _is_scheme(item):  # a named preset on top of the eval's recipe flags
+            name = get_scheme(item).name
+            variants.append(Variant(name, "quantized", need_base(item),
+                                    _scheme_recipe(recipe, name)))
         else:
             fmt = _format_name(item)
             variants.append(Variant(fmt, "quantized", need_base(item), recipe.merged(format=fmt)))
     return _unique_names(variants), notes
 
 
+def _is_scheme(item: str) -> bool:
+    try:
+        get_scheme(item)
+    except UsageError:
+        return False
+    return True
+
+
+def _scheme_recipe(recipe: Recipe, name: str) -> Recipe:
+    """``recipe`` with scheme ``name`` expanded over it; the eval's explicit recipe flags are
+    already in ``recipe`` and a scheme names its own fields, so a compared scheme is exactly
+    the preset (with the eval's calibration, dtype and other fields)."""
+    return recipe.merged(scheme=name)
+
+
+def _folder_meta(item: str) -> dict | None:
+    """An fp8ptq checkpoint's verified fp8ptq.json; None for another tool's quantized model
+    folder (e.g. llm-compressor's compressed-tensors output: transformers loads it with its
+    quantization applied, so a peer's checkpoint is scored by the same harness)."""
+    folder = Path(item).expanduser()
+    if (folder / "fp8ptq.json").is_file() or not (folder / "config.json").is_file():
+        return check_checkpoint(item)  # verified, or a one-line error naming what is missing
+    return None
+
+
 def _format_name(item: str) -> str:
     try:
         return get_format(item).name
     except UsageError as e:
-        raise UsageError(f"--compare {item!r} is neither a format, a dtype (bf16, fp16, fp32, "
-                         f"baseline) nor an fp8ptq checkpoint folder ({e})") from None
+        raise UsageError(f"--compare {item!r} is neither a format, a scheme (fp8ptq schemes), a "
+                         f"dtype (bf16, fp16, fp32, baseline) nor an fp8ptq checkpoint folder "
+                         f"({e})") from None
 
 
 def _folder_name(path: str) -> str:
@@ -131,7 +162,8 @@ def _folder_name(path: str) -> str:
 def _unique_names(variants: list[Variant]) -> list[Variant]:
     seen, out = set(), []
     for v in variants:
-        key = (v.kind, v.spec, v.recipe.format if v.kind == "quantized" else None, v.recipe.dtype)
+        key = (v.kind, v.spec, json.dumps(v.recipe.to_dict(), sort_keys=True, default=str)
+               if v.kind == "quantized" else None, v.recipe.dtype)
         if key in seen:  # the same variant twice (e4m3 and fp8, a folder given twice)
             continue
         seen.add(key)

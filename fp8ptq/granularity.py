@@ -84,28 +84,45 @@ class PerToken:
 
 @dataclass(frozen=True)
 class PerGroup:
-    """Dynamic activation scales: one per ``size`` consecutive features of each token (the
-    last dim, i.e. the GEMM reduction dim), as FP8_BLOCK's ``group_size: 128`` activations and
-    MX's 32-value blocks. A partial last group covers the remaining features."""
+    """One scale per ``size`` consecutive values along the last dim -- the GEMM reduction dim:
+    the features of each token for activations (FP8_BLOCK's dynamic ``group_size: 128``), the
+    input columns of each output row for 2-D weights (MX's 32-value blocks). A partial last
+    group covers the remaining values; padding with zeros is neutral for amax and sums."""
 
     size: int = 128
     name = "group"
 
+    def _groups(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as ``[..., n_groups, size]``, float32, zero-padded."""
+        pad = (-t.shape[-1]) % self.size
+        t = t.float()
+        if pad:
+            t = torch.cat([t, t.new_zeros(*t.shape[:-1], pad)], dim=-1)
+        return t.reshape(*t.shape[:-1], -1, self.size)
+
+    def reduce(self, t: torch.Tensor, how: str) -> torch.Tensor:
+        return getattr(self._groups(t), how)(dim=-1)
+
     def amax(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[-1]
-        pad = (-n) % self.size
-        a = x.abs().float()
-        if pad:  # zeros are neutral for amax of |x|
-            a = torch.cat([a, a.new_zeros(*a.shape[:-1], pad)], dim=-1)
-        return a.reshape(*a.shape[:-1], -1, self.size).amax(dim=-1)
+        return self.reduce(x.abs(), "amax")
 
     def expand(self, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return scale.repeat_interleave(self.size, dim=-1)[..., : x.shape[-1]]
 
 
-WEIGHT_GRANULARITIES = ("tensor", "channel", "block")
-ACT_GRANULARITIES = ("tensor", "token")  # "group" (PerGroup) is not wired into QuantGemm yet
+WEIGHT_GRANULARITIES = ("tensor", "channel", "block")  # recipe choices ("group": MX formats)
+# tensor: static calibrated; token / group: dynamic, computed per token / per group at run time
+ACT_GRANULARITIES = ("tensor", "token", "group")
+DYNAMIC_GRANULARITIES = ("token", "group")
 
 
 def weight_granularity(name: str, block_size: int = 128):
+    """``block_size``: the tile edge of "block", the group length (along K) of "group"."""
+    if name == "group":
+        return PerGroup(block_size)
     return {"tensor": PerTensor(), "channel": PerChannel(), "block": PerBlock(block_size)}[name]
+
+
+def act_granularity(name: str, group_size: int = 128):
+    """The activation granularity object: ``PerTensor`` (static), ``PerToken``, ``PerGroup``."""
+    return {"tensor": PerTensor(), "token": PerToken(), "group": PerGroup(group_size)}[name]

@@ -21,6 +21,10 @@ from .model.forward import token_batches
 from .pipeline import QuantizeResult, quantize_model
 from .plan import build_plan, run_facts
 from .recipe import Recipe
+from .sensitivity import eval_windows
+from .target import choose as choose_target
+from .target import measure as measure_target
+from .target import split_heldout
 from .vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,6 +114,57 @@ def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
     return result
 
 
+@dataclass
+class TargetRequest:
+    """``quantize --target-delta``: what to meet and how to measure it (``fp8ptq.target``)."""
+
+    target: str  # "1%" (of the held-out perplexity) or an absolute delta "0.5"
+    fallback: str = "bf16"  # the last rung: high precision, or a format
+    level: str = "module"  # units: each GEMM, or each decoder block
+    tokens: int = 4096  # held-out tokens the deltas are measured on
+    seq_len: int = 512
+    data: str | None = None  # held-out text; None: every 10th calibration document
+    eval_batch_size: int = 4
+
+
+def target_texts(recipe: Recipe, request: TargetRequest, texts: list[str]
+                 ) -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents) for a --target-delta run."""
+    if request.data is None:
+        return split_heldout(texts)
+    return texts, load_texts(resolve_calib_spec(request.data))
+
+
+def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
+                       request: TargetRequest, *, progress=None,
+                       timings: JobTimings | None = None) -> QuantizeResult:
+    """Choose per module the cheapest rung that meets ``request.target`` (``fp8ptq.target``),
+    quantize with the decisions, and measure the result on the held-out documents; the
+    decisions, predicted and measured deltas are in ``result.extras["target_delta"]`` and the
+    recorded recipe carries the decisions as overrides."""
+    timings = timings or JobTimings()
+    if not isinstance(loaded.model, PreTrainedModel) or calib is None:
+        raise UsageError("--target-delta needs a causal language model and calibration text")
+    windows = eval_windows(heldout, loaded.tokenizer, tokens=request.tokens,
+                           seq_len=request.seq_len, seed=recipe.seed,
+                           source=request.data or "held-out calibration documents")
+    batches = _batches(loaded.model, calib, recipe.batch_size)
+    with timings.timed("target: sensitivity"):
+        decision = choose_target(loaded.model, recipe, batches, windows.input_ids,
+                                 target=request.target, fallback=request.fallback,
+                                 level=request.level, eval_batch_size=request.eval_batch_size,
+                                 progress=progress)
+    final = decision.recipe(recipe)
+    with timings.timed("calibrate+quantize"):
+        result = quantize_model(loaded.model, final, batches,
+                                plan=build_plan(loaded.model, final))
+    timings.seconds.update(result.seconds)
+    with timings.timed("target: verify"):
+        measure_target(loaded.model, windows.input_ids, decision, request.eval_batch_size)
+    result.extras["target_delta"] = decision.to_dict()
+    return result
+
+
 def _image_set(recipe: Recipe) -> ImageCalibrationSet:
     return build_image_calibration_set(recipe.calib_data, num_samples=recipe.num_samples,
                                        seed=recipe.seed)
@@ -127,4 +182,5 @@ def peak_rss_mb() -> float:
 
 
 __all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded",
-           "needs_calibration", "peak_rss_mb", "resolve_device", "DTYPES"]
+           "needs_calibration", "peak_rss_mb", "resolve_device", "DTYPES", "TargetRequest",
+           "target_texts", "quantize_to_target"]

@@ -39,16 +39,27 @@ def emax_elem(spec: FormatSpec) -> int:
     return math.floor(math.log2(spec.max))
 
 
-def shared_exponent(amax: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
+def shared_exponent(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True) -> torch.Tensor:
     """``floor(log2 amax) - emax_elem`` clamped to E8M0's range; an all-zero block gets the
-    smallest scale (its elements are zero whatever the scale). int32 result."""
-    amax = amax.double()  # log2 of float32 subnormals and exact floors
-    _, frexp_exp = torch.frexp(amax)
+    smallest scale (its elements are zero whatever the scale). int32 result. A non-finite
+    amax raises (``strict``) or gets the largest scale (the spec would give the block a NaN
+    scale; a running model's activations must not turn into NaN for a stray inf)."""
+    amax = torch.as_tensor(amax).double()  # log2 of float32 subnormals and exact floors
+    finite = torch.isfinite(amax)
+    if strict and not bool(finite.all()):
+        raise ValueError("MX scaling: non-finite values in the block")
+    _, frexp_exp = torch.frexp(torch.where(finite, amax, torch.ones_like(amax)))
     e = (frexp_exp - 1).to(torch.int32) - emax_elem(spec)
     e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN))
-    if not torch.isfinite(amax).all():
-        raise ValueError("MX scaling: non-finite values in the block")
+    e = torch.where(finite, e, torch.full_like(e, E8M0_MAX))
     return e.clamp(E8M0_MIN, E8M0_MAX)
+
+
+def mx_scale(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True) -> torch.Tensor:
+    """The E8M0 scales ``2^shared_exponent`` of blocks with the given ``amax``, as float32
+    (exact: every E8M0 value is a float32, 2^-127 as a subnormal)."""
+    e = shared_exponent(amax, spec, strict=strict)
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float64), e.double()).float()
 
 
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import native
+
 SUB_BITS = 5
 SUB_BINS = 1 << SUB_BITS
 MIN_LOG2, MAX_LOG2 = -40, 40
@@ -56,6 +58,8 @@ class TensorStats:
     nonfinite: int = 0
 
     def update(self, x: torch.Tensor, channel_dim: int = -1) -> None:
+        if self._update_native(x, channel_dim):
+            return
         a = x.detach().abs()
         if channel_dim != -1 and channel_dim != a.dim() - 1:
             a = a.movedim(channel_dim, -1)
@@ -73,6 +77,24 @@ class TensorStats:
         self.count += a.numel()
         counts = torch.bincount(histogram_index(a).reshape(-1), minlength=NUM_BINS)
         self.histogram += counts.to(torch.float64).cpu()
+
+    def _update_native(self, x: torch.Tensor, channel_dim: int) -> bool:
+        """``update`` in one pass of the C kernel (same statistics, bit for bit): |x|, channel
+        amax, the non-finite check and the histogram read the model's dtype directly, with no
+        float32 copy of the activation. False where it does not apply (the torch path runs)."""
+        if channel_dim != -1 and channel_dim != x.dim() - 1 or x.dim() == 0 or \
+                x.numel() == 0 or not x.is_contiguous() or not native.supports(x):
+            return False
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        ch = torch.zeros(x2.shape[1], dtype=torch.float32)
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64)
+        self.nonfinite += native.observe(x2, ch, counts, 23 - SUB_BITS, _FIRST)
+        self.channel_amax = ch if self.channel_amax is None else torch.maximum(
+            self.channel_amax, ch)
+        self.amax = max(self.amax, float(ch.max()))
+        self.count += x2.numel()
+        self.histogram += counts.to(torch.float64)
+        return True
 
     @property
     def zeros(self) -> int:

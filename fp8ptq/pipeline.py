@@ -29,6 +29,7 @@ from .plan import (  # noqa: F401
     build_plan,
     plan_experts,
     plan_gemms,
+    reads_data,
     run_facts,
 )
 from .qexperts import ExpertObserver, QuantExperts, quantize_experts, unify_expert_input_scales
@@ -158,7 +159,8 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
-    hessians = HessianCollector({t.name: t.module for t in targets}) if facts.gptq else None
+    hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)}) \
+        if facts.gptq else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
@@ -186,9 +188,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                           "act_order": recipe.gptq_act_order, "block": recipe.gptq_block,
                           "distinct_inputs": len(hessians.sums)}
     for t in targets:
-        report = quantize_target(model, t, recipe, gran, w_calib, a_calib, stats.get(t.name),
+        t_calib = w_calib if t.weight.calibrator == recipe.weight_calib else \
+            plan.weight_calibrator(t)  # a partial-plan override's own
+        report = quantize_target(model, t, recipe, target_granularity(t, gran), t_calib, a_calib,
+                                  stats.get(t.name),
                                   chosen.get(t.name), weight_scale=unified.get(t.name),
-                                  hessian=hessians.hessian(t.name) if hessians else None)
+                                  hessian=hessians.hessian(t.name)
+                                  if hessians and reads_data(t) else None)
         all_warnings += [f"{t.name}: {w}" for w in report.warnings]
         reports.append(report)
     if groups:
@@ -258,6 +264,12 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
             "largest_high_precision": [{"name": n, "parameters": c} for n, c in kept[:top]]}
 
 
+def target_granularity(t: Target, gran):
+    """The weight granularity object of ``t``: the recipe's (``gran``, shared, so a layer-aware
+    choice made with it stays valid) unless the module's plan differs (an MX format's groups)."""
+    return gran if t.weight.granularity == gran.name else t.weight.handler()
+
+
 def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
                     weight_scale: torch.Tensor | None = None,
                     hessian: torch.Tensor | None = None):
@@ -276,7 +288,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         w_scale = amax_to_scale(w_amax, t.weight_format, pow2=recipe.scale_pow2, what="weight",
                                 warnings=warnings)
     rounding = {"rounding": recipe.rounding} if recipe.rounding else {}
-    gptq = weight_entry(recipe.weight_calib).rounding == "gptq"
+    gptq = weight_entry(t.weight.calibrator).rounding == "gptq"
     if gptq and hessian is not None:
         codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
                            damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
@@ -308,7 +320,8 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
     q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
                   weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
                   input_scale=input_scale,
-                  act_granularity=t.input.granularity if t.input else recipe.act_granularity)
+                  act_granularity=t.input.granularity if t.input else recipe.act_granularity,
+                  act_group_size=t.input.group_size if t.input else None)
     w_sqnr = sqnr_db(w2d, q.dequantized_weight_2d())
     set_submodule(model, t.name, q)
     return ModuleReport(

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from .calibrators import registry as calibrators
+from .errors import UsageError
 from .formats import FormatSpec, get_format
-from .granularity import weight_granularity
+from .granularity import DYNAMIC_GRANULARITIES, weight_granularity
 from .model.experts import ExpertsInfo, find_experts, router_names
 from .model.gemm import find_gemms, is_depthwise, matches
 from .qmodules import QuantGemm
-from .recipe import Recipe, override_formats
+from .recipe import OVERRIDE_FIELDS, Recipe, override_formats
 
 SAMPLE_BATCHES = 2  # batches whose input rows are kept for layer-output-aware calibrators
 
@@ -34,10 +35,12 @@ class TensorPlan:
     """How one tensor (a weight, or a GEMM's input) is quantized."""
 
     format: FormatSpec
-    granularity: str  # weights: tensor | channel | block; inputs: tensor | token
+    # weights: tensor | channel | block | group (MX formats); inputs: tensor | token | group
+    granularity: str
     calibrator: str  # a registry name (``fp8ptq.calibrators.registry``)
-    dynamic: bool = False  # inputs: scales computed at run time (per token), no calibration
-    block_size: int | None = None  # weights with block granularity
+    dynamic: bool = False  # inputs: scales computed at run time (per token / group)
+    block_size: int | None = None  # weights: the block edge (block) or group length (group)
+    group_size: int | None = None  # inputs with group granularity: features per group
 
     @property
     def static(self) -> bool:
@@ -50,7 +53,8 @@ class TensorPlan:
     def to_dict(self) -> dict:
         return {"format": self.format.name, "granularity": self.granularity,
                 "calibrator": self.calibrator, "dynamic": self.dynamic,
-                **({"block_size": self.block_size} if self.granularity == "block" else {})}
+                **({"block_size": self.block_size} if self.block_size is not None else {}),
+                **({"group_size": self.group_size} if self.group_size is not None else {})}
 
 
 @dataclass
@@ -110,13 +114,22 @@ class RunFacts:
 
 
 def input_plan(recipe: Recipe, fmt: FormatSpec | None) -> TensorPlan | None:
+    """A GEMM input's plan. An MX format fixes it: dynamic, one E8M0 scale per ``mx_block``
+    features (OCP MX v1.0), whatever ``--act-granularity`` says for the other formats."""
     if fmt is None:
         return None
-    dynamic = recipe.act_granularity != "tensor"
-    return TensorPlan(fmt, recipe.act_granularity, recipe.act_calib, dynamic=dynamic)
+    if fmt.mx_block is not None:
+        return TensorPlan(fmt, "group", recipe.act_calib, dynamic=True, group_size=fmt.mx_block)
+    gran = recipe.act_granularity
+    return TensorPlan(fmt, gran, recipe.act_calib, dynamic=gran in DYNAMIC_GRANULARITIES,
+                      group_size=recipe.act_group_size if gran == "group" else None)
 
 
 def weight_plan(recipe: Recipe, fmt: FormatSpec) -> TensorPlan:
+    """A weight's plan; an MX format's weights are ``mx_block`` groups along K (its scale is
+    the spec's E8M0 rule applied to the weight calibrator's clip range)."""
+    if fmt.mx_block is not None:
+        return TensorPlan(fmt, "group", recipe.weight_calib, block_size=fmt.mx_block)
     block = recipe.block_size if recipe.weight_granularity == "block" else None
     return TensorPlan(fmt, recipe.weight_granularity, recipe.weight_calib, block_size=block)
 
@@ -128,17 +141,22 @@ def base_formats(recipe: Recipe) -> tuple[FormatSpec, FormatSpec | None]:
             None if act_name == "none" else get_format(act_name))
 
 
-def run_facts(recipe: Recipe, static_inputs: bool | None = None) -> RunFacts:
-    """The run-level facts from the recipe alone (``static_inputs``: as the model's plan found
-    it; by default, what the recipe asks of a model where every GEMM is quantized)."""
+def run_facts(recipe: Recipe, static_inputs: bool | None = None,
+              gptq: bool | None = None) -> RunFacts:
+    """The run-level facts from the recipe alone (``static_inputs`` / ``gptq``: as the model's
+    plan found them; by default, what the recipe asks of a model where every GEMM is quantized
+    its way)."""
     if static_inputs is None:
-        static_inputs = recipe.act_granularity == "tensor" and base_formats(recipe)[1] is not None
+        act = base_formats(recipe)[1]
+        static_inputs = (recipe.act_granularity == "tensor" and act is not None
+                         and act.mx_block is None)
     return RunFacts(static_inputs=static_inputs,
                     layer_aware=calibrators.activation_entry(recipe.act_calib).layer_aware,
                     smoothquant=recipe.smoothquant is not None,
                     taps=recipe.quantize_attention or recipe.quantize_residual,
                     bn_retune=recipe.bn_retune,
-                    gptq=calibrators.weight_entry(recipe.weight_calib).reads_data)
+                    gptq=calibrators.weight_entry(recipe.weight_calib).reads_data
+                    if gptq is None else gptq)
 
 
 def taps_plan(recipe: Recipe, always: bool = False) -> TensorPlan | None:
@@ -184,12 +202,15 @@ class QuantPlan:
         return self.facts.sample_batches
 
     def weight_granularity(self):
-        """The weight granularity object shared by every module of this plan."""
+        """The recipe's weight granularity object (a module's own: ``m.weight.handler()``,
+        which differs for MX-format modules)."""
         return weight_granularity(self.recipe.weight_granularity, self.recipe.block_size)
 
-    def weight_calibrator(self):
-        from_recipe = calibrators.weight_entry(self.recipe.weight_calib)
-        return from_recipe.build(**from_recipe.options_from(self.recipe))
+    def weight_calibrator(self, module: ModulePlan | None = None):
+        """The recipe's weight calibrator, or ``module``'s own (a partial-plan override)."""
+        name = self.recipe.weight_calib if module is None else module.weight.calibrator
+        entry = calibrators.weight_entry(name)
+        return entry.build(**entry.options_from(self.recipe))
 
     def act_calibrator(self):
         """The statistics activation calibrator (a layer-aware one's fallback)."""
@@ -217,6 +238,10 @@ def _skipped_by_override(recipe: Recipe, name: str) -> bool:
 def _module_plan(recipe: Recipe, name: str, module, base_w, base_a, experts=None):
     value = _override(recipe, name)
     w_fmt, a_fmt = base_w, base_a
+    fields = {k: value[k] for k in OVERRIDE_FIELDS if k in value} \
+        if isinstance(value, dict) else {}
+    if fields:  # a partial plan with its own calibrator / granularities
+        recipe = recipe.model_copy(update=fields)
     if isinstance(value, str):  # GLOB=FORMAT: both formats; a weight-only recipe stays so
         w_fmt = get_format(value)
         a_fmt = get_format(value) if base_a is not None else None
@@ -256,7 +281,13 @@ def plan_experts(model: nn.Module, recipe: Recipe, skipped: list[str]) -> list[M
         if matches(name, recipe.skip_patterns) or _skipped_by_override(recipe, name):
             skipped.append(name)
             continue
-        out.append(_module_plan(recipe, name, module, base_w, base_a, experts=info))
+        plan = _module_plan(recipe, name, module, base_w, base_a, experts=info)
+        if plan.weight.granularity == "group" or (
+                plan.input is not None and plan.input.granularity == "group"):
+            raise UsageError(f"{name}: fused MoE experts take tensor or token activations and "
+                             "non-MX formats (group / MX scaling is for GEMM modules); use "
+                             f"--override '{name}=e4m3' or --skip '{name}'")
+        out.append(plan)
     return out
 
 
@@ -265,8 +296,14 @@ def build_plan(model: nn.Module, recipe: Recipe) -> QuantPlan:
     gemms, skipped = plan_gemms(model, recipe)
     experts = plan_experts(model, recipe, skipped)
     static = any(m.input is not None and m.input.static for m in [*gemms, *experts])
-    return QuantPlan(recipe, gemms, experts, skipped, run_facts(recipe, static_inputs=static),
-                     taps_plan(recipe))
+    gptq = any(reads_data(m) for m in gemms)
+    return QuantPlan(recipe, gemms, experts, skipped,
+                     run_facts(recipe, static_inputs=static, gptq=gptq), taps_plan(recipe))
+
+
+def reads_data(m: ModulePlan) -> bool:
+    """Does ``m``'s weight calibrator read calibration inputs (GPTQ's Hessian)?"""
+    return calibrators.weight_entry(m.weight.calibrator).reads_data
 
 
 def as_plan_parts(plan_or_recipe) -> tuple[Recipe, TensorPlan | None]:
@@ -278,4 +315,5 @@ def as_plan_parts(plan_or_recipe) -> tuple[Recipe, TensorPlan | None]:
 
 __all__ = ["TensorPlan", "ModulePlan", "RunFacts", "QuantPlan", "build_plan", "run_facts",
            "needs_calibration", "plan_gemms", "plan_experts", "taps_plan", "as_plan_parts",
+           "reads_data",
            "SAMPLE_BATCHES"]

@@ -33,7 +33,7 @@ from .errors import NumericsError
 from .formats import FormatSpec, decode, encode, fake_quantize, get_format
 from .model.experts import ExpertsInfo, expert_unit_name, expert_weight
 from .observers import TensorStats
-from .scales import TINY, amax_to_scale, histogram_sqnr_db, sqnr_db
+from .scales import amax_to_scale, dynamic_scale, histogram_sqnr_db, sqnr_db
 
 
 @dataclass
@@ -91,7 +91,7 @@ class QuantExperts(nn.Module):
         if self.act_format is not None:
             if self.act_granularity == "token":
                 amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-                scale = (amax / self.act_format.max).clamp(min=TINY)
+                scale = dynamic_scale(amax, self.act_format)
             else:
                 scale = self.input_scale(proj)[expert].reshape(1)
             x = fake_quantize(x, scale, self.act_format)

@@ -22,8 +22,9 @@ from .formats import (
     scaled_mm_pair,
     to_torch_float8,
 )
+from .granularity import act_granularity as act_granularity_of
 from .model.gemm import kind, weight_2d, weight_from_2d
-from .scales import TINY
+from .scales import dynamic_scale
 
 
 class QuantGemm(nn.Module):
@@ -41,7 +42,8 @@ class QuantGemm(nn.Module):
 
     def __init__(self, inner: nn.Module, *, weight_format: FormatSpec, weight_codes: torch.Tensor,
                  weight_scale: torch.Tensor, weight_granularity, act_format: FormatSpec | None,
-                 input_scale: torch.Tensor | None, act_granularity: str = "tensor"):
+                 input_scale: torch.Tensor | None, act_granularity: str = "tensor",
+                 act_group_size: int | None = None):
         super().__init__()
         self.inner = inner
         self.kind = kind(inner)
@@ -49,6 +51,13 @@ class QuantGemm(nn.Module):
         self.weight_granularity = weight_granularity
         self.act_format = get_format(act_format) if act_format is not None else None
         self.act_granularity = act_granularity
+        # dynamic activations: per token, or per ``act_group_size`` features (FP8_BLOCK's 1x128
+        # groups; MX formats: their 32-value blocks along K)
+        if self.act_format is not None and self.act_format.mx_block is not None:
+            act_granularity, act_group_size = "group", self.act_format.mx_block
+            self.act_granularity = "group"
+        self.act_group_size = act_group_size if act_granularity == "group" else None
+        self._act_gran = act_granularity_of(act_granularity, act_group_size or 128)
         # clone: scales chosen under torch.inference_mode must not stay inference tensors
         self.register_buffer("weight_scale", weight_scale.float().clone())
         self.register_buffer("input_scale", None if input_scale is None else
@@ -109,10 +118,11 @@ class QuantGemm(nn.Module):
         return _SHARED_INPUT.put(x, key, fake_quantize(x, self._act_scale(x), self.act_format))
 
     def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_granularity == "token":
-            amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-            return (amax / self.act_format.max).clamp(min=TINY)
-        return self.input_scale
+        """The input's scale, broadcastable against ``x``: static, per token or per group."""
+        if self.act_granularity == "tensor":
+            return self.input_scale
+        scale = dynamic_scale(self._act_gran.amax(x.detach()), self.act_format)
+        return self._act_gran.expand(scale, x)
 
     def forward(self, x, *args, **kwargs):
         if self.act_format is None:
@@ -125,6 +135,7 @@ class QuantGemm(nn.Module):
         return (self.kind in ("linear", "conv1d_hf")
                 and scaled_mm_pair(self.weight_format, self.act_format)
                 and self.weight_granularity.name in ("tensor", "channel")
+                and self.act_granularity in ("tensor", "token")
                 and torch.cuda.get_device_capability(self.inner.weight.device) >= (8, 9))
 
     def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +160,8 @@ class QuantGemm(nn.Module):
 
     def extra_repr(self) -> str:
         act = "none" if self.act_format is None else (
-            f"{self.act_format.name}/{self.act_granularity}")
+            f"{self.act_format.name}/{self.act_granularity}"
+            + (f"{self.act_group_size}" if self.act_group_size else ""))
         return (f"kind={self.kind}, weight={self.weight_format.name}/"
                 f"{self.weight_granularity.name}, act={act}")
 
@@ -169,7 +181,8 @@ class _SharedInput(threading.local):
     def key_of(q: QuantGemm, x: torch.Tensor) -> tuple | None:
         if x.is_inference() or x.device.type != "cpu":
             return None
-        scale = "token" if q.act_granularity == "token" else float(q.input_scale)
+        scale = float(q.input_scale) if q.act_granularity == "tensor" else (
+            q.act_granularity, q.act_group_size)
         return (x._version, q.act_format.name, scale)
 
     def get(self, x: torch.Tensor, key) -> torch.Tensor | None:

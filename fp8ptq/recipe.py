@@ -19,11 +19,15 @@ from .calibrators import registry as calibrators
 from .errors import UsageError
 from .formats import ROUNDINGS, get_format
 from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from .schemes import expand_scheme
 
 # Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
 # compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
 # form ``GLOB: FORMAT`` (``--override GLOB=FORMAT``) sets both formats; ``none`` skips.
-OVERRIDE_KEYS = ("format", "weight_format", "act_format")
+OVERRIDE_KEYS = ("format", "weight_format", "act_format", "weight_calib", "weight_granularity",
+                 "act_granularity")
+# the non-format keys of a partial plan: recipe fields the matching modules take instead
+OVERRIDE_FIELDS = ("weight_calib", "weight_granularity", "act_granularity")
 
 
 class Recipe(BaseModel):
@@ -33,12 +37,16 @@ class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False,
                               arbitrary_types_allowed=True)
 
+    # a named preset (``fp8ptq.schemes``): its fields are the defaults under the fields given
+    # explicitly; the name stays recorded
+    scheme: str | None = None
     format: str = "e4m3"
     weight_format: str | None = None  # default: ``format``
     act_format: str | None = None  # default: ``format``; "none" = weight-only
     weight_granularity: str = "channel"
     block_size: int = 128
-    act_granularity: str = "tensor"
+    act_granularity: str = "tensor"  # tensor (static) | token | group (both dynamic)
+    act_group_size: int = 128  # features per dynamic activation group (act_granularity group)
     weight_calib: str = "max"
     act_calib: str = "max"
     percentile: float = 99.99
@@ -90,6 +98,9 @@ class Recipe(BaseModel):
         data = dict(data)
         for key, value in data.items():
             data[key] = _check_type(key, value, cls.model_fields[key].annotation)
+        if data.get("scheme") is not None:  # the preset under what this dict says itself
+            data = {**expand_scheme(data["scheme"]), **data}
+            data["scheme"] = expand_scheme(data["scheme"])["scheme"]  # canonical name
         return data
 
     @model_validator(mode="after")
@@ -111,6 +122,13 @@ class Recipe(BaseModel):
                         get_format(fmt)
                     except UsageError as e:
                         raise UsageError(f"override {pattern}={fmt}: {e}") from None
+            if isinstance(value, dict):
+                for key in OVERRIDE_FIELDS:
+                    if key in value:
+                        valid = {"weight_calib": calibrators.names("weight"),
+                                 "weight_granularity": WEIGHT_GRANULARITIES,
+                                 "act_granularity": ACT_GRANULARITIES}[key]
+                        _choice(f"override {pattern} {key}", value[key], valid)
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -118,7 +136,8 @@ class Recipe(BaseModel):
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
-        for key in ("block_size", "num_samples", "seq_len", "batch_size", "gptq_block"):
+        for key in ("block_size", "act_group_size", "num_samples", "seq_len", "batch_size",
+                    "gptq_block"):
             if getattr(self, key) < 1:
                 raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.smoothquant is not None and self.smoothquant != "auto":
@@ -155,9 +174,13 @@ class Recipe(BaseModel):
         return Recipe.from_dict({**self.to_dict(), **changes})
 
     def merged(self, **flags) -> Recipe:
-        """A copy with the given (non-None) flag values on top."""
+        """A copy with the given (non-None) flag values on top; a ``scheme`` among them goes
+        on top of this recipe first, then the other flags on top of it."""
         data = self.to_dict()
-        data.update({k: v for k, v in flags.items() if v is not None})
+        flags = {k: v for k, v in flags.items() if v is not None}
+        if "scheme" in flags:
+            data.update(expand_scheme(flags["scheme"]))
+        data.update(flags)
         return Recipe.from_dict(data)
 
 

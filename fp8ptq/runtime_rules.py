@@ -116,6 +116,7 @@ VLLM_LINEAR_SCHEMES = (
     ("int", ("channel", "group"), None, None, None, "CompressedTensorsWNA16"),
 )
 ACT_QUANT_FORMATS = ("naive-quantized", "int-quantized", "float-quantized")
+MXFP8_SCHEME = "CompressedTensorsW8A8Mxfp8"
 
 
 def vllm_linear_scheme(w, a) -> str | None:
@@ -125,7 +126,7 @@ def vllm_linear_scheme(w, a) -> str | None:
         return None
     if w.type == "float" and w.strategy == "group" and w.group_size == 32 and \
             w.scale_dtype == torch.uint8:  # _is_mxfp8: E8M0 scales, inputs as the kernel wants
-        return "CompressedTensorsW8A8Mxfp8"
+        return MXFP8_SCHEME
     if a is not None and (a.num_bits != 8 or a.type == "float" and not a.dynamic
                           and not a.symmetric):
         return None
@@ -156,14 +157,17 @@ def _config_groups(ck) -> list[Violation]:
     for group, scheme in config.config_groups.items():
         where = f"{group} ({', '.join(scheme.targets)})"
         a = scheme.input_activations
-        if vllm_linear_scheme(scheme.weights, a) is None:
+        chosen = vllm_linear_scheme(scheme.weights, a)
+        if chosen is None:
             w = scheme.weights
             out.append(Violation("ct-scheme", where, "no vLLM scheme for weights "
                                  f"{_args(w)} with inputs {_args(a)}: static activations must "
                                  "be per-tensor and symmetric, weights static and symmetric",
                                  "--act-granularity tensor or token (default e4m3 recipe)"))
         fmt = scheme.format or config.format
-        if a is not None and fmt not in ACT_QUANT_FORMATS:
+        # MXFP8 is selected from the weights alone (``_is_mxfp8``) with its own compressor
+        # format, ``mxfp8-quantized``; every other activation scheme needs an activation format
+        if a is not None and fmt not in ACT_QUANT_FORMATS and chosen != MXFP8_SCHEME:
             out.append(Violation("ct-format", where, f"format {fmt!r} is not an activation-"
                                  "quantization format; vLLM would ignore the input scheme",
                                  "re-write with fp8ptq quantize"))

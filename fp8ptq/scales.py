@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .formats import FormatSpec, quantize_values
+from .mx import mx_scale
 from .observers import bin_centers
 
 TINY = torch.finfo(torch.float32).tiny
@@ -18,6 +19,10 @@ TINY = torch.finfo(torch.float32).tiny
 
 def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "tensor",
                   warnings: list[str] | None = None) -> torch.Tensor:
+    """MX formats (``fmt.mx_block``) take the OCP MX v1.0 rule instead: the E8M0 power of two
+    ``2^(floor(log2 amax) - emax_elem)`` (all-zero blocks: 2^-127, the spec's smallest)."""
+    if fmt.mx_block is not None:
+        return mx_scale(torch.as_tensor(amax, dtype=torch.float32), fmt)
     amax = torch.as_tensor(amax, dtype=torch.float32).clone()
     bad = ~torch.isfinite(amax) | (amax <= 0)
     if bool(bad.any()):
@@ -54,3 +59,13 @@ def histogram_sqnr_db(stats, scale: float, fmt: FormatSpec) -> float:
     noise = ((q - c) ** 2 * counts[nz]).sum()
     signal = (c**2 * counts[nz]).sum()
     return float("inf") if noise == 0 else float(10 * torch.log10(signal / noise))
+
+
+def dynamic_scale(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
+    """Scales computed at run time (per token / per group activations): the same rule as a
+    calibrated scale -- amax onto ``calibration_max`` (the format's max; the top of the
+    full-precision range for tapered HiF8), or MX's E8M0 rule -- without warnings: a row of
+    zeros gets the smallest positive scale and quantizes to zeros."""
+    if fmt.mx_block is not None:
+        return mx_scale(amax, fmt, strict=False)
+    return (amax.float() / fmt.calibration_max).clamp(min=TINY)

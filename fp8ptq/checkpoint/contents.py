@@ -19,7 +19,7 @@ from .layouts import GemmQuant, ModuleDesc
 from .skeleton import MODULE_KEY, has_hf_config, module_config
 
 FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
-               "rounding", "max", "torch_dtype")
+               "rounding", "max", "torch_dtype", "mx_block")
 _QUANT_BUFFERS = ("weight_codes", "weight_scale", "input_scale")  # QuantGemm's own tensors
 
 
@@ -128,8 +128,9 @@ def gemm_entry(desc: ModuleDesc, q: GemmQuant, *, module_class: str, weight_shap
         "weight_format": format_facts(desc.weight_format),
         "act_format": format_facts(desc.act_format),
         "weight_granularity": desc.weight_granularity,
-        "block_size": desc.block_size if desc.weight_granularity == "block" else None,
+        "block_size": desc.block_size if desc.weight_granularity in ("block", "group") else None,
         "act_granularity": desc.act_granularity,
+        "act_group_size": desc.act_group_size if desc.act_granularity == "group" else None,
         "weight_shape": list(weight_shape),
         "weight_codes_shape": list(q.codes.shape),
         "weight_scale_shape": list(q.weight_scale.shape),

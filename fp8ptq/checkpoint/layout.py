@@ -14,6 +14,7 @@ META_NAME = "fp8ptq.json"
 # compressed-tensors CompressionFormat values
 CT_FLOAT, CT_INT, CT_NAIVE, CT_MIXED = ("float-quantized", "int-quantized", "naive-quantized",
                                         "mixed-precision")
+CT_MXFP8 = "mxfp8-quantized"  # E4M3 codes + E8M0 uint8 scales (compressed-tensors >= 0.20)
 
 
 def ct_type(spec: FormatSpec | None) -> str | None:

@@ -172,7 +172,8 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
             weight_granularity=weight_granularity(entry["weight_granularity"],
                                                   entry.get("block_size") or 128),
             act_format=act_format, input_scale=input_scale,
-            act_granularity=entry.get("act_granularity") or "tensor")
+            act_granularity=entry.get("act_granularity") or "tensor",
+            act_group_size=entry.get("act_group_size"))
         set_submodule(model, name, q)
     for name, (entry, projections) in experts.items():
         set_submodule(model, name, _quant_experts(model, name, entry, projections))

@@ -55,10 +55,11 @@ def format_from_facts(facts: dict | None) -> FormatSpec | None:
         spec = get_format(facts["name"])
     except UsageError:
         spec = None
-    if spec is not None and all(getattr(spec, k) == facts[k] for k in _SPEC_FIELDS if k in facts):
+    if spec is not None and all(getattr(spec, k) == facts[k] for k in (*_SPEC_FIELDS, "mx_block")
+                                if k in facts):
         return spec
     return FormatSpec(facts["name"], **{k: facts[k] for k in _SPEC_FIELDS},
-                      torch_dtype=facts.get("torch_dtype"))
+                      torch_dtype=facts.get("torch_dtype"), mx_block=facts.get("mx_block"))
 
 
 # --- what each fp8ptq.json entry implies ---------------------------------------------------------

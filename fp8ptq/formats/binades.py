@@ -12,10 +12,13 @@ exactly like the ``clamp`` of the frexp-based reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
 import torch
+
+from .. import native
 
 
 @dataclass(frozen=True)
@@ -34,17 +37,25 @@ class BinadeTables:
                                                      self.first_rank, self.codes)))
 
 
+def _per_field(lay) -> list[tuple[int, float, int]]:
+    """For each float32 exponent field 0..255: (log2 of the grid spacing, smallest grid
+    magnitude, its rank among the non-negative magnitudes) of the clamped binade."""
+    steps = lay.step_log2.tolist()
+    mags = lay.magnitudes.double()
+    out = []
+    for field in range(256):
+        e = min(max(field - 127, lay.e_lo), lay.e_hi)
+        lo = 0.0 if e == lay.e_lo else 2.0 ** e
+        r = int(torch.searchsorted(mags, torch.tensor([lo], dtype=torch.float64)))
+        out.append((steps[e - lay.e_lo], lo, r))
+    return out
+
+
 @cache
 def binade_tables(spec) -> BinadeTables:
     lay = spec.layout
-    steps = lay.step_log2.tolist()
-    mags = lay.magnitudes.double()
     step, inv, first, rank = [], [], [], []
-    for field in range(256):
-        e = min(max(field - 127, lay.e_lo), lay.e_hi)
-        s = steps[e - lay.e_lo]
-        lo = 0.0 if e == lay.e_lo else 2.0 ** e
-        r = int(torch.searchsorted(mags, torch.tensor([lo], dtype=torch.float64)))
+    for s, lo, r in _per_field(lay):
         step.append(2.0 ** s), inv.append(2.0 ** -s), first.append(lo), rank.append(float(r))
     f32 = dict(dtype=torch.float32)
     return BinadeTables(torch.tensor(step, **f32), torch.tensor(inv, **f32),
@@ -55,3 +66,57 @@ def binade_tables(spec) -> BinadeTables:
 def exponent_field(a: torch.Tensor) -> torch.Tensor:
     """The biased exponent field (0..255) of float32 ``a`` as int64 indices (for gathers)."""
     return ((a.view(torch.int32) >> 23) & 0xFF).long()
+
+
+@cache
+def native_tables(spec, rounding: str, saturate: bool = True,
+                  nan_to_zero: bool = False) -> native.FormatTables | None:
+    """``spec`` as the C kernels' integer tables (``fp8ptq.native``), or None where they cannot
+    hold it exactly (a spacing whose power of two is not a normal float32; an integer format
+    rounded other than half-to-even), in which case the torch path runs."""
+    lay = spec.layout
+    t = native.FormatTables()
+    t.rounding = native.ROUNDING[rounding]
+    t.nan_to_zero = int(nan_to_zero)
+    t.sign_bit = lay.sign_bit
+    t.code_mask = spec.num_codes - 1
+    if not spec.is_float:
+        if rounding != "nearest_even":
+            return None
+        t.is_int, t.int_max, t.max = 1, lay.max, lay.max
+        return t
+    for field, (s, lo, r) in enumerate(_per_field(lay)):
+        if not -126 <= s <= 126:  # 2^s and 2^-s built from exponent bits in the kernels
+            return None
+        t.step_log2[field], t.first_rank[field] = s, r
+        t.first_bits[field] = torch.tensor(lo, dtype=torch.float32).view(torch.int32).item()
+    for rank, code in enumerate(lay.magnitude_codes.tolist()):
+        t.codes[rank] = code
+    _linear_description(spec, t)
+    t.max = lay.max
+    t.overflow = lay.max if saturate else (float("inf") if lay.has_inf else float("nan"))
+    t.negzero = int(lay.has_negative_zero)
+    t.has_inf, t.has_nan = int(lay.has_inf), int(lay.has_nan)
+    t.inf_code = lay.inf_code if lay.has_inf else 0
+    t.nan_code = lay.nan_code if lay.has_nan else 0
+    return t
+
+
+def _linear_description(spec, t) -> None:
+    """Fill ``t``'s arithmetic description of an IEEE-like grid where it reproduces the tables
+    exactly (every preset but HiFloat8): the kernels then skip the lookups."""
+    lay, m = spec.layout, spec.mantissa_bits
+    lo = round(math.log2(lay.min_normal))
+    slo = t.step_log2[0]
+    if any(t.step_log2[f] != (slo if f - 127 < lo else min(f - 127, lay.e_hi) - m)
+           for f in range(256)):
+        return
+    t.linear, t.lin_lo, t.lin_slo, t.lin_hi, t.mbits = 1, lo, slo, lay.e_hi, m
+    off = (127 - spec.bias) << m
+    mags = lay.magnitudes.tolist()
+    bits = lay.magnitudes.view(torch.int32).tolist()
+    want = lay.magnitude_codes.tolist()
+    got = [(b >> (23 - m)) - off if v >= 2.0 ** lo else int(v * 2.0 ** (m - lo))
+           for v, b in zip(mags, bits)]
+    if got == want:
+        t.lin_codes, t.lin_code_off = 1, off

@@ -4,13 +4,18 @@
 scale). ``encode`` turns those into integer codes (uint8 tensors), ``decode`` maps codes back with
 a 256-entry table. ``fake_quantize`` is quantize-dequantize with a scale. All work elementwise on
 whole tensors, CPU or GPU.
+
+On CPU each of them first asks the C kernels (``fp8ptq.native``: one fused pass, bit-identical
+to the torch code below, which stays the path for GPUs, autograd and anything the kernels do
+not take).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .binades import binade_tables, exponent_field
+from .. import native
+from .binades import binade_tables, exponent_field, native_tables
 from .spec import FormatSpec
 
 _TORCH_FP8 = {
@@ -35,7 +40,29 @@ def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None =
     """
     rounding = rounding or spec.rounding
     kw = dict(rounding=rounding, saturate=saturate, nan_to_zero=nan_to_zero, generator=generator)
+    out = _native(x, spec, native.OUT_VALUES, kw)
+    if out is not None:
+        return out
     return _elementwise_chunks(_quantize_dense, x, spec, torch.float32, kw)
+
+
+def _native(x, spec, out_kind, kw, scale=None) -> torch.Tensor | None:
+    """The C kernel's result (same bits as the torch path), or None where it does not apply.
+    ``scale``: float32 [1, 1], [rows, 1] or [1, cols] (``_row_scales``)."""
+    if not native.supports(x):
+        return None
+    rounding = kw.get("rounding") or spec.rounding
+    tables = native_tables(spec, rounding, kw.get("saturate", True), kw.get("nan_to_zero", False))
+    if tables is None:
+        return None
+    rand = None
+    if rounding == "stochastic" and spec.is_float:  # the torch path's draw, same stream
+        rand = torch.rand(x.shape, generator=kw.get("generator"), device=x.device)
+        if rand.dtype != torch.float32:
+            return None
+    per_row = scale is not None and scale.shape[0] > 1
+    per_col = scale is not None and scale.shape[0] == 1 and scale.shape[1] > 1
+    return native.quantize(tables, x, out_kind, scale, per_row, per_col, rand)
 
 
 def _elementwise_chunks(fn, x, spec, out_dtype, kw):
@@ -128,7 +155,11 @@ def _quantize_int(x, spec, rounding, generator):
 def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
     """Quantize ``x`` (already divided by its scale) and return the codes as uint8."""
     rounding = kwargs.get("rounding") or spec.rounding
-    return _elementwise_chunks(_encode_dense, x, spec, torch.uint8, dict(kwargs, rounding=rounding))
+    kw = dict(kwargs, rounding=rounding)
+    out = _native(x, spec, native.OUT_CODES, kw)
+    if out is not None:
+        return out
+    return _elementwise_chunks(_encode_dense, x, spec, torch.uint8, kw)
 
 
 def _encode_dense(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
@@ -190,13 +221,18 @@ def decode(codes: torch.Tensor, spec: FormatSpec, dtype=torch.float32) -> torch.
 
 def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, **kwargs) -> torch.Tensor:
     """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``."""
+    rows = _row_scales(x, scale)
+    if rows is not None and (not torch.is_tensor(scale) or scale.dtype == torch.float32 or
+                             scale.dim() == 0):  # else the torch path divides in float64
+        out = _native(x, spec, native.OUT_SAME, kwargs, rows)
+        if out is not None:
+            return out
     if _native_fast_path(spec, kwargs):
         def rounder(y):
             return _bitwise_round(y, spec)
     else:
         def rounder(y):
             return quantize_values(y, spec, **kwargs)
-    rows = _row_scales(x, scale)
     if rows is None or x.numel() < 2 * CHUNK_ELEMENTS or kwargs.get("rounding") == "stochastic":
         return (rounder(x.float() / scale) * scale).to(x.dtype)
     return _chunked_fake_quantize(x, rows, rounder)

@@ -29,6 +29,16 @@ PRESETS: tuple[FormatSpec, ...] = (
                description="Huawei HiFloat8: tapered 3/2/1-bit mantissa, denormals to 2^-22"),
     FormatSpec("int8", 0, 7, 0, "int", description="symmetric int8 [-127, 127] (baseline)",
                compressed_tensors_type="int"),
+    # OCP Microscaling Formats (MX) Specification v1.0, 2023, sec. 5 / 6.3: E4M3 / E5M2 elements,
+    # one E8M0 scale per 32 values along the reduction dimension (weights and dynamic
+    # activations). compressed-tensors stores MXFP8 (E4M3 elements, ``group_size: 32``,
+    # ``scale_dtype: uint8``); E5M2 elements only in the fp8ptq-native layout.
+    FormatSpec("mxfp8", 4, 3, 7, "fn", torch_dtype="float8_e4m3fn", mx_block=32,
+               aliases=("mxfp8e4m3",), compressed_tensors_type="float",
+               description="OCP MXFP8 E4M3: E8M0 scale per 32 values along K (max 448)"),
+    FormatSpec("mxfp8-e5m2", 5, 2, 15, "ieee", torch_dtype="float8_e5m2", mx_block=32,
+               aliases=("mxfp8e5m2",),
+               description="OCP MXFP8 E5M2: E8M0 scale per 32 values along K (max 57344)"),
 )
 
 _BY_NAME = {n: s for s in PRESETS for n in (s.name, *s.aliases)}
@@ -57,5 +67,5 @@ def get_format(name: str | FormatSpec) -> FormatSpec:
         bias = int(m.group(3)) if m.group(3) is not None else (1 << (e - 1)) - 1
         return FormatSpec(key, e, mant, bias, specials)
     raise UsageError(f"unknown format {name!r}; valid: {', '.join(preset_names())} "
-                     "(aliases: e4m3fn, fp8) or a generic name like e3m4, e4m3b11fnuz, "
+                     "(aliases: e4m3fn, fp8, mxfp8-e4m3) or a generic name like e3m4, e4m3b11fnuz, "
                      "e5m2fn")

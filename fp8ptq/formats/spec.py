@@ -39,6 +39,11 @@ class FormatSpec:
     # compressed-tensors ``QuantizationArgs.type`` when the format is one it stores ("float":
     # OCP E4M3, "int": symmetric int8), else None: the checkpoint layouts ask this, not the name
     compressed_tensors_type: str | None = field(default=None, compare=False)
+    # OCP Microscaling (MX) v1.0: the format is an MX format whose elements (the fields above)
+    # share one E8M0 power-of-two scale per ``mx_block`` consecutive values along the GEMM's
+    # reduction dimension, for weights and (dynamic) activations alike; the scale follows the
+    # spec's rule, not a calibrator's (``fp8ptq.mx``). None: an ordinary scaled format.
+    mx_block: int | None = None
 
     def __post_init__(self):
         if self.specials not in SPECIALS:
@@ -49,6 +54,8 @@ class FormatSpec:
             raise ValueError(f"{self.name}: {self.bits} bits; fp8ptq codes hold 1 to 8 bits")
         if self.is_float and self.exponent_bits < 1:
             raise ValueError(f"{self.name}: a float format needs at least one exponent bit")
+        if self.mx_block is not None and (self.mx_block < 1 or not self.is_float):
+            raise ValueError(f"{self.name}: MX blocks need float elements and a size >= 1")
 
     @property
     def bits(self) -> int:
@@ -143,6 +150,7 @@ class FormatSpec:
             "binades": self.binades,
             "calibration_max": self.calibration_max,
             "torch_dtype": self.torch_dtype,
+            "mx_block": self.mx_block,
             "description": self.description,
         }
 

@@ -36,6 +36,7 @@ from .run import (
     DEFAULT_STAT_FORMATS,
     METRICS,
     UNSUPPORTED,
+    Session,
     analyze,
     check_recipe,
     eval_windows,
@@ -53,7 +54,8 @@ from .swap import (
 )
 from .units import LEVELS, Unit, group_units, layer_stack
 
-__all__ = ["analyze", "check_recipe", "eval_windows", "plot", "group_units", "layer_stack",
+__all__ = ["Session", "analyze", "check_recipe", "eval_windows", "plot", "group_units",
+           "layer_stack",
            "summarize_input", "summarize_weight", "format_plan", "format_recipe", "format_stats",
            "output_sqnr_db", "swapped", "parse_target", "target_value", "suggest",
            "quantize_flags", "SensitivityResult", "UnitResult", "Measure", "Suggestion", "Unit",

@@ -14,6 +14,7 @@ from torch import nn
 from ..data import build_calibration_set
 from ..errors import DataError, UsageError
 from ..formats import get_format
+from ..hessian import HessianCollector
 from ..lm_probes import LogitsProbe, PerplexityProbe
 from ..model.gemm import kind, weight_2d
 from ..pipeline import collect_stats, plan_targets
@@ -57,16 +58,18 @@ def _ticker(progress, description: str, total: int):
     return tick or (lambda: None)
 
 
-class _Session:
-    """State shared by the sweeps: the statistics of the one calibration pass, the units, and
-    one ``FormatPlan`` per format."""
+class Session:
+    """State shared by the sweeps: the statistics of the one calibration pass (with GPTQ's
+    Hessians when ``hessians``), the units, and one ``FormatPlan`` per format or recipe."""
 
-    def __init__(self, model, recipe, batches, targets, level, progress):
+    def __init__(self, model, recipe, batches, targets, level, progress, hessians: bool = False):
         self.model, self.recipe, self.batches, self.progress = model, recipe, batches, progress
         self.level = level
+        self.hessians = HessianCollector({t.name: t.module for t in targets}) \
+            if hessians else None
         self.collector = collect_stats(model, targets, batches,
                                        _ticker(progress, "calibrating", len(batches)),
-                                       sample_batches=SAMPLE_BATCHES)
+                                       sample_batches=SAMPLE_BATCHES, hessians=self.hessians)
         self.rows = self.collector.row_samples()
         names = [t.name for t in targets]
         self.units = group_units(model, names, level)
@@ -79,9 +82,12 @@ class _Session:
                         for t in targets}
         self._plans: dict[str, FormatPlan] = {}
 
-    def plan(self, fmt: str) -> FormatPlan:
+    def plan(self, fmt: str, recipe: Recipe | None = None) -> FormatPlan:
+        """The plan of format ``fmt`` over the session's recipe, or (``recipe`` given) of that
+        recipe, cached under the name ``fmt``."""
         if fmt not in self._plans:
-            self._plans[fmt] = format_plan(self.model, self.recipe, fmt, self.collector,
+            self._plans[fmt] = format_plan(self.model, recipe or self.recipe,
+                                           None if recipe is not None else fmt, self.collector,
                                            self.batches)
         return self._plans[fmt]
 
@@ -89,7 +95,7 @@ class _Session:
     def quantized(self, unit: Unit, fmt: str):
         plan = self.plan(fmt)
         present = [n for n in unit.modules if n in plan.targets]
-        with swapped(self.model, plan, present, self.collector.stats) as swaps:
+        with swapped(self.model, plan, present, self.collector.stats, self.hessians) as swaps:
             yield swaps
 
     def sweep(self, fmt: str, probe, metric: str | None, baseline) -> dict[str, Measure]:
@@ -158,7 +164,7 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
         raise UsageError("no GEMM module left to analyze (check --skip / --override)")
 
     times, t_start = {}, time.perf_counter()
-    session = _Session(model, recipe, batches, targets, level, progress)
+    session = Session(model, recipe, batches, targets, level, progress)
     times["calibrate"] = time.perf_counter() - t_start
     t0 = time.perf_counter()
     probe, baseline, eval_facts, warnings = None, None, {}, []

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from ..calibrators.layerwise import choose_layerwise
+from ..hessian import HessianCollector
 from ..model.gemm import set_submodule, weight_2d
-from ..pipeline import quantize_target
-from ..plan import SAMPLE_BATCHES, build_plan
+from ..pipeline import quantize_target, target_granularity
+from ..plan import SAMPLE_BATCHES, build_plan, reads_data
 from ..recipe import Recipe
 from ..scales import sqnr_db
 from .statistics import FormatStats, _db, _nsr
@@ -37,10 +38,10 @@ def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
                           act_format="none" if recipe.act_format == "none" else None)
 
 
-def format_plan(model, recipe: Recipe, fmt: str, collector, batches) -> FormatPlan:
-    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt``, with its calibrators built
-    and any layer-aware choice made once."""
-    plan = build_plan(model, format_recipe(recipe, fmt))
+def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches) -> FormatPlan:
+    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
+    with its calibrators built and any layer-aware choice made once."""
+    plan = build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
     gran, w_calib = plan.weight_granularity(), plan.weight_calibrator()
     chosen = {}
     if plan.facts.layer_aware and plan.facts.static_inputs:
@@ -60,9 +61,11 @@ class Swap:
 
 
 @contextmanager
-def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict):
+def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict,
+            hessians: HessianCollector | None = None):
     """Quantize ``names`` as ``quantize`` would, yield the ``Swap``s, then put the originals
-    back (``QuantGemm`` replaces the inner weight's data; the original tensor is kept)."""
+    back (``QuantGemm`` replaces the inner weight's data; the original tensor is kept).
+    ``hessians``: the calibration pass's GPTQ Hessians, for plans whose weights use GPTQ."""
     saved, swaps = [], []
     try:
         for name in names:
@@ -70,9 +73,12 @@ def swapped(model: nn.Module, plan: FormatPlan, names: list[str], stats: dict):
             w = t.module.weight
             saved.append((name, t.module, w.data, w.requires_grad))
             original_2d = weight_2d(t.module).detach()
-            report = quantize_target(model, t, plan.recipe, plan.granularity,
+            gptq = hessians is not None and reads_data(t)
+            report = quantize_target(model, t, plan.recipe,
+                                      target_granularity(t, plan.granularity),
                                       plan.weight_calib, plan.act_calib, stats.get(name),
-                                      plan.chosen.get(name))
+                                      plan.chosen.get(name),
+                                      hessian=hessians.hessian(name) if gptq else None)
             swaps.append(Swap(name, report, model.get_submodule(name), original_2d))
         yield swaps
     finally:

@@ -24,6 +24,7 @@ from torch import nn
 from ...formats import FormatSpec
 from ...model.experts import ExpertsInfo
 from ...model.gemm import kind as gemm_kind
+from ...mx import e8m0_decode, e8m0_encode
 from ...qexperts import ProjectionQuant, QuantExperts
 from ...qmodules import QuantGemm
 from ..expect import Expect
@@ -37,10 +38,11 @@ class ModuleDesc:
     kind: str  # linear | conv1d_hf | conv | depthwise_conv | experts
     weight_format: FormatSpec
     act_format: FormatSpec | None  # None: weight-only
-    weight_granularity: str  # tensor | channel | block
-    act_granularity: str | None  # tensor (static) | token (dynamic); None: weight-only
-    block_size: int | None = None  # block granularity only
+    weight_granularity: str  # tensor | channel | block | group (MX formats: 1 x 32 along K)
+    act_granularity: str | None  # tensor (static) | token | group (dynamic); None: weight-only
+    block_size: int | None = None  # block edge (block) or group length (group weights)
     experts: ExpertsInfo | None = None  # fused experts: projections, orientation, shapes
+    act_group_size: int | None = None  # features per dynamic activation group (group)
 
     @property
     def is_experts(self) -> bool:
@@ -61,7 +63,7 @@ class GemmQuant:
 
 
 def _block(granularity) -> int | None:
-    return getattr(granularity, "size", None) if granularity.name == "block" else None
+    return getattr(granularity, "size", None) if granularity.name in ("block", "group") else None
 
 
 def describe_quantized(name: str, q: nn.Module) -> ModuleDesc:
@@ -69,7 +71,8 @@ def describe_quantized(name: str, q: nn.Module) -> ModuleDesc:
     act_gran = q.act_granularity if q.act_format is not None else None
     common = dict(weight_format=q.weight_format, act_format=q.act_format,
                   weight_granularity=q.weight_granularity.name, act_granularity=act_gran,
-                  block_size=_block(q.weight_granularity))
+                  block_size=_block(q.weight_granularity),
+                  act_group_size=getattr(q, "act_group_size", None) if act_gran else None)
     if isinstance(q, QuantExperts):
         return ModuleDesc(name, "experts", experts=q.info, **common)
     return ModuleDesc(name, q.kind, **common)
@@ -97,8 +100,9 @@ def describe_plan(plan) -> list[ModuleDesc]:
                       act_format=None if inp is None else inp.format,
                       weight_granularity=mp.weight.granularity,
                       act_granularity=None if inp is None else inp.granularity,
-                      block_size=mp.weight.block_size if mp.weight.granularity == "block"
-                      else None)
+                      block_size=mp.weight.block_size
+                      if mp.weight.granularity in ("block", "group") else None,
+                      act_group_size=None if inp is None else inp.group_size)
         kind = "experts" if mp.experts is not None else gemm_kind(mp.module)
         out.append(ModuleDesc(mp.name, kind, experts=mp.experts, **common))
     return out
@@ -212,3 +216,18 @@ class LayoutChoice:
 
 def input_scale_tensor(q: GemmQuant) -> torch.Tensor | None:
     return None if q.input_scale is None else q.input_scale.detach().float().reshape(1)
+
+
+def weight_scale_tensor(desc: ModuleDesc, q: GemmQuant) -> torch.Tensor:
+    """The weight scale as stored: E8M0 codes (uint8, OCP MX v1.0 sec. 5.4.1; compressed-tensors'
+    ``scale_dtype: uint8``) for MX formats, whose scales are powers of two; float32 otherwise."""
+    scale = q.weight_scale.detach().float()
+    if desc.weight_format.mx_block is None:
+        return scale
+    exponent = torch.frexp(scale)[1] - 1  # exact: every MX scale is 2^e
+    return e8m0_encode(exponent)
+
+
+def read_weight_scale(stored: torch.Tensor) -> torch.Tensor:
+    """A stored weight scale as float32 (E8M0 codes decoded)."""
+    return e8m0_decode(stored) if stored.dtype == torch.uint8 else stored

@@ -13,7 +13,8 @@ reinterpreted), ``NAME.weight_scale``, ``NAME.input_scale`` (static activations)
 ``quantization_config`` is built from compressed-tensors' own pydantic classes
 (``QuantizationArgs`` / ``QuantizationScheme`` / ``QuantizationConfig``) and dumped, so what we
 write is what compressed-tensors validates; ``weight_args`` / ``input_args`` give the arguments of
-one module (new schemes, e.g. group or MX scales, extend these two functions).
+one module: FP8_BLOCK (block weights, dynamic 1x128 group activations) and MXFP8 (32-value
+groups with E8M0 ``uint8`` scales, the ``mxfp8-quantized`` compressor) included.
 """
 
 from __future__ import annotations
@@ -31,29 +32,55 @@ from ...formats import get_format
 from ...qexperts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
-from ..layout import CT_FLOAT, CT_INT, CT_MIXED, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
-from .base import GemmQuant, Layout, ModuleDesc, input_scale_tensor
+from ..layout import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
+from .base import (
+    GemmQuant,
+    Layout,
+    ModuleDesc,
+    input_scale_tensor,
+    read_weight_scale,
+    weight_scale_tensor,
+)
 from .native import gemm_scales
 
 CT_CODES = {"float": torch.float8_e4m3fn, "int": torch.int8}  # compressed-tensors type -> dtype
 
 
 def weight_args(desc: ModuleDesc) -> dict:
-    """``QuantizationArgs`` fields of a module's weights."""
+    """``QuantizationArgs`` fields of a module's weights. Block weights (FP8_BLOCK):
+    ``strategy: block, block_structure: [B, B]``; MX formats (compressed-tensors' ``MXFP8``):
+    ``strategy: group, group_size: 32, scale_dtype: uint8`` (E8M0 scales)."""
     args = {"num_bits": 8, "type": ct_type(desc.weight_format), "symmetric": True,
             "group_size": None, "strategy": desc.weight_granularity, "dynamic": False}
     if desc.weight_granularity == "block":
         args["block_structure"] = [desc.block_size, desc.block_size]
+    if desc.weight_granularity == "group":
+        args["group_size"] = desc.block_size
+    if desc.weight_format.mx_block is not None:
+        args["scale_dtype"] = "uint8"
     return args
 
 
 def input_args(desc: ModuleDesc) -> dict | None:
-    """``QuantizationArgs`` fields of a module's input activations (None: weight-only)."""
+    """``QuantizationArgs`` fields of a module's input activations (None: weight-only):
+    static ``tensor``, dynamic ``token``, or dynamic ``group`` with its ``group_size``
+    (FP8_BLOCK's 1x128; MX: 32 with ``scale_dtype: uint8``)."""
     if desc.act_format is None:
         return None
-    token = desc.act_granularity == "token"
-    return {"num_bits": 8, "type": ct_type(desc.act_format), "symmetric": True,
-            "group_size": None, "strategy": "token" if token else "tensor", "dynamic": token}
+    dynamic = desc.act_granularity != "tensor"
+    args = {"num_bits": 8, "type": ct_type(desc.act_format), "symmetric": True,
+            "group_size": desc.act_group_size if desc.act_granularity == "group" else None,
+            "strategy": desc.act_granularity, "dynamic": dynamic}
+    if desc.act_format.mx_block is not None:
+        args["scale_dtype"] = "uint8"
+    return args
+
+
+def group_format(w: dict, a: dict | None) -> str:
+    """compressed-tensors' ``format`` of a config group (its compressor)."""
+    if w.get("scale_dtype") == "uint8":
+        return CT_MXFP8
+    return CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
 
 
 def _cached_attention(module: nn.Module) -> bool:
@@ -131,7 +158,7 @@ class CompressedTensorsLayout(Layout):
     def gemm_tensors(self, desc: ModuleDesc, q: GemmQuant) -> dict[str, torch.Tensor]:
         dt = CT_CODES[ct_type(desc.weight_format)]
         t = {f"{desc.name}.weight": q.codes.detach().view(dt),
-             f"{desc.name}.weight_scale": q.weight_scale.detach().float()}
+             f"{desc.name}.weight_scale": weight_scale_tensor(desc, q)}
         if q.input_scale is not None:
             t[f"{desc.name}.input_scale"] = input_scale_tensor(q)
         return t
@@ -176,8 +203,7 @@ class CompressedTensorsLayout(Layout):
             w, a = weight_args(m), input_args(m)
             key = json.dumps([w, a], sort_keys=True)
             if key not in groups:
-                fmt = CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
-                groups[key] = {"weights": w, "input_activations": a, "format": fmt}
+                groups[key] = {"weights": w, "input_activations": a, "format": group_format(w, a)}
                 members[key] = []
             members[key].append(m.name)
         qnames = {m.name for m in gemms}
@@ -213,7 +239,7 @@ class CompressedTensorsLayout(Layout):
             else torch.int8
         if w.dtype != want:
             raise Fp8ptqError(f"{name}.weight is {w.dtype}, expected {want}")
-        scale = tensors.pop(f"{name}.weight_scale")
+        scale = read_weight_scale(tensors.pop(f"{name}.weight_scale"))
         return GemmQuant(w.view(torch.uint8), scale, tensors.pop(f"{name}.input_scale", None))
 
     def read_experts(self, tensors, name, entry) -> dict[str, ProjectionQuant]:

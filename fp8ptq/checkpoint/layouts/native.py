@@ -1,7 +1,8 @@
 """The ``fp8ptq-native`` layout: any format, any GEMM kind, loaded with ``fp8ptq.load``.
 
 A GEMM is ``NAME.weight_codes`` (uint8 ``[out, in]``, the 2-D GEMM view; Conv1D and
-convolutions included), ``NAME.weight_scale`` and, for static activations, ``NAME.input_scale``;
+convolutions included), ``NAME.weight_scale`` (float32; MX formats: uint8 E8M0 codes
+``[out, in / 32]``) and, for static activations, ``NAME.input_scale``;
 fused experts are ``NAME.{proj}_codes`` (uint8 ``[E, out, in]``), ``NAME.{proj}_scale`` and
 ``NAME.{proj}_input_scale`` (``[E]``). The formats (bits, bias, specials, rounding) are in
 fp8ptq.json; config.json carries a ``quant_method: fp8ptq`` marker that transformers does not
@@ -18,7 +19,14 @@ from ...errors import Fp8ptqError
 from ...qexperts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect
 from ..layout import LAYOUT_NATIVE, META_NAME
-from .base import GemmQuant, Layout, ModuleDesc, input_scale_tensor
+from .base import (
+    GemmQuant,
+    Layout,
+    ModuleDesc,
+    input_scale_tensor,
+    read_weight_scale,
+    weight_scale_tensor,
+)
 
 
 class NativeLayout(Layout):
@@ -30,7 +38,7 @@ class NativeLayout(Layout):
 
     def gemm_tensors(self, desc: ModuleDesc, q: GemmQuant) -> dict[str, torch.Tensor]:
         t = {f"{desc.name}.weight_codes": q.codes.detach(),
-             f"{desc.name}.weight_scale": q.weight_scale.detach().float()}
+             f"{desc.name}.weight_scale": weight_scale_tensor(desc, q)}
         if q.input_scale is not None:
             t[f"{desc.name}.input_scale"] = input_scale_tensor(q)
         return t
@@ -56,7 +64,7 @@ class NativeLayout(Layout):
 
     def read_gemm(self, tensors, name, entry) -> GemmQuant:
         codes = tensors.pop(f"{name}.weight_codes")
-        scale = tensors.pop(f"{name}.weight_scale")
+        scale = read_weight_scale(tensors.pop(f"{name}.weight_scale"))
         return GemmQuant(codes, scale, tensors.pop(f"{name}.input_scale", None))
 
     def read_experts(self, tensors, name, entry) -> dict[str, ProjectionQuant]:

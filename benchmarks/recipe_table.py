@@ -1,0 +1,156 @@
+"""The recipe study and the llm-compressor side by side, as the tables in docs/results.md.
+
+    python benchmarks/recipe_table.py [--out out/recipes] [--doc docs/results.md]
+
+Reads the rows ``recipe_study.py`` and ``compare_llmcompressor.py`` cached under
+``--out/MODEL-N/`` (one JSON per recipe or checkpoint, with the per-document / per-question
+records), recomputes every delta's paired bootstrap 95% interval against the one cached baseline
+(``fp8ptq.evals.report.attach_intervals``), and replaces the block between the
+``<!-- recipes:begin -->`` / ``<!-- recipes:end -->`` markers of ``--doc`` (appended if absent;
+``reproduce.py`` keeps the block when it regenerates the rest of the page). Rows that were not
+run are left out, so a partial study renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import recipe_study as study  # noqa: E402
+from results_page import splice  # noqa: E402
+
+from fp8ptq.evals import report  # noqa: E402
+from fp8ptq.evals.stats import paired_interval  # noqa: E402
+
+# row name -> (what it is, how vLLM serves it); llm-compressor rows are "llmc-SCHEME"
+ROWS = {
+    "w-only": ("e4m3 weight-only, channel W, round to nearest", "FP8 Marlin (W8A16)"),
+    "w-only-gptq": ("e4m3 weight-only, channel W, GPTQ", "FP8 Marlin (W8A16)"),
+    "static": ("channel W + static tensor A (the old default)", "channel W x tensor A scaled_mm"),
+    "fp8-static": ("`--scheme fp8-static`: tensor W + static tensor A", "per-tensor scaled_mm"),
+    "fp8-static-gptq": ("`fp8-static` + GPTQ", "per-tensor scaled_mm"),
+    "fp8-dynamic": ("`--scheme fp8-dynamic`: channel W + dynamic token A", "row-wise scaled_mm"),
+    "fp8-dynamic-gptq": ("`fp8-dynamic` + GPTQ", "row-wise scaled_mm"),
+    "fp8-dynamic-gptq-mse": ("`fp8-dynamic` + GPTQ with MSE scales", "row-wise scaled_mm"),
+    "fp8-dynamic-gptq-ao": ("`fp8-dynamic` + GPTQ with `--gptq-act-order`", "row-wise scaled_mm"),
+    "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ", "row-wise scaled_mm"),
+    "fp8-block": ("`--scheme fp8-block`: 128x128 W + dynamic 1x128 A", "block-scaled GEMM"),
+    "fp8-block-gptq": ("`fp8-block` + GPTQ", "block-scaled GEMM"),
+    "hif8-dynamic-gptq": ("HiF8, channel W + dynamic token A + GPTQ", "- (no HiF8 kernels)"),
+    "hfp8-dynamic-gptq": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A + GPTQ",
+                          "- (fp8ptq-native)"),
+    "llmc-FP8": ("llm-compressor `FP8`: tensor W + static tensor A", "per-tensor scaled_mm"),
+    "llmc-FP8_DYNAMIC": ("llm-compressor `FP8_DYNAMIC`: channel W + dynamic token A",
+                         "row-wise scaled_mm"),
+    "llmc-FP8_BLOCK": ("llm-compressor `FP8_BLOCK`: 128x128 W + dynamic 1x128 A",
+                       "block-scaled GEMM"),
+    "llmc-GPTQ-FP8": ("llm-compressor `GPTQModifier` `FP8`", "per-tensor scaled_mm"),
+    "llmc-GPTQ-FP8_DYNAMIC": ("llm-compressor `GPTQModifier` `FP8_DYNAMIC`",
+                              "row-wise scaled_mm"),
+}
+METRIC = {"wikitext": ("wikitext.word_perplexity", "word ppl", "pct"),
+          "squad": ("squad.f1", "F1", "abs")}
+
+
+def _rows(folder: Path) -> list[dict]:
+    docs = [json.loads((folder / "baseline.json").read_text())]
+    docs += [json.loads((folder / f"{n}.json").read_text()) for n in ROWS
+             if (folder / f"{n}.json").exists()]
+    rows = [{**d, "records": study.records_from_json(d["records"])} for d in docs]
+    report.attach_intervals(rows)
+    return rows
+
+
+def _quantize_facts(folder: Path, name: str, row: dict) -> tuple[str, str]:
+    """Quantize wall seconds and peak RSS: llm-compressor's child process (``llmc_run.json``),
+    fp8ptq's ``quantize`` child when timed (``--timings``), else the in-process
+    calibrate+quantize seconds of the eval row (no RSS: the row's process also evaluated)."""
+    run = folder / name / "llmc_run.json" if name.startswith("llmc-") else \
+        folder / f"fp8ptq-{name}.json"
+    if run.exists():
+        facts = json.loads(run.read_text())
+        return f"{facts['wall_seconds']:.0f}", f"{facts['peak_rss_mb']:.0f}"
+    seconds = (row.get("timings") or {}).get("calibrate+quantize")
+    return ("-" if seconds is None else f"({seconds:.0f})"), "-"
+
+
+def table(folder: Path) -> str:
+    rows = _rows(folder)
+    task = next(iter(rows[0]["metrics"])).partition(".")[0]
+    key, label, mode = METRIC[task]
+    base = rows[0]["metrics"][key]
+    unit = "%" if mode == "pct" else " pts"
+    lines = [f"| recipe | tool | {label} | delta{unit} (95% CI) | quantize s | peak RSS MB "
+             "| vLLM |",
+             "|---|---|---|---|---|---|---|",
+             f"| bf16 model (float32 here) | - | {base:.3f} | - | - | - | - |"]
+    for row in rows[1:]:
+        value = row["metrics"][key]
+        iv = (row.get("intervals") or {}).get(key) or {}
+        if mode == "pct":
+            delta, ci = 100 * (value / base - 1), iv.get("pct_ci95")
+        else:
+            delta, ci = value - base, iv.get("ci95")
+        cell = f"{delta:+.2f}" + (f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else "")
+        what, vllm = ROWS[row["name"]]
+        tool = "llm-compressor" if row["name"].startswith("llmc-") else "fp8ptq"
+        seconds, rss = _quantize_facts(folder, row["name"], row)
+        lines.append(f"| {what} | {tool} | {value:.3f} | {cell} | {seconds} | {rss} | {vllm} |")
+    return "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
+
+
+W8A16 = ("w-only", "w-only-gptq")
+
+
+def head_to_head(rows: list[dict], key: str, mode: str) -> str:
+    """fp8ptq's best e4m3 W8A8 row against llm-compressor's best, with the paired 95% interval
+    of the difference (the same documents / questions resampled for both)."""
+    task, _, metric = key.partition(".")
+    higher = mode == "abs"  # F1: higher is better; perplexity: lower
+
+    def best(rows_):
+        return (max if higher else min)(rows_, key=lambda r: r["metrics"][key], default=None)
+
+    ours = best([r for r in rows[1:] if not r["name"].startswith(("llmc-", "hif8", "hfp8"))
+                 and r["name"] not in W8A16])
+    theirs = best([r for r in rows[1:] if r["name"].startswith("llmc-")])
+    if ours is None or theirs is None:
+        return ""
+    iv = paired_interval(theirs["records"][task], ours["records"][task], metric)
+    a, b = ours["metrics"][key], theirs["metrics"][key]
+    if mode == "pct":
+        diff, ci, unit = 100 * (a / b - 1), iv and iv["pct_ci95"], "%"
+    else:
+        diff, ci, unit = a - b, iv and iv["ci95"], " points"
+    span = f" (95% CI {ci[0]:+.2f}..{ci[1]:+.2f}{unit})" if ci else ""
+    return (f"Best e4m3 W8A8 of each tool: fp8ptq `{ours['name']}` {a:.3f} against "
+            f"llm-compressor `{theirs['name'].removeprefix('llmc-')}` {b:.3f}: "
+            f"{diff:+.2f}{unit}{span}, paired over the same samples.")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "out/recipes"))
+    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
+    ap.add_argument("--intro", default=str(ROOT / "benchmarks/recipes_intro.md"),
+                    help="the block's markdown ({smollm2} / {minilm}: the tables, {reading})")
+    ap.add_argument("--reading", default=str(ROOT / "benchmarks/recipes_reading.md"),
+                    help="the conclusions drawn from the tables (written by hand)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    tables = {m: table(out / f"{m}-{n}") if (out / f"{m}-{n}/baseline.json").exists()
+              else "(not run)" for m, n in (("smollm2", 5), ("minilm", 1000))}
+    reading = Path(args.reading).read_text() if Path(args.reading).exists() else ""
+    text = Path(args.intro).read_text().format(**tables, reading=reading.strip())
+    doc = Path(args.doc)
+    doc.write_text(splice(doc.read_text(), text))
+    print(f"wrote {doc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The CPU kernels of ``native.c``: built on first use with the system C compiler, loaded with
+ctypes, and optional -- every caller keeps its pure-torch path and takes it when this module
+says no (no compiler, a non-CPU tensor, an unusual dtype or layout, ``FP8PTQ_NATIVE=0``).
+
+Why a small C file and not ``torch.compile`` or a torch C++ extension: it compiles in about
+3.5 s of CPU (once per machine) with plain ``cc`` (no torch headers, no ninja, nothing
+downloaded), is never compiled at import time (the first codec or observer call builds it),
+needs nothing at install time (``pip install -e .`` stays the one command), and fuses each
+codec and the calibration observer into one pass over memory. The results are bit-identical
+to the torch path (same IEEE operations in the same order; ``tests/test_native.py``).
+
+The shared library is cached under ``$FP8PTQ_CACHE`` (default ``~/.cache/fp8ptq``), named by a
+hash of the source, the flags and the CPU, so an edited source or another machine rebuilds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fp8ptq.native")
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
+ARCH_FLAGS = ("-march=native",)
+
+# Codes of native.c's enums.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROUNDING = {"nearest_even": 0, "half_away": 1, "stochastic": 2, "hybrid": 3}
+OUT_VALUES, OUT_SAME, OUT_CODES = 0, 1, 2
+
+_i32x256 = ctypes.c_int32 * 256
+
+
+class FormatTables(ctypes.Structure):
+    """native.c's ``fmt_t``: a format flattened to per-exponent-field integer tables."""
+
+    _fields_ = [("step_log2", _i32x256), ("first_bits", _i32x256), ("first_rank", _i32x256),
+                ("codes", _i32x256), ("max", ctypes.c_float), ("overflow", ctypes.c_float),
+                ("int_max", ctypes.c_float), ("rounding", ctypes.c_int32),
+                ("is_int", ctypes.c_int32), ("negzero", ctypes.c_int32),
+                ("nan_to_zero", ctypes.c_int32), ("sign_bit", ctypes.c_int32),
+                ("has_inf", ctypes.c_int32), ("inf_code", ctypes.c_int32),
+                ("has_nan", ctypes.c_int32), ("nan_code", ctypes.c_int32),
+                ("code_mask", ctypes.c_int32), ("linear", ctypes.c_int32),
+                ("lin_lo", ctypes.c_int32), ("lin_slo", ctypes.c_int32),
+                ("lin_hi", ctypes.c_int32), ("mbits", ctypes.c_int32),
+                ("lin_codes", ctypes.c_int32), ("lin_code_off", ctypes.c_int32)]
+
+
+build_seconds: float | None = None  # how long the first build took in this process (None: cached)
+_off = 0  # > 0 inside ``disabled()``
+
+
+def enabled() -> bool:
+    return os.environ.get("FP8PTQ_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextmanager
+def disabled():
+    """Run the pure-torch paths inside this block (the tests compare both; benchmarks time
+    both)."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FP8PTQ_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8ptq"
+    return Path(root) / "native"
+
+
+def _cpu_identity() -> str:
+    """What ``-march=native`` depends on: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in
+                 ("model name", "flags", "Features", "CPU part")]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def build(cc: str, out: Path, flags: tuple[str, ...]) -> bool:
+    """Compile ``native.c`` to ``out``: into a private temporary beside it, then one atomic
+    rename, so processes building at once (torchrun ranks, parallel test workers) each install a
+    complete library and a reader never sees a half-written one. False when the build fails."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as e:
+        log.debug("native cache %s: %s", out.parent, e)
+        return False
+    tmp = Path(name)
+    try:
+        r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            log.debug("native build failed (%s): %s", " ".join(flags), r.stderr[-2000:])
+            return False
+        os.replace(tmp, out)  # atomic: concurrent builders (torchrun ranks) agree
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("native build failed: %s", e)
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def library_path(cc: str, flags: tuple[str, ...]) -> Path:
+    """Where the library built by ``cc`` with ``flags`` from the current source is cached."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), cc.encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:20]
+    return cache_dir() / f"fp8ptq_native_{key}.so"
+
+
+_lock = threading.Lock()
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them if needed; None when unavailable (the callers then
+    use their torch path, and one INFO line on the ``fp8ptq.native`` logger says why)."""
+    with _lock:  # one build per process even when threads ask at once
+        return _load()
+
+
+def _load() -> ctypes.CDLL | None:
+    global build_seconds
+    if not enabled() or not SOURCE.is_file():
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which(
+        "clang")
+    if cc is None:
+        log.info("no C compiler found: the pure-torch codecs and observers run (slower)")
+        return None
+    for flags in (FLAGS + ARCH_FLAGS, FLAGS):
+        path = library_path(cc, flags)
+        if not path.is_file():
+            t0 = time.perf_counter()
+            if not build(cc, path, flags):
+                continue
+            build_seconds = time.perf_counter() - t0
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            log.debug("cannot load %s: %s", path, e)
+            continue
+        _declare(lib)
+        return lib
+    log.info("the C kernels could not be built with %s: the pure-torch codecs "
+             "and observers run (slower)", cc)
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.fp8ptq_quantize.argtypes = [ctypes.POINTER(FormatTables), p, i32, p, i32, p, i32, i32, p,
+                                    i64, i64, i32]
+    lib.fp8ptq_quantize.restype = None
+    lib.fp8ptq_observe.argtypes = [p, i32, i64, i64, p, p, p, i32, i32, i32, i32]
+    lib.fp8ptq_observe.restype = ctypes.c_int
+    lib.fp8ptq_have_f16.restype = ctypes.c_int
+    lib.fp8ptq_advise_huge.argtypes = [p, i64]
+    lib.fp8ptq_advise_huge.restype = None
+
+
+HUGE_OUTPUT_BYTES = 4 << 20  # outputs this large ask for transparent huge pages
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty`` whose pages, for big tensors, are huge pages where the kernel allows."""
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    if nbytes >= HUGE_OUTPUT_BYTES:
+        library().fp8ptq_advise_huge(out.data_ptr(), nbytes)
+    return out
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernels read ``x``: a CPU tensor of float32 / bfloat16 (/ float16 where the
+    compiler has ``_Float16``)."""
+    if _off or x.device.type != "cpu" or x.dtype not in DTYPES or (
+            x.requires_grad and torch.is_grad_enabled()):  # autograd needs the torch ops
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    return x.dtype != torch.float16 or bool(lib.fp8ptq_have_f16())
+
+
+def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
+             scale: torch.Tensor | None = None, per_row: bool = False, per_col: bool = False,
+             rand: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the codec kernel over contiguous ``x`` (``supports(x)`` must hold): float32 grid
+    values, fake-quantized values in ``x``'s dtype, or uint8 codes. ``scale``: float32,
+    contiguous, one value or one per row / column of ``x`` seen as [-1, x.shape[-1]]."""
+    x = x.detach().contiguous()
+    dtype = {OUT_VALUES: torch.float32, OUT_SAME: x.dtype, OUT_CODES: torch.uint8}[out_kind]
+    out = empty(x.shape, dtype)
+    if scale is not None:
+        scale = scale.detach().to(torch.float32).contiguous()
+    if rand is not None:
+        rand = rand.to(torch.float32).contiguous()
+    cols = x.shape[-1] if x.dim() else 1
+    library().fp8ptq_quantize(ctypes.byref(tables), x.data_ptr(), DTYPES[x.dtype],
+                              out.data_ptr(), out_kind,
+                              None if scale is None else scale.data_ptr(), int(per_row),
+                              int(per_col), None if rand is None else rand.data_ptr(),
+                              x.numel(), cols, torch.get_num_threads())
+    return out
+
+
+def observe(x2d: torch.Tensor, channel_amax: torch.Tensor, histogram: torch.Tensor,
+            shift: int, first: int) -> int:
+    """Fold a contiguous [rows, channels] tensor into running statistics, in place:
+    ``channel_amax`` (float32 [channels]) takes the max of finite |x| per channel,
+    ``histogram`` (int64 [bins]) the counts of |x| per bin (bin = float32 bits >> shift minus
+    ``first - 1``, clamped; non-finite values count as 0). Returns the number of non-finite
+    values."""
+    nonfinite = ctypes.c_int64(0)
+    rc = library().fp8ptq_observe(x2d.data_ptr(), DTYPES[x2d.dtype], x2d.shape[0], x2d.shape[1],
+                                  channel_amax.data_ptr(), histogram.data_ptr(),
+                                  ctypes.addressof(nonfinite), histogram.numel(), shift, first,
+                                  torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("fp8ptq native observer: out of memory")
+    return int(nonfinite.value)

@@ -1,0 +1,248 @@
+"""``quantize --target-delta 1%``: per module, the cheapest recipe that keeps the predicted loss
+within a target, then the real loss measured.
+
+1. One calibration pass (``sensitivity.Session``: the statistics ``quantize`` uses, plus GPTQ's
+   Hessians when a rung needs them) and a baseline perplexity on a held-out slice.
+2. A *ladder* of choices per module, cheapest first, each including the rungs below it:
+   ``base`` (the recipe), ``gptq`` (error-compensating rounding: costs quantize time only),
+   ``finer`` (a finer granularity: static per-tensor -> dynamic per-token activations, or
+   per-tensor -> per-channel weights: a little runtime), ``fallback`` (``--fallback-format``:
+   ``bf16`` keeps the module in high precision -- memory and speed -- or another format).
+3. Every unit (a GEMM, or a decoder block with ``--target-level block``) is quantized alone with
+   every rung and its perplexity delta on the held-out slice measured (the sensitivity sweep,
+   with replay of the unchanged layers).
+4. Greedy assignment: while the summed predicted delta exceeds the target, the move with the
+   largest predicted gain per unit of cost (any higher rung of any unit) is taken.
+5. The decisions become partial-plan overrides (``{weight_calib: gptq}``, ``{act_granularity:
+   token}``, ``none``), the model is quantized with them by the normal pipeline, and the final
+   model's delta is measured on the same held-out slice: predicted vs measured, both recorded in
+   fp8ptq.json (``extras.target_delta``) and the report.
+
+Summing per-unit deltas assumes they add up (first-order: small, independent perturbations);
+the measured number says how well that held (docs/results.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .calibrators import registry as calibrators
+from .errors import UsageError
+from .formats import get_format
+from .lm_probes import PerplexityProbe
+from .pipeline import plan_targets
+from .recipe import Recipe
+from .sensitivity import LEVELS, Session, parse_target, target_value
+
+# --fallback-format values that mean "keep the module in high precision" (skip it)
+HIGH_PRECISION = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "none", "skip")
+COSTS = {"base": 0.0, "gptq": 1.0, "finer": 2.0, "fallback": 4.0}
+HELDOUT_EVERY = 10  # with the calibration text as target data: every 10th document held out
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str  # base | gptq | finer | fallback
+    fields: dict  # what a module on this rung overrides ({} = the recipe; {"format": "none"})
+    cost: float
+
+    @property
+    def skip(self) -> bool:
+        return self.fields.get("format") == "none"
+
+    def override(self):
+        """The ``--override`` value for a module on this rung (a partial plan, or ``none``)."""
+        return "none" if self.skip else dict(self.fields)
+
+    def recipe(self, recipe: Recipe) -> Recipe:
+        """``recipe`` with this rung applied to every module (the sweep's plan)."""
+        fields = dict(self.fields)
+        if "format" in fields:
+            fields.update(weight_format=None,
+                          act_format="none" if recipe.act_format == "none" else None)
+        return recipe.replace(**fields) if fields else recipe
+
+
+def ladder(recipe: Recipe, fallback: str = "bf16") -> list[Rung]:
+    """The choices for a module, cheapest first; each rung keeps what the rungs below it add."""
+    rungs = [Rung("base", {}, COSTS["base"])]
+    fields: dict = {}
+    if calibrators.weight_entry(recipe.weight_calib).rounding != "gptq":
+        fields["weight_calib"] = "gptq-mse" if recipe.weight_calib == "mse" else "gptq"
+        rungs.append(Rung("gptq", dict(fields), COSTS["gptq"]))
+    weight_only = recipe.act_format == "none"
+    if recipe.act_granularity == "tensor" and not weight_only:
+        rungs.append(Rung("finer", {**fields, "act_granularity": "token"}, COSTS["finer"]))
+    elif recipe.weight_granularity == "tensor":
+        rungs.append(Rung("finer", {**fields, "weight_granularity": "channel"}, COSTS["finer"]))
+    if fallback.lower() in HIGH_PRECISION:
+        rungs.append(Rung("fallback", {"format": "none"}, COSTS["fallback"]))
+    else:
+        rungs.append(Rung("fallback", {**fields, "format": get_format(fallback).name},
+                          COSTS["fallback"]))
+    return rungs
+
+
+def assign(deltas: dict[str, dict[str, float]], rungs: list[Rung], budget: float
+           ) -> dict[str, str]:
+    """Per unit the rung to use: start every unit on the cheapest rung; while the summed
+    predicted delta (negative deltas count as 0) exceeds ``budget``, take the move -- one unit to
+    a higher rung with a lower delta -- with the largest gain per cost (ties: the larger gain)."""
+    order = [r.name for r in rungs]
+    cost = {r.name: r.cost for r in rungs}
+    choice = {u: order[0] for u in deltas}
+
+    def d(u, rung):
+        return max(deltas[u][rung], 0.0)
+
+    while sum(d(u, choice[u]) for u in deltas) > budget:
+        best = None
+        for u in deltas:
+            here = d(u, choice[u])
+            for rung in order[order.index(choice[u]) + 1:]:
+                gain = here - d(u, rung)
+                if gain <= 0:
+                    continue
+                key = (gain / max(cost[rung] - cost[choice[u]], 1e-9), gain)
+                if best is None or key > best[0]:
+                    best = (key, u, rung)
+        if best is None:  # nothing lowers the sum any further
+            break
+        choice[best[1]] = best[2]
+    return choice
+
+
+@dataclass
+class UnitDecision:
+    unit: str
+    pattern: str  # the --override glob of the unit
+    modules: list[str]
+    rung: str
+    deltas: dict[str, float]  # perplexity delta of the unit alone, per rung
+
+
+@dataclass
+class TargetResult:
+    target: str  # as given, e.g. "1%"
+    budget: float  # allowed perplexity delta (absolute)
+    baseline: float  # held-out perplexity, unquantized
+    predicted: float  # summed unit deltas of the decisions
+    predicted_base: float  # summed unit deltas with every unit on the base rung
+    level: str
+    rungs: list[dict]
+    units: list[UnitDecision]
+    overrides: dict  # glob -> partial plan / "none": what quantize applies
+    eval: dict  # the held-out slice
+    measured: float | None = None  # held-out perplexity of the final quantized model
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def measured_delta(self) -> float | None:
+        return None if self.measured is None else self.measured - self.baseline
+
+    def counts(self) -> dict[str, int]:
+        """Modules per rung."""
+        out = {r["name"]: 0 for r in self.rungs}
+        for u in self.units:
+            out[u.rung] += len(u.modules)
+        return out
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(measured_delta=self.measured_delta, modules_per_rung=self.counts(),
+                    predicted_pct=100 * self.predicted / self.baseline,
+                    measured_delta_pct=None if self.measured is None else
+                    100 * self.measured_delta / self.baseline)
+        return data
+
+    def recipe(self, recipe: Recipe) -> Recipe:
+        """``recipe`` with the decisions as overrides (ahead of the recipe's own: the first
+        matching glob wins)."""
+        return recipe.replace(overrides={**self.overrides, **recipe.overrides})
+
+
+def check_target_recipe(recipe: Recipe) -> None:
+    if recipe.smoothquant is not None or recipe.bn_retune or recipe.quantize_attention or \
+            recipe.quantize_residual or recipe.rotate is not None:
+        raise UsageError("--target-delta works per GEMM; it does not combine with --smoothquant, "
+                         "--rotate, --bn-retune, --quantize-attention or --quantize-residual")
+
+
+def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tensor, *,
+           target: str = "1%", fallback: str = "bf16", level: str = "module",
+           eval_batch_size: int = 4, progress=None) -> TargetResult:
+    """Measure every unit on every rung and assign rungs to meet ``target`` (a perplexity
+    delta, ``"1%"`` relative or ``"0.5"`` absolute) on ``eval_ids`` [windows, seq_len]. The
+    model is left unquantized; apply ``result.recipe(recipe)`` and quantize."""
+    check_target_recipe(recipe)
+    parse_target(target)
+    if level not in LEVELS:
+        raise UsageError(f"--target-level must be one of {', '.join(LEVELS)}, got {level!r}")
+    if not batches:
+        raise UsageError("--target-delta needs calibration data (--calib-data)")
+    rungs = ladder(recipe, fallback)
+    times, t0 = {}, time.perf_counter()
+    targets, _ = plan_targets(model, recipe)
+    if not targets:
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
+    needs_h = any(calibrators.weight_entry(r.recipe(recipe).weight_calib).reads_data
+                  for r in rungs if not r.skip)
+    session = Session(model, recipe, batches, targets, level, progress, hessians=needs_h)
+    times["calibrate"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probe = PerplexityProbe(model, eval_ids, eval_batch_size, session.stack)
+    baseline = probe.baseline()
+    times["baseline"] = time.perf_counter() - t0
+    deltas: dict[str, dict[str, float]] = {u.name: {} for u in session.units}
+    for rung in rungs:
+        t0 = time.perf_counter()
+        if rung.skip:
+            for u in session.units:
+                deltas[u.name][rung.name] = 0.0
+            continue
+        session.plan(rung.name, rung.recipe(recipe))
+        for name, m in session.sweep(rung.name, probe, "ppl", baseline).items():
+            deltas[name][rung.name] = m.delta
+        times[f"sweep {rung.name}"] = time.perf_counter() - t0
+    budget = target_value(target, "ppl", baseline)
+    choice = assign(deltas, rungs, budget)
+    by_name = {r.name: r for r in rungs}
+    units = [UnitDecision(u.name, u.pattern, list(u.modules), choice[u.name], deltas[u.name])
+             for u in session.units]
+    overrides = {u.pattern: by_name[u.rung].override() for u in units if u.rung != "base"}
+    return TargetResult(
+        target=target, budget=budget, baseline=baseline,
+        predicted=sum(max(u.deltas[u.rung], 0.0) for u in units),
+        predicted_base=sum(max(u.deltas["base"], 0.0) for u in units), level=level,
+        rungs=[asdict(r) for r in rungs], units=units, overrides=overrides,
+        eval={"windows": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
+              "tokens": int(eval_ids.numel()), "replay": probe.cache is not None},
+        seconds=times)
+
+
+def measure(model: nn.Module, eval_ids: torch.Tensor, result: TargetResult,
+            eval_batch_size: int = 4) -> TargetResult:
+    """The quantized ``model``'s perplexity on the held-out slice, into ``result``."""
+    t0 = time.perf_counter()
+    result.measured = PerplexityProbe(model, eval_ids, eval_batch_size)()
+    result.seconds["verify"] = time.perf_counter() - t0
+    return result
+
+
+def split_heldout(texts: list[str], every: int = HELDOUT_EVERY) -> tuple[list[str], list[str]]:
+    """(calibration documents, held-out documents): every ``every``-th document is held out,
+    so the slice that checks the target is never calibrated on."""
+    if len(texts) < 2:
+        raise UsageError("--target-delta needs at least 2 calibration documents (one is held "
+                         "out), or --target-data")
+    every = min(every, len(texts))
+    held = [t for i, t in enumerate(texts) if i % every == every - 1]
+    return [t for i, t in enumerate(texts) if i % every != every - 1], held
+
+
+__all__ = ["Rung", "ladder", "assign", "choose", "measure", "split_heldout", "TargetResult",
+           "UnitDecision", "HIGH_PRECISION"]

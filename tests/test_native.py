@@ -1,0 +1,203 @@
+"""The C kernels (fp8ptq.native) against the pure-torch paths they replace: bit for bit, for
+every format, rounding mode, source dtype, scale layout and the observer statistics; plus the
+build, the off switch and an end-to-end quantization that must not depend on which path ran."""
+
+import ctypes
+import dataclasses
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from fp8ptq import native
+from fp8ptq.formats import codec
+from fp8ptq.formats.registry import get_format, preset_names
+from fp8ptq.model.forward import token_batches
+from fp8ptq.observers import TensorStats
+from fp8ptq.pipeline import quantize_model
+from fp8ptq.recipe import Recipe
+from test_formats_fastcodec import _values
+from tiny_models import IDS, run, tiny
+
+FORMATS = sorted(set(preset_names()) | {"e3m4", "e2m5", "e5m2b10", "e4m3b5fn", "e3m2", "e6m1",
+                                        "e2m1", "e1m6fn"})
+ROUNDINGS = ["nearest_even", "half_away", "stochastic", "hybrid"]
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+def test_kernels_build_where_a_compiler_exists():
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert native.available()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, except that any NaN equals any NaN (torch itself writes different
+    NaN payloads for bfloat16 in its scalar and vector loops)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    ints = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return bool(((a.view(ints) == b.view(ints)) | both_nan).all())
+
+
+def _inputs(spec):
+    x = torch.cat([_values(spec, n=600), torch.tensor([torch.nan, -torch.nan]),
+                   torch.randn(1001) * spec.max / 3])
+    return [x, x.bfloat16(), x.half()]
+
+
+def _gen():
+    return torch.Generator().manual_seed(7)
+
+
+def _both(fn):
+    got = fn()
+    with native.disabled():
+        want = fn()
+    return got, want
+
+
+@needs_native
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantize_values_and_encode_are_bit_identical(name):
+    base = get_format(name)
+    for rounding in ROUNDINGS if base.is_float else ["nearest_even", "half_away"]:
+        spec = dataclasses.replace(base, rounding=rounding)
+        for x in _inputs(spec):
+            options = [(True, False), (False, False), (True, True)] if x.dtype == torch.float32 \
+                else [(True, False)]
+            for saturate, nan_to_zero in options:
+                kw = dict(saturate=saturate, nan_to_zero=nan_to_zero)
+                got, want = _both(lambda: codec.quantize_values(x, spec, generator=_gen(), **kw))
+                assert _same(got, want), (name, rounding, x.dtype, kw)
+                got, want = _both(lambda: codec.encode(x, spec, generator=_gen(), **kw))
+                assert _same(got, want), (name, rounding, x.dtype, kw)
+
+
+@needs_native
+@pytest.mark.parametrize("name", FORMATS)
+def test_fake_quantize_is_bit_identical_for_every_scale_layout(name):
+    base = get_format(name)
+    g = torch.Generator().manual_seed(3)
+    for rounding in ROUNDINGS if base.is_float else ["nearest_even"]:
+        spec = dataclasses.replace(base, rounding=rounding)
+        for x in _inputs(spec):
+            x2 = x[: x.numel() // 37 * 37].reshape(-1, 37)  # odd width: vector tails per row
+            scales = [(x, 0.37), (x, torch.tensor(2.5)), (x2, torch.rand(1, 37, generator=g)),
+                      (x2, torch.rand(x2.shape[0], 1, generator=g) + 0.01),
+                      (x2[:12].reshape(4, 3, 37), torch.rand(4, 3, 1, generator=g) + 0.01)]
+            for t, s in scales:
+                got, want = _both(lambda: codec.fake_quantize(t, s, spec, generator=_gen()))
+                assert got.dtype == t.dtype
+                assert _same(got, want), (name, rounding, t.dtype, getattr(s, "shape", s))
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["e4m3", "hif8", "int8", "e3m4"])
+def test_big_tensors_split_across_threads_identically(name):
+    spec = get_format(name)
+    x = torch.randn(1031, 577, generator=torch.Generator().manual_seed(1)) * 50
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for t in (x, x.bfloat16()):
+            for s in (torch.tensor(0.2), torch.rand(1031, 1) + 0.05):
+                got, want = _both(lambda: codec.fake_quantize(t, s, spec))
+                assert _same(got, want)
+            got, want = _both(lambda: codec.encode(t.float() / 0.2, spec))
+            assert _same(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2048, 96), (3, 7), (1, 1536), (2, 5, 33)])
+def test_observer_statistics_are_identical(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * torch.exp2(
+        torch.randint(-45, 45, shape, generator=g).float())
+    flat = x.view(-1)
+    flat[3], flat[5], flat[7], flat[-1] = torch.nan, torch.inf, 0.0, -torch.inf
+    x = x.to(dtype)
+    got, want = TensorStats(), TensorStats()
+    got.update(x)
+    got.update(x * 3)
+    with native.disabled():
+        want.update(x)
+        want.update(x * 3)
+    assert got.amax == want.amax and got.count == want.count
+    assert got.nonfinite == want.nonfinite >= 4
+    assert torch.equal(got.channel_amax, want.channel_amax)
+    assert torch.equal(got.histogram, want.histogram)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """``native.library()`` re-resolved under the test's environment (an empty cache folder),
+    and restored afterwards."""
+    monkeypatch.setenv("FP8PTQ_CACHE", str(tmp_path))
+    native.library.cache_clear()
+    yield tmp_path / "native"
+    native.library.cache_clear()
+
+
+def test_off_switch(fresh_library, monkeypatch):
+    monkeypatch.setenv("FP8PTQ_NATIVE", "0")
+    assert native.library() is None and not native.supports(torch.ones(3))
+    assert not fresh_library.exists()  # nothing built, nothing written
+
+
+def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    spec = get_format("e4m3")
+    x = torch.randn(300)
+    with caplog.at_level("DEBUG", logger="fp8ptq.native"):
+        assert native.library() is None
+        got = codec.fake_quantize(x, 0.1, spec)
+    assert [r.levelname for r in caplog.records if r.levelname != "DEBUG"] == ["INFO"]
+    assert "/nonexistent/cc" in caplog.text
+    with native.disabled():
+        assert _same(got, codec.fake_quantize(x, 0.1, spec))
+    assert not list(fresh_library.glob("*"))  # the failed build left nothing behind
+
+
+@needs_native
+def test_concurrent_builds_install_one_complete_library(fresh_library):
+    """Two builders racing on one cache path (torchrun ranks starting together): both succeed,
+    one library is left and no temporary, and it loads (built -O0 here: the race, not the
+    optimiser, is under test)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    flags = ("-O0", "-fPIC", "-shared", "-pthread")
+    path = native.library_path(cc, flags)
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda _: native.build(cc, path, flags), range(2))) == [True, True]
+    assert [p.name for p in fresh_library.iterdir()] == [path.name]
+    assert ctypes.CDLL(str(path)).fp8ptq_have_f16() in (0, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["e4m3", "hif8", "int8"])
+@pytest.mark.parametrize("act_granularity", ["tensor", "token"])
+def test_quantized_model_does_not_depend_on_the_path(fmt, act_granularity):
+    """Calibrate + quantize a tiny bf16 Llama with the kernels and with torch: the same scales,
+    the same weights, the same simulated logits."""
+    recipe = Recipe(format=fmt, act_granularity=act_granularity, weight_granularity="channel")
+
+    def quantized():
+        model = tiny("llama").to(torch.bfloat16)
+        result = quantize_model(model, recipe, list(token_batches(IDS, 4)))
+        return model, result
+
+    model, result = quantized()
+    with native.disabled():
+        ref_model, ref_result = quantized()
+        ref_logits = run(ref_model, IDS)
+    assert [r.input_scale for r in result.modules] == [r.input_scale for r in ref_result.modules]
+    for (name, t), (_, u) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        assert _same(t, u), name
+    assert _same(run(model, IDS), ref_logits)
