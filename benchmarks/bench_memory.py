@@ -92,21 +92,31 @@ def generate(layers: int, hidden: int, inter: int, vocab: int = 32000) -> Path:
 def run_one(mode: str, folder: str, samples: int, seq: int) -> dict:
     from fp8ptq.pipeline import quantize_model, token_batches
     from fp8ptq.recipe import Recipe
-    from fp8ptq.sequential import quantize_sequential
+    from fp8ptq.sequential import write_sequential
 
     recipe = Recipe(dtype="bfloat16", batch_size=4)
     ids = torch.randint(10, 30000, (samples, seq), generator=torch.Generator().manual_seed(1))
     batches = list(token_batches(ids, 4))
     t0 = time.perf_counter()
-    if mode == "sequential":
-        quantize_sequential(folder, recipe, batches)
+    extra = {}
+    if mode == "sequential":  # each block written as quantized, then freed (write_sequential)
+        out = CACHE / "bench-memory-out"
+        try:
+            _, sizes = write_sequential(folder, recipe, batches, out, force=True)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        source = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        seconds = time.perf_counter() - t0
+        extra = {"checkpoint_gb": round(sizes["checkpoint_bytes"] / 1e9, 2),
+                 "source_gb_per_s": round(source / 1e9 / seconds, 3)}
     else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
         quantize_model(model, recipe, batches)
     return {"mode": mode, "seconds": round(time.perf_counter() - t0, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            **extra}
 
 
 def copy_floor(folder: Path, out: Path) -> dict:

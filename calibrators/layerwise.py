@@ -26,7 +26,7 @@ import torch
 
 from fp8ptq.formats import fake_quantize
 from fp8ptq.granularity import PerTensor
-from fp8ptq.model.forward import run_batch
+from fp8ptq.model.forward import head_observed, run_batch
 from fp8ptq.model.gemm import CONV_TYPES, input_channel_dim, weight_2d, weight_from_2d
 from fp8ptq.observers import sample_rows
 from fp8ptq.scales import amax_to_scale
@@ -125,9 +125,10 @@ def _pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches)
 
     try:
         handles = [t.module.register_forward_pre_hook(make_hook(t)) for t in targets]
+        logits = head_observed(model, [t.module for t in targets])
         with torch.inference_mode():
             for batch in batches:
-                run_batch(model, batch)
+                run_batch(model, batch, logits=logits)
                 for h in handles:  # search once, on the first batch
                     h.remove()
     finally:

@@ -9,6 +9,7 @@ terminal unless ``--verbose``; fp8ptq's own progress bars show the long phases.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -20,7 +21,18 @@ import click
 from fp8ptq import __version__, distributed
 from fp8ptq.errors import Fp8ptqError, first_line
 
-from . import eval_cmd, formats_cmd, quantize_cmd, sensitivity_cmd, validate_cmd
+# name -> (module of this package, attribute). A command's module is imported when that command
+# runs (click's documented "lazily loading subcommands" pattern), not all five at start-up:
+# ``eval`` pulls lm-eval, datasets, pandas and pyarrow, ~100 MB of resident memory that
+# ``quantize`` never uses and would otherwise carry into its peak RSS.
+COMMANDS = {
+    "formats": ("formats_cmd", "formats"),
+    "schemes": ("formats_cmd", "schemes"),
+    "quantize": ("quantize_cmd", "command"),
+    "eval": ("eval_cmd", "command"),
+    "sensitivity": ("sensitivity_cmd", "command"),
+    "validate": ("validate_cmd", "command"),
+}
 
 
 class Interrupted(BaseException):
@@ -81,7 +93,18 @@ def _silence_tqdm() -> None:
 
 class Fp8ptqGroup(click.Group):
     """Turns an ``Fp8ptqError``, a click usage error, an interruption or an unexpected exception
-    anywhere below into one ``error:`` line and its exit code."""
+    anywhere below into one ``error:`` line and its exit code. Commands load lazily
+    (``COMMANDS``)."""
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx, name):
+        if name in COMMANDS and name not in self.commands:
+            module, attr = COMMANDS[name]
+            self.add_command(getattr(importlib.import_module(f"{__package__}.{module}"), attr),
+                             name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         debug = debug_enabled() or bool(ctx.params.get("debug"))
@@ -137,8 +160,3 @@ def main(verbose, debug):
     """FP8 post-training quantization of PyTorch / Hugging Face models."""
     if not verbose:
         quiet_libraries()
-
-
-for _command in (formats_cmd.formats, formats_cmd.schemes, quantize_cmd.command, eval_cmd.command,
-                 sensitivity_cmd.command, validate_cmd.command):
-    main.add_command(_command)

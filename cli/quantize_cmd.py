@@ -162,12 +162,20 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime, p
                 texts = job.calibration_texts(recipe, model)
                 if request is not None:
                     texts, heldout = job.target_texts(recipe, request, texts)
-        calib, data_warnings, result = None, [], None
-        if path.path == "sequential":
+        calib, data_warnings, result, sizes = None, [], None, None
+        if path.path == "sequential":  # each block written as it is quantized, then freed
+            def close_kwargs(result, calib):
+                route.record(result, path)  # fp8ptq.json's extras say which path ran
+                return dict(source={"model": model, "kind": path.kind or "local",
+                                    "path": str(path.folder or model)},
+                            calib=calib_facts(calib), tool_version=__version__,
+                            check=runtime_check(result, runtime))
+
             with timings.timed("calibrate+quantize"), scratch_dir(output) as scratch:
-                result, loaded, calib = quantize_folder(
+                result, loaded, calib, sizes = quantize_folder(
                     path.folder or model, recipe, texts, propagate=propagate,
-                    spill_dir=scratch, progress=None, **path.sequential_options())
+                    spill_dir=scratch, progress=None, output=output, force=force,
+                    close_kwargs=close_kwargs, **path.sequential_options())
             timings.seconds.update(result.seconds)
         else:
             with bars.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
@@ -187,8 +195,8 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime, p
                                          progress=bars.counter("calibrating"))
         route.record(result, path)
         result.warnings[:0] = data_warnings
-        sizes, error = {}, None
-        if main_rank:
+        error = None
+        if main_rank and sizes is None:
             try:
                 with bars.step(f"writing {output}"), timings.timed("write"):
                     # the recipe the model was quantized with (--target-delta's decisions

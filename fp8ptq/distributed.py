@@ -93,6 +93,12 @@ def shard(batches: list) -> list[tuple[int, object]]:
     return [(i, b) for i, b in enumerate(batches) if i % world() == rank()]
 
 
+def share_indices(n: int, always: int = 0) -> list[int]:
+    """Indices of the ``n`` batches this rank needs: its share (as ``shard``) plus the first
+    ``always`` ones, which stages that look at a few example batches read on every rank."""
+    return [i for i in range(n) if i < always or i % world() == rank()]
+
+
 def _device() -> torch.device:
     return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
 

@@ -25,6 +25,7 @@ from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - r
 from .placement import Placement
 from .safe_pickle import load_torch_file
 from .vision import TinyMobileNet
+from .weights import has_safetensors, load_streaming
 
 # the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
 # "Expecting value: line 1 column 1" without a file name)
@@ -125,16 +126,33 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     if device_map is not None and not isinstance(device_map, Placement):
         device_map = Placement(device_map=device_map)
     extra = device_map.from_pretrained_kwargs() if device_map is not None else {}
-    try:
-        model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
-    except SafetensorError as e:  # a truncated or corrupt weights file
-        raise DataError(f"cannot load model {source!r}: a safetensors file is corrupt or "
-                        f"truncated ({first_line(e)})") from None
+    model = None
+    if streamable(location, kind, config, extra, hub_kwargs):
+        try:
+            model = load_streaming(location, config, cls, dtype)
+        except DataError as e:
+            raise DataError(f"cannot load model {source!r}: {e}") from None
+    if model is None:
+        try:
+            model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)
+        except SafetensorError as e:  # a truncated or corrupt weights file
+            raise DataError(f"cannot load model {source!r}: a safetensors file is corrupt or "
+                            f"truncated ({first_line(e)})") from None
     if not extra:
         model.to(device)
     model.eval()
     return LoadedModel(model, load_tokenizer(source, location, **hub_kwargs), source, kind,
                        location)
+
+
+def streamable(location, kind, config, placement_kwargs, hub_kwargs) -> bool:
+    """Whether ``fp8ptq.weights.load_streaming`` loads this model (a local safetensors folder,
+    no accelerate placement, no pre-quantized weights, no remote code): the same parameters as
+    ``from_pretrained``, without keeping the files' pages resident while loading."""
+    return (kind in ("local", "gguf") and not placement_kwargs
+            and not hub_kwargs.get("trust_remote_code")
+            and getattr(config, "quantization_config", None) is None
+            and has_safetensors(location))
 
 
 def load_config(source, location, **hub_kwargs):

@@ -18,7 +18,7 @@ from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
 from .formats import decode
 from .hessian import HessianCollector
-from .model.forward import run_batch, token_batches  # noqa: F401 - re-exported
+from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
@@ -88,6 +88,7 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     modules = {t.name: t.module for t in targets}
     dims = {t.name: input_channel_dim(t.module) for t in targets}
     collector = StatsCollector(modules, dims, sample_batches=sample_batches)
+    logits = head_observed(model, modules.values())  # else the head runs on one position
     error = None
     with collector.observing(), experts.observing() if experts else nullcontext(), \
             hessians.observing() if hessians else nullcontext(), torch.inference_mode():
@@ -95,7 +96,7 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
                 collector.batch_index = index
-                run_batch(model, batch)
+                run_batch(model, batch, logits=logits)
                 if progress is not None:
                     progress()
         except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank

@@ -1,184 +1,102 @@
 """Sequential (block-by-block) quantization: memory is a function of one block, not the model.
 
 The model is built without weights (accelerate's ``init_empty_weights``: parameters on the meta
-device); everything outside the repeated blocks (embeddings, final norm, head) is loaded from the
-source safetensors, the calibration batches run once up to block 0 (a pre-hook records its
-inputs and stops the forward), then for each block: load its tensors -> run ``quantize_model`` on
-that block alone with the recorded inputs as its calibration batches (so every calibrator,
-best-of, pow2-search, SmoothQuant, GPTQ, taps, works per block unchanged) -> run the batches
-through the block for the next block's inputs (``propagate="quantized"``: through the quantized
-block, the error propagates as at inference; ``"fp"``: the unquantized outputs, which makes the
-result bit-identical to the in-memory pipeline) -> release the block's float weights.
-
-Inter-block activations live in an ``ActivationStore``: in memory up to a byte budget, spilled
-to memory-mapped files beyond it (in the output's temporary folder).
+device) and planned whole (``build_plan``: ``--skip`` globs, first/last, routers and overrides
+see full names); everything outside the repeated blocks (embeddings, final norm, head) is loaded
+from the source safetensors (``fp8ptq.weights``: transformers' conversion mapping, so per-expert
+MoE tensors become the fused experts), the calibration batches run once up to block 0
+(``fp8ptq.activations``), then for each block: load its tensors -> ``quantize_model`` on that
+block alone with its part of the plan and the recorded inputs as its calibration batches (so
+every calibrator, best-of, pow2-search, SmoothQuant, GPTQ, taps, fused experts, works per block
+unchanged; under torchrun each rank runs its share and the statistics are reduced per block)
+-> run the batches through the block for the next block's inputs (``propagate="quantized"``:
+through the quantized block, the error propagates as at inference; ``"fp"``: the unquantized
+outputs, which makes the result bit-identical to the in-memory pipeline) -> write the block
+(``CheckpointWriter.add_block``) and free it (its tensors go to the meta device). GEMMs outside
+the blocks (``--quantize-lm-head``) are quantized last, from the last block's outputs; then the
+tensors outside the blocks are written and the checkpoint closed. Resident at once: the
+outside modules, one block being quantized (two with ``propagate="fp"`` briefly holding its
+float outputs), the writer's one open shard, and the activations up to their budget.
 """
 
 from __future__ import annotations
 
-import tempfile
 import time
+from collections.abc import Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from accelerate.utils import set_module_tensor_to_device
 from torch import nn
 
+from . import distributed
+from .activations import ActivationStore, capture_block_inputs, run_block
+from .checkpoint.contents import plain_tensors
+from .checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
+from .checkpoint.writer import CheckpointWriter
 from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
-from .loading import LoadedModel, load_tokenizer
+from .loading import LoadedModel, load_config, load_tokenizer, model_class
 from .model.blocks import block_prefix, find_blocks
-from .model.experts import find_experts
-from .pipeline import (
-    QuantizeResult,
-    high_precision_report,
-    plan_targets,
-    quantize_model,
-    token_batches,
-)
+from .pipeline import QuantizeResult, high_precision_report, quantize_model, token_batches
+from .plan import SAMPLE_BATCHES, QuantPlan, build_plan
 from .recipe import Recipe
-from .source import SafetensorsSource, build_empty  # noqa: F401 - re-exported
-
-
-class ActivationStore:
-    """Tensors by index, in memory up to ``budget_bytes`` then in memory-mapped files under
-    ``spill_dir``. ``spilled`` counts what went to disk (tests assert it)."""
-
-    def __init__(self, budget_bytes: int, spill_dir: str | Path | None = None):
-        self.budget = budget_bytes
-        self.spill_dir = Path(spill_dir) if spill_dir else None
-        self.items: dict[int, object] = {}
-        self.resident_bytes = 0
-        self.spilled = 0
-        self._tmp = None
-
-    def put(self, index: int, t: torch.Tensor) -> None:
-        t = t.detach().contiguous()
-        n = t.numel() * t.element_size()
-        if self.resident_bytes + n <= self.budget:
-            self.items[index] = t.clone()
-            self.resident_bytes += n
-            return
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="fp8ptq-act-", dir=self.spill_dir)
-        path = Path(self._tmp.name) / f"{index}.bin"
-        raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-        raw.reshape(-1).numpy().tofile(path)
-        self.items[index] = (path, t.dtype, tuple(t.shape))
-        self.spilled += 1
-
-    def get(self, index: int) -> torch.Tensor:
-        item = self.items[index]
-        if isinstance(item, torch.Tensor):
-            return item
-        path, dtype, shape = item
-        raw = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r").copy())
-        return raw.view(dtype).reshape(shape)
-
-    def __len__(self):
-        return len(self.items)
-
-    def close(self) -> None:
-        self.items.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+from .weights import CheckpointKeys, SafetensorsSource, build_empty, load_tensors
 
 
 class BlockLoader:
-    """Loads model tensors from a ``SafetensorsSource`` into a meta-built model and releases
+    """Loads checkpoint tensors (``fp8ptq.weights``: transformers' conversion mapping, so fused
+    MoE experts are merged from their per-expert tensors) into a meta-built model and releases
     them; counts how many blocks hold float weights at once (``max_resident``)."""
 
     def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
         self.model, self.source, self.dtype = model, source, dtype
+        self.keys = CheckpointKeys(model, source.names())
         self.resident: set[int] = set()
         self.max_resident = 0
-        self.bytes_read = 0
+        self.loads: list[int] = []  # block indices in load order (tests read it)
 
     def load_prefix(self, prefix: str, exclude: str | None = None) -> None:
-        names = [n for n in self.source.names() if n.startswith(prefix)
-                 and not (exclude and n.startswith(exclude))]
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        for name, t in self.source.read([n for n in names if n in params or n in buffers]).items():
-            t = t.to(self.dtype) if t.is_floating_point() else t
-            self.bytes_read += t.numel() * t.element_size()
-            set_module_tensor_to_device(self.model, name, "cpu", value=t)
+        load_tensors(self.model, self.source, self.keys.under(prefix, exclude), self.dtype)
 
     def load_block(self, index: int, prefix: str) -> None:
         self.load_prefix(prefix)
         self.resident.add(index)
+        self.loads.append(index)
         self.max_resident = max(self.max_resident, len(self.resident))
 
     def release_block(self, index: int) -> None:
         self.resident.discard(index)
 
 
-class _Stop(Exception):
-    pass
-
-
-def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
-                         store: ActivationStore) -> list[dict]:
-    """Run every batch up to ``block``; the hidden states go to ``store``, the other keyword
-    arguments (masks, positions, rotary embeddings) are returned per batch."""
-    kwargs_list: list[dict] = []
-
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        store.put(len(kwargs_list), hidden)
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value",
-                                                            "layer_past", "cache_position")}
-        kw["use_cache"] = False
-        kwargs_list.append(kw)
-        raise _Stop
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                try:
-                    model(**batch, use_cache=False) if isinstance(batch, dict) else model(batch)
-                except _Stop:
-                    pass
-    finally:
-        handle.remove()
-    return kwargs_list
-
-
-def _run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict],
-               out: ActivationStore) -> None:
-    with torch.inference_mode():
-        for i, kw in enumerate(kwargs_list):
-            y = block(store.get(i), **kw)
-            out.put(i, y[0] if isinstance(y, tuple) else y)
-
-
 def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
-                        spill_dir: str | Path | None = None, progress=None):
+                        spill_dir: str | Path | None = None, progress=None, open_writer=None):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
-    ``QuantizeResult`` (the model holds the quantized blocks) and the ``BlockLoader`` (for its
-    residency counters)."""
+    ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
+
+    ``open_writer(model, plan)`` (called once the plan is made, before any block) returns a
+    ``CheckpointWriter``: every quantized block is written to it and freed at once, the
+    tensors outside the blocks are added last, and the caller closes it (``save_sequential``).
+    Without it (or on a rank other than 0 under torchrun, which writes nothing) the quantized
+    blocks stay in ``result.model``, or are freed when ``open_writer`` is given on another
+    rank. Under torchrun every rank streams the same blocks, runs its share of the batches,
+    and the statistics are reduced per block (inside ``quantize_model``)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
         raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
                          "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
-    model = build_empty(folder, dtype)
+    config = load_config(str(folder), folder)
+    model = build_empty(model_class(config), config, dtype)
     found = find_blocks(model)
     if found is None:
         raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "
                          "layers); this one has none")
     list_name, blocks = found
-    fused = [name for name, _, _ in find_experts(model)]
-    if fused:  # transformers saves them per expert; the block loader reads fused names only
-        raise UsageError(f"sequential mode cannot load fused MoE experts yet ({fused[0]}); "
-                         "use the in-memory pipeline (drop --sequential)")
-    source = SafetensorsSource(folder)
-    loader = BlockLoader(model, source, dtype)
+    loader = BlockLoader(model, SafetensorsSource(folder), dtype)
     loader.load_prefix("", exclude=f"{list_name}.")
     model.tie_weights()
     meta = [n for n, p in model.named_parameters()
@@ -186,63 +104,254 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     if meta:
         raise DataError(f"{folder}: tensors missing from the checkpoint: {', '.join(meta[:5])}")
 
-    targets, skipped = plan_targets(model, recipe)
-    outside = [t.name for t in targets if not t.name.startswith(f"{list_name}.")]
-    if outside:
-        raise UsageError(f"sequential mode quantizes GEMMs inside the repeated blocks; "
-                         f"{', '.join(outside)} is outside them (drop --quantize-lm-head or "
-                         "use the in-memory pipeline)")
-    times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
+    plan = build_plan(model, recipe)  # on the whole (meta) model: globs, first/last, routers
+    outside = [m.name for m in plan.modules if not m.name.startswith(f"{list_name}.")]
+    batches = list(batches or [])
+    if not plan.modules:
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
+    if not batches and plan.needs_calibration:
+        raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
+                         "activations (--act-granularity token) alone need none")
+    writer = open_writer(model, plan) if open_writer and distributed.is_main() else None
+    run = _Run(plan, progress)
     t0 = time.perf_counter()
     store = ActivationStore(activation_budget, spill_dir)
-    kwargs_list = capture_block_inputs(model, blocks[0], batches or [], store)
-    times["calibrate"] += time.perf_counter() - t0
-
-    reports, stats, warnings, extras = [], {}, [], {"blocks": {}}
+    # under torchrun a rank carries its own share (+ the example batches every rank reads)
+    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+                                       distributed.share_indices(len(batches), SAMPLE_BATCHES))
+    run.times["calibrate"] += time.perf_counter() - t0
+    tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
         loader.load_block(i, prefix)
-        t0 = time.perf_counter()
-        local_skip = [n[len(prefix):] for n in skipped if n.startswith(prefix)]
-        block_recipe = recipe.merged(keep_first_last=False, quantize_lm_head=True,
-                                     skip=list(recipe.skip) + local_skip)
-        if not block_recipe.skip:
-            block_recipe.skip = []
         nxt = ActivationStore(activation_budget, spill_dir)
-        if propagate == "fp" and kwargs_list:
-            _run_block(block, store, kwargs_list, nxt)
-        block_batches = [{"hidden_states": store.get(j), **kw} for j, kw in enumerate(kwargs_list)]
-        has_targets = bool(plan_targets(block, block_recipe)[0])
-        if has_targets:
-            result = quantize_model(block, block_recipe, block_batches or None, progress=progress)
-            for r in result.modules:
-                r.name = prefix + r.name
-                reports.append(r)
-            stats.update({prefix + k: v for k, v in result.stats.items()})
-            warnings += [prefix + w for w in result.warnings]
-            extras["blocks"][str(i)] = {k: v for k, v in result.extras.items()
-                                        if k != "high_precision"}
-            for k, v in result.seconds.items():
-                times[k] = times.get(k, 0.0) + v
-        del block_batches
-        if propagate == "quantized" and kwargs_list:
-            _run_block(block, store, kwargs_list, nxt)
+        if propagate == "fp":
+            tupled = run_block(block, store, kwargs_list, nxt)
+        reports = run.quantize_block(block, prefix, store, kwargs_list)
+        if propagate == "quantized":
+            tupled = run_block(block, store, kwargs_list, nxt)
         store.close()
         store = nxt
+        if open_writer is not None:
+            _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
+            block.to("meta")  # written (by rank 0): its tensors are freed
         loader.release_block(i)
-        times["calibrate"] += 0.0 * (time.perf_counter() - t0)
+    if outside:
+        run.quantize_outside(model, list_name, blocks, store, batches, tupled)
     store.close()
+    if open_writer is not None:
+        _agreed(writer, lambda w: _write_outside(w, model, list_name, run.reports))
+    extras = run.extras
     extras["high_precision"] = high_precision_report(model)
     extras["sequential"] = {"blocks": len(blocks), "block_list": list_name,
                             "propagate": propagate, "max_resident_blocks": loader.max_resident,
-                            "activation_budget": activation_budget}
-    return QuantizeResult(model, reports, skipped, stats, times, warnings, extras), loader
+                            "activation_budget": activation_budget,
+                            "outside_blocks": outside}
+    result = QuantizeResult(model, run.reports, plan.skipped, run.stats, run.times,
+                            run.warnings, extras, recipe=recipe, plan=plan)
+    return result, loader
+
+
+def _agreed(writer: CheckpointWriter | None, work) -> None:
+    """``work(writer)`` where there is a writer (rank 0); a failure ends every rank together."""
+    error = None
+    try:
+        if writer is not None:
+            work(writer)
+    except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
+        error = e
+    distributed.agree(error)
+
+
+def _write_outside(writer: CheckpointWriter, model: nn.Module, list_name: str,
+                   reports: list) -> None:
+    """The quantized GEMMs outside the blocks and every other tensor outside them (tied
+    aliases once, as ``save_quantized``), the blocks themselves detached: they are written."""
+    with _detached(model, list_name):
+        quantized = [n for n, _ in quantized_modules(model)]
+        if quantized:
+            writer.add_modules(model, quantized, [r for r in reports if r.name in quantized])
+        tie_targets = getattr(model, "all_tied_weights_keys", None) or {}
+        writer.add_tensors(plain_tensors(model, set(quantized), tie_targets=tie_targets))
+
+
+@contextmanager
+def _detached(model: nn.Module, list_name: str):
+    parent_name, _, attr = list_name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    blocks = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleList())
+    try:
+        yield
+    finally:
+        setattr(parent, attr, blocks)
+
+
+class _Run:
+    """Quantizes the blocks with the parts of the whole model's plan under them and adds their
+    results up: reports, statistics, warnings and extras under full module names, and the
+    stage times."""
+
+    def __init__(self, plan: QuantPlan, progress):
+        self.plan, self.progress = plan, progress
+        self.reports: list = []
+        self.stats: dict = {}
+        self.warnings: list[str] = []
+        self.extras: dict = {"blocks": {}}
+        self.times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
+
+    def part(self, keep, prefix: str = "") -> QuantPlan:
+        """The plan's modules for which ``keep(name)``, named relative to ``prefix``."""
+        def local(mods):
+            return [replace(m, name=m.name[len(prefix):]) for m in mods if keep(m.name)]
+
+        p = self.plan
+        return replace(p, gemms=local(p.gemms), experts=local(p.experts),
+                       skipped=[n[len(prefix):] for n in p.skipped if n.startswith(prefix)])
+
+    def quantize_block(self, block: nn.Module, prefix: str, store: ActivationStore,
+                       kwargs_list: list) -> list:
+        """``quantize_model`` on one block with its recorded inputs as calibration batches
+        (read from the store when a forward needs them, so spilled ones stay on disk)."""
+        plan = self.part(lambda n: n.startswith(prefix), prefix)
+        if not plan.modules:
+            return []
+        block_batches = [None if kw is None else _BlockBatch(store, j, kw)
+                         for j, kw in enumerate(kwargs_list)] or None
+        result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
+                                plan=plan)
+        self._add(result, prefix)
+        self.extras["blocks"][prefix.rstrip(".")] = {
+            k: v for k, v in result.extras.items()
+            if k not in ("high_precision", "experts", "taps", "fused_groups")}
+        return result.modules
+
+    def quantize_outside(self, model: nn.Module, list_name: str, blocks: nn.ModuleList,
+                         store: ActivationStore, batches: list, tupled: bool) -> None:
+        """GEMMs outside the blocks (``--quantize-lm-head``: the head; OPT's projections): the
+        whole model runs with every block replaced by a stand-in that hands on the last
+        block's stored output for the running batch, so each of those GEMMs sees the input it
+        sees at inference, and ``quantize_model`` quantizes them as in memory."""
+        parent_name, _, attr = list_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        feed = _Feed(store, batches)
+        setattr(parent, attr, nn.ModuleList(_Stand(feed, k == 0, tupled)
+                                            for k in range(len(blocks))))
+        handle = model.register_forward_pre_hook(feed.hook, with_kwargs=True)
+        plan = self.part(lambda n: not n.startswith(f"{list_name}."))
+        try:
+            result = quantize_model(model, plan.recipe, [b if i in store.items else None
+                                                         for i, b in enumerate(batches)] or None,
+                                    progress=self.progress, plan=plan)
+        finally:
+            handle.remove()
+            setattr(parent, attr, blocks)
+        self._add(result, "")
+
+    def _add(self, result: QuantizeResult, prefix: str) -> None:
+        for r in result.modules:
+            r.name = prefix + r.name
+            self.reports.append(r)
+        self.stats.update({prefix + k: v for k, v in result.stats.items()})
+        self.warnings += [prefix + w for w in result.warnings]
+        for key in ("experts", "taps"):
+            if result.extras.get(key):
+                self.extras.setdefault(key, {}).update(
+                    {prefix + n: e for n, e in result.extras[key].items()})
+        for group in result.extras.get("fused_groups") or []:
+            self.extras.setdefault("fused_groups", []).append(
+                {**group, "modules": [prefix + m for m in group["modules"]]})
+        for k, v in result.seconds.items():
+            self.times[k] = self.times.get(k, 0.0) + v
+
+
+class _BlockBatch(Mapping):
+    """One block's calibration batch: the recorded keyword arguments, and its hidden states
+    read from the activation store only while a forward runs."""
+
+    def __init__(self, store: ActivationStore, index: int, kwargs: dict):
+        self.store, self.index, self.kwargs = store, index, kwargs
+
+    def __getitem__(self, key):
+        return self.store.get(self.index) if key == "hidden_states" else self.kwargs[key]
+
+    def __iter__(self):
+        return iter(("hidden_states", *self.kwargs))
+
+    def __len__(self):
+        return 1 + len(self.kwargs)
+
+
+class _Feed:
+    """The running batch's last-block output, found from the ``input_ids`` tensor the model is
+    called with (each batch dict holds its own)."""
+
+    def __init__(self, store: ActivationStore, batches: list):
+        self.store = store
+        self.index = {id(b["input_ids"]): i for i, b in enumerate(batches)
+                      if isinstance(b, Mapping) and "input_ids" in b}
+        self.current = None
+
+    def hook(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if id(ids) not in self.index:  # e.g. SmoothQuant's one-row example batch
+            raise UsageError("sequential mode quantizes GEMMs outside the blocks from the "
+                             "calibration batches themselves; this stage runs other inputs "
+                             "(drop --smoothquant, or use the in-memory pipeline)")
+        self.current = self.store.get(self.index[id(ids)])
+
+
+class _Stand(nn.Module):
+    """A block's stand-in in ``quantize_outside``: the first returns the stored output of the
+    last block, the others pass it on."""
+
+    def __init__(self, feed: _Feed, first: bool, tupled: bool):
+        super().__init__()
+        self.feed, self.first, self.tupled = feed, first, tupled
+
+    def forward(self, *args, **kwargs):
+        h = self.feed.current if self.first else (args[0] if args else kwargs["hidden_states"])
+        return (h,) if self.tupled else h
+
+
+def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, output, *,
+                     force: bool = False, tokenizer=None, close_kwargs=None, **options):
+    """``quantize_sequential`` writing checkpoint ``output`` as it goes: each block is written
+    (``CheckpointWriter.add_block``) as soon as it is quantized and then freed; the writer is
+    closed at the end with ``close_kwargs(result)`` (source, calibration facts, ``check``...)
+    passed to ``CheckpointWriter.close``. Rank 0 writes under torchrun. Returns (result,
+    sizes: what ``close`` returns, {} on other ranks). Any failure leaves nothing at
+    ``output``. ``options``: those of ``quantize_sequential``."""
+    writers: list[CheckpointWriter] = []
+    sizes: dict = {}
+    with ExitStack() as stack:
+        def open_writer(model, plan):
+            choice = choose_layout(describe_plan(plan), model_type=model_type_of(model))
+            writers.append(stack.enter_context(CheckpointWriter.open(output, choice,
+                                                                     force=force)))
+            return writers[-1]
+
+        result, _ = quantize_sequential(folder, recipe, batches, open_writer=open_writer,
+                                        **options)
+        writer = writers[0] if writers else None
+        if writer is not None and writer.choice.warning:
+            result.warnings.append(writer.choice.warning)
+
+        def close(w):
+            sizes.update(w.close(result.model, recipe, result=result, tokenizer=tokenizer,
+                                 **(close_kwargs(result) if close_kwargs else {})))
+
+        _agreed(writer, close)
+    return result, sizes
 
 
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
-                    activation_budget: int = 1 << 30, spill_dir=None, progress=None):
+                    activation_budget: int = 1 << 30, spill_dir=None, progress=None,
+                    output=None, force: bool = False, close_kwargs=None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
-    ``quantize_sequential``. Returns (result, LoadedModel stand-in for the writer, calib)."""
+    ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
+    ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
+    LoadedModel stand-in, calib, sizes)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
@@ -253,8 +362,13 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
                                       seq_len=recipe.seq_len, seed=recipe.seed,
                                       source=resolve_calib_spec(recipe.calib_data))
     batches = list(token_batches(calib.input_ids, recipe.batch_size)) if calib else None
-    result, _ = quantize_sequential(folder, recipe, batches, propagate=propagate,
-                                    activation_budget=activation_budget, spill_dir=spill_dir,
-                                    progress=progress)
+    options = dict(propagate=propagate, activation_budget=activation_budget,
+                   spill_dir=spill_dir, progress=progress)
+    if output is None:
+        (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
+    else:
+        result, sizes = write_sequential(
+            folder, recipe, batches, output, force=force, tokenizer=tokenizer,
+            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)), **options)
     loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
-    return result, loaded, calib
+    return result, loaded, calib, sizes

@@ -8,7 +8,7 @@ from fp8ptq.cli.main import main
 from fp8ptq.errors import NumericsError
 
 if os.environ.get("RANK") == "1":
-    def _fail(model, batch):
+    def _fail(model, batch, **kwargs):
         raise NumericsError("injected failure on this rank")
 
     pipeline.run_batch = _fail

@@ -30,9 +30,9 @@ if PHASE == "load":
 elif PHASE == "calibrate":
     _run = pipeline.run_batch
 
-    def run_batch(model, batch):
+    def run_batch(model, batch, **kwargs):
         _signal()
-        return _run(model, batch)
+        return _run(model, batch, **kwargs)
 
     pipeline.run_batch = run_batch
 else:  # write: the temporary output folder exists by now

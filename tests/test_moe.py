@@ -239,14 +239,3 @@ def test_unservable_moe_recipe_is_native_with_a_warning(tmp_path):
     meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
     assert warning in meta["warnings"]
     assert torch.equal(logits(fp8ptq.load(tmp_path / "ck").model), out)
-
-
-def test_sequential_mode_refuses_fused_experts_clearly(tmp_path):
-    """The block loader reads parameters by their in-memory names; transformers saves fused
-    experts per expert, so sequential mode would quantize meta tensors. It refuses instead."""
-    from fp8ptq.errors import UsageError
-    from fp8ptq.sequential import quantize_sequential
-
-    tiny("qwen2_moe").save_pretrained(tmp_path)
-    with pytest.raises(UsageError, match="sequential mode cannot load fused MoE experts"):
-        quantize_sequential(tmp_path, Recipe(), batches(), propagate="fp")

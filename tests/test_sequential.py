@@ -151,3 +151,88 @@ def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp
     m = AutoModelForCausalLM.from_pretrained(outs["sequential"])
     with torch.no_grad():
         assert torch.isfinite(m(input_ids=IDS[:, :8] % 10).logits).all()
+
+
+def checkpoint_tensors(folder):
+    from safetensors.torch import load_file
+
+    out = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
+            for k, v in out.items()}
+
+
+def _meta(folder):
+    import json
+
+    meta = json.loads((folder / "fp8ptq.json").read_text())
+    for key in ("created", "command", "files"):
+        meta.pop(key)
+    return meta
+
+
+@pytest.mark.parametrize("arch,recipe", [
+    ("llama", dict(quantize_lm_head=True)),  # tied embeddings, a GEMM outside the blocks
+    ("opt", dict(act_granularity="token", weight_granularity="channel")),
+])
+def test_blocks_written_as_quantized_equal_the_whole_model_saved(arch, recipe, tmp_path):
+    """``write_sequential`` writes each block as soon as it is quantized and frees it; the
+    checkpoint (tensors and fp8ptq.json) is the one ``save_quantized`` writes from the whole
+    sequential result, and a freed block never comes back: at most one quantized block plus
+    the one loading hold real tensors."""
+    from fp8ptq.checkpoint import save_quantized
+    from fp8ptq.sequential import BlockLoader, write_sequential
+
+    model = tiny(arch, **({"tie_word_embeddings": True} if arch == "llama" else {}),
+                 **{"num_hidden_layers": 3})
+    folder = tmp_path / arch
+    model.save_pretrained(folder, max_shard_size="100KB")
+    recipe = Recipe(dtype="float32", **recipe)
+    batches = list(token_batches(IDS, 3))
+    whole, _ = quantize_sequential(folder, recipe, batches, propagate="fp")
+    save_quantized(whole, recipe, tmp_path / "whole")
+
+    real = BlockLoader.load_block
+    resident = []
+
+    def load_block(self, index, prefix):
+        _, blocks = find_blocks(self.model)
+        resident.append(sum(not next(b.parameters()).is_meta for b in blocks))
+        real(self, index, prefix)
+
+    BlockLoader.load_block = load_block
+    try:
+        streamed, sizes = write_sequential(folder, recipe, batches, tmp_path / "streamed",
+                                           propagate="fp")
+    finally:
+        BlockLoader.load_block = real
+    assert resident == [0, 0, 0]  # each block written and freed before the next loads
+    _, blocks = find_blocks(streamed.model)
+    assert all(p.is_meta for p in blocks.parameters())
+    a, b = checkpoint_tensors(tmp_path / "whole"), checkpoint_tensors(tmp_path / "streamed")
+    assert set(a) == set(b) and any(k.endswith("weight_scale") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _meta(tmp_path / "whole") == _meta(tmp_path / "streamed")
+    assert sizes["checkpoint_bytes"] == sum(
+        f.stat().st_size for f in (tmp_path / "streamed").glob("*.safetensors"))
+
+
+def test_a_failing_block_write_leaves_nothing(tmp_path, monkeypatch):
+    from fp8ptq.checkpoint.writer import CheckpointWriter
+    from fp8ptq.errors import Fp8ptqError
+    from fp8ptq.sequential import write_sequential
+
+    folder = _saved("llama", tmp_path)
+    calls = []
+
+    def add_block(self, block, prefix="", reports=None):
+        calls.append(prefix)
+        if len(calls) == 2:
+            raise OSError("disk went away")
+
+    monkeypatch.setattr(CheckpointWriter, "add_block", add_block)
+    with pytest.raises(Fp8ptqError, match="disk went away; nothing was written"):
+        write_sequential(folder, Recipe(dtype="float32"), list(token_batches(IDS, 3)),
+                         tmp_path / "out")
+    assert calls == ["model.layers.0.", "model.layers.1."]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
