@@ -9,10 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp8ptq.evals.harness import ChunkedLogitsMixin, make_lm
-from fp8ptq.evals.wikitext import evaluate_wikitext
+from fp8ptq.evals.wikitext import evaluate_wikitext, prefix_effect, wikitext_detokenizer
 from tiny_models import tiny
 
 SCRIPT = textwrap.dedent("""
@@ -20,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from transformers import LlamaConfig, LlamaForCausalLM
     from fp8ptq.evals.harness import make_lm
-    from fp8ptq.evals.wikitext import evaluate_wikitext
+    from fp8ptq.evals.wikitext import evaluate_wikitext, prefix_effect, wikitext_detokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     torch.manual_seed(0)
@@ -95,3 +96,32 @@ def test_no_op_allocates_logits_beyond_one_chunk(tmp_path, word_tokenizer, monke
     assert whole >= BATCH * CONTEXT * VOCAB * 4  # the control: lm-eval's path
     assert chunked < CONTEXT * VOCAB * 4 // 4, chunked  # < a quarter of one sequence's logits
     assert abs(ppl - ppl_whole) <= 1e-6 * ppl_whole
+
+
+def test_prefix_note_scores_through_the_chunked_path(word_tokenizer, monkeypatch):
+    """eval's prefix-token note (``prefix_effect``) used to run the model's full forward on a
+    whole document: context x vocabulary float32 logits (4 GB at 2048 x 262,144, the peak of
+    the whole eval). It now scores through the LM's chunked log-likelihoods: the same ratio,
+    and no op allocates a quarter of one sequence's logits."""
+    model = tiny("llama", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                 num_attention_heads=2, intermediate_size=32, max_position_embeddings=CONTEXT,
+                 tie_word_embeddings=True)
+    word_tokenizer.pad_token = word_tokenizer.eos_token
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 80)
+    monkeypatch.setattr(ChunkedLogitsMixin, "CHUNK_ELEMENTS", 1 << 20)
+    lm = make_lm(model, word_tokenizer, batch_size=1, seq_len=CONTEXT)
+    tokens = lm.tok_encode(wikitext_detokenizer({"page": text}))[: lm.max_length - 1]
+    assert len(tokens) > CONTEXT // 2
+
+    def nll(ids, skip):  # the direct computation the note used to make
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits.float(), -1)[0]
+        target = torch.tensor(ids[1:])
+        return -logp[torch.arange(len(target)), target][skip:].double().mean()
+
+    want = float(torch.exp(nll([lm.prefix_token_id, *tokens], 1) - nll(tokens, 0)))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = prefix_effect(lm, text)
+    assert abs(got - want) <= 1e-5 * want
+    largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]")
+    assert largest < CONTEXT * VOCAB * 4 // 4, largest
