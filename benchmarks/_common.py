@@ -51,3 +51,14 @@ def _cell(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn`` after one warm-up call."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, emit
+from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, best_seconds, emit
 
 from fp8ptq import job, native
 from fp8ptq.evals import run_tasks
@@ -73,16 +73,6 @@ oneshot(model=model, recipe=recipe, dataset=ds, num_calibration_samples=n, max_s
 model.save_pretrained(out, save_compressed=True)
 tok.save_pretrained(out)
 '''
-
-
-def best_seconds(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def row(what: str, value: float, unit: str, reference: float | None = None, ref_unit: str = "",

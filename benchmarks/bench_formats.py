@@ -13,19 +13,9 @@ import argparse
 import time
 
 import torch
-from _common import emit
+from _common import best_seconds, emit
 
 from fp8ptq.formats import decode, encode, fake_quantize, get_format, preset_names
-
-
-def best_seconds(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
