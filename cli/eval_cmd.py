@@ -142,7 +142,8 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     print_report(rows, protocol, notes, delta_mode)
     stages = stage_seconds(rows)
     shown = {k: v for k, v in stages.items() if k != "calibrate+quantize"}  # its parts shown
-    Console(highlight=False).print(time_line(shown), markup=False, soft_wrap=True)
+    line = time_line(shown, always=("load", "eval"))  # shown even when fast, for scripts
+    Console(highlight=False).print(line, markup=False, soft_wrap=True)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,
