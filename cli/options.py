@@ -38,16 +38,17 @@ _SPECS = [
          help="Weight scales per tensor, output channel or 2-D block [channel]."),
     _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
     _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
-         help="tensor = static calibrated scales; token = dynamic per token; group = dynamic "
-              "per --act-group-size features of each token (with --weight-granularity block: "
-              "FP8_BLOCK) [tensor]."),
+         help="token = dynamic per token (FP8_DYNAMIC); tensor = static calibrated scales; "
+              "group = dynamic per --act-group-size features of each token (with "
+              "--weight-granularity block: FP8_BLOCK) [token; tensor on convolutions]."),
     _opt("--act-group-size", type=int,
          help="Features per dynamic activation group (--act-granularity group) [128]."),
-    _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} [max]."),
+    _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} "
+         "[gptq with --calib-data, else max]."),
     _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
          "diagonal [0.01]."),
-    _opt("--gptq-act-order", is_flag=True, default=None,
-         help="GPTQ: quantize columns in order of decreasing input energy."),
+    _opt("--gptq-act-order/--no-gptq-act-order", default=None,
+         help="GPTQ: quantize columns in order of decreasing input energy [on]."),
     _opt("--gptq-sequential/--no-gptq-sequential", default=None,
          help="GPTQ: take each GEMM's Hessian from the model quantized so far, group by group "
               "in run order (errors of earlier layers compensated), or all from one pass over "

@@ -172,7 +172,10 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)
                                  and (one_pass is None or t.name in one_pass)}) \
         if facts.gptq else None
-    if batches is not None:
+    # the statistics pass, unless nothing reads it (dynamic inputs, sequential GPTQ alone)
+    if batches is not None and (facts.static_inputs or facts.layer_aware or taps or observer
+                                or (hessians is not None and hessians.modules)
+                                or not in_order):
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
                                       sample_batches=SAMPLE_BATCHES if facts.layer_aware else 0,
@@ -260,6 +263,8 @@ def quantize_experts_module(model, e: ModulePlan, recipe: Recipe, gran, w_calib,
                                [float(s) for s in q.input_scale(p)]}
                            for p, f in rep.projections.items()}
     set_submodule(model, e.name, q)
+    if weight_entry(e.weight.calibrator).rounding == "gptq":
+        rep.warnings.append("GPTQ does not apply to fused MoE experts: rounded to nearest")
     warnings += [f"{e.name}: {w}" for w in rep.warnings]
     return {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
             "act_format": rep.act_format, "act_calib": a_calib.name,
@@ -349,7 +354,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
     q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
                   weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
                   input_scale=input_scale,
-                  act_granularity=t.input.granularity if t.input else recipe.act_granularity,
+                  act_granularity=t.input.granularity if t.input else "tensor",  # unused
                   act_group_size=t.input.group_size if t.input else None)
     set_submodule(model, t.name, q)
     return ModuleReport(

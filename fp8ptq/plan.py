@@ -23,7 +23,7 @@ from .errors import UsageError
 from .formats import FormatSpec, get_format
 from .granularity import DYNAMIC_GRANULARITIES, weight_granularity
 from .model.experts import ExpertsInfo, find_experts, router_names
-from .model.gemm import find_gemms, is_depthwise, matches
+from .model.gemm import CONV_TYPES, find_gemms, is_depthwise, matches
 from .qmodules import QuantGemm
 from .recipe import OVERRIDE_FIELDS, Recipe, override_formats
 
@@ -242,6 +242,10 @@ def _module_plan(recipe: Recipe, name: str, module, base_w, base_a, experts=None
         if isinstance(value, dict) else {}
     if fields:  # a partial plan with its own calibrator / granularities
         recipe = recipe.model_copy(update=fields)
+    if (isinstance(module, CONV_TYPES) and recipe.act_granularity == "token"
+            and "act_granularity" not in recipe.model_fields_set and "act_granularity"
+            not in fields):  # the default's per-token scales need a token axis: static here
+        recipe = recipe.model_copy(update={"act_granularity": "tensor"})
     if isinstance(value, str):  # GLOB=FORMAT: both formats; a weight-only recipe stays so
         w_fmt = get_format(value)
         a_fmt = get_format(value) if base_a is not None else None

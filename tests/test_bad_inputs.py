@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import fp8ptq
 from fp8ptq.errors import DataError, Fp8ptqError, UsageError
-from tiny_models import invoke, tiny
+from tiny_models import STATIC, invoke, tiny
 
 HERE = Path(__file__).parent
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
@@ -51,11 +51,11 @@ def A(tmp_path_factory, word_tokenizer):
     (root / "calib.txt").write_text("\n".join(DOCS * 10) + "\n")
     (root / "wiki.raw").write_text(" = a = \n the quick brown fox . \n = b = \n hello world . \n")
     res = invoke(["quantize", str(root / "llama"), "-o", str(root / "ckpt"),
-                  "--calib-data", str(root / "calib.txt"), *CALIB])
+                  "--calib-data", str(root / "calib.txt"), *CALIB, *STATIC])
     assert res.exit_code == 0, res.output
     res = invoke(["quantize", str(root / "llama"), "-o", str(root / "native"),
                   "--format", "e5m2", "--calib-data", str(root / "calib.txt"),
-                  *CALIB])
+                  *CALIB, *STATIC])
     assert res.exit_code == 0, res.output
     assert json.loads((root / "native" / "fp8ptq.json").read_text())["layout"] == "fp8ptq-native"
     return root
@@ -472,19 +472,20 @@ CASES = {
     "sequential-not-a-folder": (flags_case("--sequential", command="quantize-pt"), 2,
                                 "--sequential"),
     "model-free-truncated-safetensors": (model_case(truncated_weights, "--model-free",
-                                                    "--act-granularity", "token"), 2,
+                                                    "--act-granularity", "token",
+                                                    "--weight-calib", "max"), 2,
                                          "corrupt or truncated"),
     "model-free-missing-tensor": (model_case(missing_tensor, "--model-free", "--act-format",
-                                             "none"), 2,
+                                             "none", "--weight-calib", "max"), 2,
                                   "missing from the checkpoint: model.norm.weight"),
     "model-free-nan-weight": (model_case(nan_weight, "--act-granularity", "token"), 1,
                               "model.layers.1.mlp.down_proj contains NaN"),
-    "model-free-static-recipe": (flags_case("--model-free"), 2,
+    "model-free-static-recipe": (flags_case("--model-free", *STATIC), 2,
                                  "--model-free: static activation scales"),
     "model-free-gptq": (flags_case("--model-free", "--act-format", "none", "--weight-calib",
                                    "gptq"), 2, "GPTQ (--weight-calib gptq) needs calibration"),
     "model-free-not-safetensors": (flags_case("--model-free", "--act-format", "none",
-                                              command="quantize-pt"), 2,
+                                              "--weight-calib", "max", command="quantize-pt"), 2,
                                    "--model-free reads safetensors checkpoints"),
     "model-free-and-sequential": (flags_case("--model-free", "--sequential", "--act-format",
                                              "none"), 2, "two different paths"),
@@ -706,7 +707,8 @@ def test_gate_override_and_placement_parsers_never_traceback(text):
 def test_interrupt_in_each_phase_cleans_up(A, tmp_path, phase, sig):
     out = tmp_path / "out"
     cmd = [sys.executable, str(HERE / "interrupt_runner.py"), phase, str(int(sig)), "quantize",
-           str(A / "llama"), "-o", str(out), "--calib-data", str(A / "calib.txt"), *CALIB]
+           str(A / "llama"), "-o", str(out), "--calib-data", str(A / "calib.txt"), *CALIB,
+           *STATIC]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 128 + int(sig), res.stderr
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]

@@ -22,7 +22,7 @@ from fp8ptq.errors import Fp8ptqError, NumericsError, UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
-from tiny_models import tiny
+from tiny_models import STATIC_RECIPE, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,7 +124,7 @@ ROUND_TRIPS = [
 @pytest.mark.parametrize("case", ROUND_TRIPS, ids=[c[0] for c in ROUND_TRIPS])
 def test_round_trip_is_bit_exact(tmp_path, case):
     _, arch, kwargs, dtype, layout = case
-    result, recipe = _quantize(arch, Recipe(**kwargs), dtype)
+    result, recipe = _quantize(arch, Recipe(**{**STATIC_RECIPE, **kwargs}), dtype)
     ids = _ids(1)
     expected = _outputs(result.model, ids)
 
@@ -166,7 +166,7 @@ def test_mixed_override_records_both_formats(tmp_path):
 def test_native_layout_tensors_and_config(tmp_path):
     from safetensors import safe_open
 
-    result, recipe = _quantize("gpt2", Recipe(format="e5m2"))
+    result, recipe = _quantize("gpt2", Recipe(format="e5m2", **STATIC_RECIPE))
     _save(result, recipe, tmp_path / "c")
     with safe_open(str(tmp_path / "c" / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -367,7 +367,7 @@ def test_existing_dir_refused_then_replaced_with_force(tmp_path, monkeypatch):
                                         ("weight_scale", 0.0),
                                         ("input_scale", float("inf"))])
 def test_bad_scale_refused(tmp_path, what, value):
-    result, recipe = _quantize("llama", Recipe())
+    result, recipe = _quantize("llama", Recipe(**STATIC_RECIPE))
     q = result.model.model.layers[1].mlp.down_proj
     getattr(q, what).view(-1)[0] = value
     with pytest.raises(NumericsError, match="down_proj"):

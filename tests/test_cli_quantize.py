@@ -22,11 +22,11 @@ from fp8ptq import job
 from fp8ptq.checkpoint import read_metadata
 from fp8ptq.data import token_sha256
 from fp8ptq.recipe import Recipe
-from tiny_models import invoke, tiny
+from tiny_models import STATIC, STATIC_RECIPE, invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"] * 10
-CALIB = ["--num-samples", "4", "--seq-len", "16"]
+CALIB = ["--num-samples", "4", "--seq-len", "16", *STATIC]  # the static recipe, pinned
 LAYER0 = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj",
                                           "self_attn.v_proj", "self_attn.o_proj",
                                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
@@ -88,7 +88,8 @@ def test_checkpoint_reloads_to_the_in_memory_logits(assets, tmp_path, fmt, layou
                                                     dtype):
     out = tmp_path / "out"
     report = quantize_json(assets, out, "--format", fmt)
-    recipe = Recipe(format=fmt, calib_data=str(assets / "calib.txt"), num_samples=4, seq_len=16)
+    recipe = Recipe(format=fmt, calib_data=str(assets / "calib.txt"), num_samples=4, seq_len=16,
+                    **STATIC_RECIPE)
     meta = read_metadata(out)
     assert meta["layout"] == layout and meta["recipe"] == recipe.to_dict()
     t = tensors(out)
@@ -354,3 +355,30 @@ def test_rotate_flag_is_recorded_and_the_checkpoint_reloads(assets, tmp_path):
     assert meta["recipe"]["rotate"] == "hadamard"
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     assert fp8ptq.load(out).model.config.model_type == "llama"
+
+
+def test_the_default_recipe_is_fp8_dynamic_with_sequential_gptq(assets, tmp_path):
+    """No recipe flags: channel weights + dynamic per-token activations (FP8_DYNAMIC) with GPTQ
+    (sequential, act-order) when calibration data is given; plain FP8_DYNAMIC, which reads no
+    data (so the model-free path takes it), when none is."""
+    sizes = ["--num-samples", "4", "--seq-len", "16"]
+    with_data = json.loads(quantize(assets / "llama", tmp_path / "a", "--calib-data",
+                                    str(assets / "calib.txt"), *sizes, "--json").stdout)
+    recipe = read_metadata(tmp_path / "a")["recipe"]
+    assert (recipe["act_granularity"], recipe["weight_granularity"]) == ("token", "channel")
+    assert recipe["weight_calib"] == "gptq" and recipe["gptq_act_order"]
+    assert recipe["gptq_sequential"] and with_data["gptq"]["sequential"]["blocks"] == 2
+    assert not any(k.endswith("input_scale") for k in tensors(tmp_path / "a"))
+    group = json.loads((tmp_path / "a/config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]
+    assert group["input_activations"] == {**group["input_activations"], "strategy": "token",
+                                          "dynamic": True}
+    assert group["weights"]["strategy"] == "channel"
+    expected = Recipe(calib_data=str(assets / "calib.txt"), num_samples=4, seq_len=16)
+    model, _ = in_memory(assets / "llama", expected)
+    assert torch.equal(logits(fp8ptq.load(tmp_path / "a").model, IDS), logits(model, IDS))
+
+    no_data = json.loads(quantize(assets / "llama", tmp_path / "b", *sizes, "--json").stdout)
+    recipe = read_metadata(tmp_path / "b")["recipe"]
+    assert (recipe["act_granularity"], recipe["weight_calib"]) == ("token", "max")
+    assert no_data["path"] == "model-free" and no_data["calibration"] is None

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import tiny
+from tiny_models import STATIC, tiny
 
 HERE = Path(__file__).parent
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"]
-CALIB = ["--num-samples", "8", "--seq-len", "8", "--batch-size", "2"]
+CALIB = ["--num-samples", "8", "--seq-len", "8", "--batch-size", "2", *STATIC]  # pinned
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default per worker; same kernels
 
 

@@ -30,7 +30,7 @@ def quantized(recipe):
 @pytest.mark.parametrize("act_calib", ["max", "best"])
 def test_unified_input_and_per_tensor_weight_scales(act_calib):
     model, result, originals = quantized(Recipe(format="e4m3", weight_granularity="tensor",
-                                                act_calib=act_calib))
+                                                act_granularity="tensor", act_calib=act_calib))
     qs = [model.get_submodule(n) for n in QKV]
     assert len({float(q.input_scale) for q in qs}) == 1
     assert len({float(q.weight_scale) for q in qs}) == 1
@@ -50,7 +50,7 @@ def test_unified_input_and_per_tensor_weight_scales(act_calib):
 
 def test_no_unify_keeps_own_weight_scales():
     model, result, _ = quantized(Recipe(format="e4m3", weight_granularity="tensor",
-                                        unify_fused_scales=False))
+                                        act_granularity="tensor", unify_fused_scales=False))
     assert len({float(model.get_submodule(n).weight_scale) for n in QKV}) == 3
     assert "fused_groups" not in result.extras
     # statistics-based calibrators: the shards saw one input, so their input scales agree anyway

@@ -113,7 +113,7 @@ def test_lm_head_outside_the_blocks_keeps_the_one_pass_hessian(monkeypatch):
     codes = gptq_codes(float_model.lm_head.weight.detach(), want.hessian("lm_head"),
                        model.lm_head.weight_granularity.expand(model.lm_head.weight_scale,
                                                                float_model.lm_head.weight),
-                       model.lm_head.weight_format)
+                       model.lm_head.weight_format, act_order=recipe.gptq_act_order)
     assert torch.equal(codes, model.lm_head.weight_codes)
 
 

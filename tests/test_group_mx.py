@@ -129,7 +129,7 @@ def test_mx_override_in_a_static_recipe_with_a_layer_aware_calibrator():
     """An MX module inside a static best-of recipe: the layer-aware search skips it (its
     activations are dynamic), it gets its own group granularity, the others stay static."""
     model = tiny("llama")
-    recipe = Recipe(act_calib="best", dtype="float32",
+    recipe = Recipe(act_calib="best", act_granularity="tensor", dtype="float32",
                     overrides={"*.mlp.down_proj": "mxfp8"})
     result = quantize_model(model, recipe, token_batches(IDS, 4))
     down = model.get_submodule("model.layers.0.mlp.down_proj")

@@ -45,8 +45,10 @@ CHOICES = [
     ("llama", Recipe(dtype="float32", weight_granularity="block", block_size=32,
                      act_format="none"), "compressed-tensors"),
     ("gpt2", Recipe(dtype="float32"), "fp8ptq-native"),
-    ("moe", Recipe(dtype="float32", weight_granularity="tensor"), "compressed-tensors"),
-    ("moe", Recipe(dtype="float32"), "fp8ptq-native"),  # channel W + static A: not servable
+    ("moe", Recipe(dtype="float32", weight_granularity="tensor", act_granularity="tensor"),
+     "compressed-tensors"),
+    ("moe", Recipe(dtype="float32", act_granularity="tensor"), "fp8ptq-native"),  # channel W
+    # + static A: not servable
     ("moe", Recipe(dtype="float32", format="hif8"), "fp8ptq-native"),
 ]
 

@@ -148,14 +148,16 @@ def test_units_in_flight_are_bounded(tmp_path, word_tokenizer, monkeypatch, work
 
 
 def test_recipes_that_need_calibration_are_named():
-    assert refusal(Recipe(act_format="none")) is None
+    assert refusal(Recipe(act_granularity="tensor", act_format="none")) is None
     assert refusal(Recipe(act_granularity="token", weight_calib="mse")) is None
-    assert "static activation scales" in refusal(Recipe())
+    assert "static activation scales" in refusal(Recipe(act_granularity="tensor"))
     assert "SmoothQuant" in refusal(Recipe(act_granularity="token", smoothquant=0.5))
-    assert "GPTQ" in refusal(Recipe(act_format="none", weight_calib="gptq"))
+    assert "GPTQ" in refusal(Recipe(act_granularity="tensor",
+                                    act_format="none", weight_calib="gptq"))
     assert "--quantize-attention" in refusal(Recipe(act_granularity="token",
                                                     quantize_attention=True))
-    assert "--rotate" in refusal(Recipe(act_format="none", rotate="hadamard"))
+    assert "--rotate" in refusal(Recipe(act_granularity="tensor",
+                                        act_format="none", rotate="hadamard"))
 
 
 def test_missing_tensor_is_named(tmp_path, word_tokenizer):
@@ -189,10 +191,12 @@ def test_cli_takes_the_path_by_itself_and_says_so(tmp_path, word_tokenizer):
     assert [m["weight_sqnr_db"] for m in free["modules"]] == \
         [m["weight_sqnr_db"] for m in mem["modules"]]
     res, static = _cli("quantize", src, "-o", tmp_path / "c", "--calib-data", calib,
-                       "--num-samples", "4", "--seq-len", "8", "--json")
+                       "--num-samples", "4", "--seq-len", "8", "--act-granularity", "tensor",
+                       "--weight-calib", "max", "--json")
     assert res.exit_code == 0 and static["path"] == "in-memory"
     assert "static activation scales" in static["path_reason"]
-    res, _ = _cli("quantize", src, "-o", tmp_path / "d", "--model-free", "--calib-data", calib)
+    res, _ = _cli("quantize", src, "-o", tmp_path / "d", "--model-free", "--calib-data", calib,
+                  "--act-granularity", "tensor", "--weight-calib", "max")
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert res.exit_code == 2 and len(errors) == 1
     assert "--model-free: static activation scales" in errors[0]

@@ -37,7 +37,8 @@ def test_every_expert_quantized_saved_and_reloaded_bit_exact(arch, tmp_path):
     originals = {n: {p: expert_weight(m, i, p).detach().clone() for p in i.projections}
                  for n, m, i in found}
     ref = logits(model)
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="e4m3", batch_size=2), batches())
     qexperts = {n: m for n, m in model.named_modules() if isinstance(m, QuantExperts)}
     assert set(qexperts) == set(originals)
     for name, q in qexperts.items():
@@ -56,7 +57,7 @@ def test_every_expert_quantized_saved_and_reloaded_bit_exact(arch, tmp_path):
     hp = result.extras["high_precision"]
     assert hp["high_precision_fraction"] < 0.25  # embeddings, lm_head, routers, norms only
 
-    save_quantized(result, Recipe(format="e4m3"), tmp_path / "ck")
+    save_quantized(result, Recipe(act_granularity="tensor", format="e4m3"), tmp_path / "ck")
     meta = json.loads((tmp_path / "ck" / "fp8ptq.json").read_text())
     assert set(meta["experts"]) == set(originals)
     loaded = fp8ptq.load(tmp_path / "ck")
@@ -67,12 +68,14 @@ def test_routers_stay_high_precision_unless_asked(tmp_path):
     model = tiny("qwen2_moe")
     routers = router_names(model)
     assert "model.layers.0.mlp.shared_expert_gate" in routers
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="e4m3", batch_size=2), batches())
     names = {m.name for m in result.modules}
     assert not names & set(routers)
     assert "model.layers.0.mlp.shared_expert.gate_proj" in names  # shared expert: quantized
     model = tiny("qwen2_moe")
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2, quantize_router=True),
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="e4m3", batch_size=2, quantize_router=True),
                             batches())
     assert set(routers) <= {m.name for m in result.modules}
 
@@ -95,7 +98,8 @@ def _force_router(model, allowed: list[int]):
 def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
     model = tiny("mixtral")
     _force_router(model, [0, 1, 2])
-    recipe = Recipe(format="e4m3", batch_size=2, calibrate_all_experts=False,
+    recipe = Recipe(act_granularity="tensor",
+                    format="e4m3", batch_size=2, calibrate_all_experts=False,
                     unify_fused_scales=False)
     result = quantize_model(model, recipe, batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
@@ -116,7 +120,8 @@ def test_experts_without_tokens_get_sibling_scale_and_warning(tmp_path):
 def test_calibrate_all_experts_observes_every_expert():
     model = tiny("mixtral")
     _force_router(model, [0, 1])
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2, unify_fused_scales=False),
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="e4m3", batch_size=2, unify_fused_scales=False),
                             batches())
     layer = result.extras["experts"]["model.layers.0.mlp.experts"]
     first, down = layer["projections"]["gate_up_proj"], layer["projections"]["down_proj"]
@@ -147,7 +152,7 @@ def test_granularities_and_dynamic_activations(gran, act, tmp_path):
 
 def test_skip_experts_by_glob_lists_them_in_high_precision():
     model = tiny("mixtral")
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2,
+    result = quantize_model(model, Recipe(act_granularity="tensor", format="e4m3", batch_size=2,
                                           skip=["*.experts"]), batches())
     assert "model.layers.0.mlp.experts" in result.skipped
     hp = result.extras["high_precision"]
@@ -182,9 +187,11 @@ def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_to
 
 def test_unified_expert_input_scales_are_the_layer_maximum():
     model = tiny("mixtral")
-    own = quantize_model(tiny("mixtral"), Recipe(format="e4m3", batch_size=2,
+    own = quantize_model(tiny("mixtral"), Recipe(act_granularity="tensor",
+                                                 format="e4m3", batch_size=2,
                                                      unify_fused_scales=False), batches())
-    result = quantize_model(model, Recipe(format="e4m3", batch_size=2), batches())
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="e4m3", batch_size=2), batches())
     for name, layer in result.extras["experts"].items():
         for proj, facts in layer["projections"].items():
             mine = own.extras["experts"][name]["projections"][proj]["input_scales"]
@@ -193,7 +200,7 @@ def test_unified_expert_input_scales_are_the_layer_maximum():
 
 def _ct_layout_case(arch, tmp_path, **recipe):
     model = tiny(arch)
-    recipe = Recipe(format="e4m3", batch_size=2, **recipe)
+    recipe = Recipe(**{"format": "e4m3", "batch_size": 2, "act_granularity": "tensor", **recipe})
     result = quantize_model(model, recipe,
                             batches() if recipe.act_granularity == "tensor" else None)
     out = logits(model)

@@ -22,7 +22,8 @@ EXPECTED_GEMMS = {"llama": 14, "gpt2": 8, "opt": 12, "bert": 13}
 def test_every_gemm_is_quantized_and_output_stays_close(arch, fmt):
     model = tiny(arch)
     ref = run(model, IDS)
-    result = quantize_model(model, Recipe(format=fmt, dtype="float32"), token_batches(IDS, 4))
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format=fmt, dtype="float32"), token_batches(IDS, 4))
     assert len(result.modules) == EXPECTED_GEMMS[arch]
     assert all(isinstance(model.get_submodule(m.name), QuantGemm) for m in result.modules)
     out = run(model, IDS)
@@ -35,7 +36,8 @@ def test_every_gemm_is_quantized_and_output_stays_close(arch, fmt):
 def test_weights_are_exactly_format_values_times_scale():
     model = tiny("gpt2")  # Conv1D: [in, out] weights
     original = copy.deepcopy(model)
-    quantize_model(model, Recipe(format="e4m3", dtype="float32"), token_batches(IDS, 4))
+    quantize_model(model, Recipe(act_granularity="tensor",
+                                 format="e4m3", dtype="float32"), token_batches(IDS, 4))
     q = model.transformer.h[0].attn.c_attn
     w_orig = weight_2d(original.transformer.h[0].attn.c_attn).float()
     values = decode(q.weight_codes, get_format("e4m3"))
@@ -46,7 +48,7 @@ def test_weights_are_exactly_format_values_times_scale():
 
 def test_lm_head_skipped_by_default_and_globs_and_overrides():
     model = tiny("llama")
-    targets, skipped = plan_targets(model, Recipe(skip=["*.mlp.*"],
+    targets, skipped = plan_targets(model, Recipe(act_granularity="tensor", skip=["*.mlp.*"],
                                                   overrides={"*.q_proj": "e5m2",
                                                              "*.k_proj": "none"}))
     names = {t.name: t.weight_format.name for t in targets}
@@ -54,19 +56,19 @@ def test_lm_head_skipped_by_default_and_globs_and_overrides():
     assert not any(n.endswith("k_proj") for n in names)
     assert names["model.layers.0.self_attn.q_proj"] == "e5m2"
     assert names["model.layers.0.self_attn.v_proj"] == "e4m3"
-    targets, skipped = plan_targets(model, Recipe(quantize_lm_head=True))
+    targets, skipped = plan_targets(model, Recipe(act_granularity="tensor", quantize_lm_head=True))
     assert "lm_head" in {t.name for t in targets} and not skipped
 
 
 def test_weight_only_and_dynamic_tokens_need_no_calibration_data():
-    for recipe in (Recipe(act_format="none", dtype="float32"),
+    for recipe in (Recipe(act_granularity="tensor", act_format="none", dtype="float32"),
                    Recipe(act_granularity="token", dtype="float32")):
         model = tiny("llama")
         result = quantize_model(model, recipe, None)
         assert all(m.input_scale is None for m in result.modules)
         assert torch.isfinite(run(model, IDS)).all()
     with pytest.raises(UsageError, match="calibration data"):
-        quantize_model(tiny("llama"), Recipe(), None)
+        quantize_model(tiny("llama"), Recipe(act_granularity="tensor"), None)
 
 
 def test_dynamic_token_scales_follow_each_row():
@@ -84,7 +86,7 @@ def test_nan_weight_is_a_clear_error_naming_the_tensor():
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(NumericsError, match="model.layers.1.mlp.up_proj"):
-        quantize_model(model, Recipe(), token_batches(IDS, 4))
+        quantize_model(model, Recipe(act_granularity="tensor"), token_batches(IDS, 4))
 
 
 class WithUnusedExpert(nn.Module):
@@ -102,7 +104,8 @@ class WithUnusedExpert(nn.Module):
 
 def test_unused_module_and_zero_weight_get_defined_scales_and_warnings():
     model = WithUnusedExpert()
-    result = quantize_model(model, Recipe(dtype="float32"), [torch.randn(4, 8)])
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          dtype="float32"), [torch.randn(4, 8)])
     by_name = {m.name: m for m in result.modules}
     assert any("saw no calibration tokens" in w for w in by_name["unused"].warnings)
     assert any("amax 0" in w for w in by_name["zero"].warnings)
@@ -115,9 +118,11 @@ def test_unused_module_and_zero_weight_get_defined_scales_and_warnings():
 def test_keep_first_last_and_depthwise():
     cnn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Conv2d(4, 4, 3, groups=4), nn.Conv2d(4, 4, 1),
                         nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
-    targets, skipped = plan_targets(cnn, Recipe(keep_first_last=True, keep_depthwise=True))
+    targets, skipped = plan_targets(cnn, Recipe(act_granularity="tensor",
+                                                keep_first_last=True, keep_depthwise=True))
     assert [t.name for t in targets] == ["2"] and skipped == ["0", "1", "4"]
-    result = quantize_model(cnn, Recipe(dtype="float32"), [torch.randn(2, 1, 8, 8)])
+    result = quantize_model(cnn, Recipe(act_granularity="tensor",
+                                        dtype="float32"), [torch.randn(2, 1, 8, 8)])
     assert {m.kind for m in result.modules} == {"conv", "depthwise_conv", "linear"}
 
 
@@ -131,9 +136,11 @@ def test_layer_aware_calibrators_pick_scales_no_worse_than_max(calib):
         result = quantize_model(m, recipe, token_batches(IDS, 4))
         return ((run(m, IDS) - ref).norm() / ref.norm()).item(), result
 
-    base, _ = error(Recipe(format="hif8", act_calib="cast", weight_calib="cast",
+    base, _ = error(Recipe(act_granularity="tensor",
+                           format="hif8", act_calib="cast", weight_calib="cast",
                            weight_granularity="tensor", dtype="float32"))
-    err, result = error(Recipe(format="hif8", act_calib=calib, weight_granularity="tensor",
+    err, result = error(Recipe(act_granularity="tensor",
+                               format="hif8", act_calib=calib, weight_granularity="tensor",
                                dtype="float32"))
     assert err < base  # beats the direct cast the seed compares against
     assert all(m.act_calib.startswith(calib.split("-")[0]) for m in result.modules)
@@ -146,7 +153,8 @@ def test_layer_aware_calibrators_pick_scales_no_worse_than_max(calib):
 def test_pow2_search_leaves_fp_weights_untouched_before_quantization():
     model = tiny("llama")
     w = model.model.layers[0].mlp.down_proj.weight.detach().clone()
-    result = quantize_model(model, Recipe(format="hif8", act_calib="pow2-search",
+    result = quantize_model(model, Recipe(act_granularity="tensor",
+                                          format="hif8", act_calib="pow2-search",
                                           weight_granularity="tensor", dtype="float32"),
                             token_batches(IDS, 4))
     q = model.model.layers[0].mlp.down_proj
@@ -162,7 +170,8 @@ def test_shared_inputs_are_fake_quantized_once_and_never_served_stale(monkeypatc
     from fp8ptq import qmodules
 
     model = tiny("llama")
-    quantize_model(model, Recipe(format="e4m3", dtype="float32"), token_batches(IDS, 4))
+    quantize_model(model, Recipe(act_granularity="tensor",
+                                 format="e4m3", dtype="float32"), token_batches(IDS, 4))
     calls = []
     real = qmodules.fake_quantize
     monkeypatch.setattr(qmodules, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))

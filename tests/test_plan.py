@@ -34,15 +34,16 @@ def test_every_stage_that_reads_data_makes_the_job_need_calibration(flags):
 
 def test_dynamic_or_weight_only_alone_need_no_data_and_pass_counts():
     assert not job.needs_calibration(Recipe(act_granularity="token"))
-    assert not job.needs_calibration(Recipe(act_format="none"))
-    assert run_facts(Recipe(smoothquant=0.5, bn_retune=True)).passes == 3
-    assert run_facts(Recipe(act_calib="best")).sample_batches == 2
+    assert not job.needs_calibration(Recipe(act_granularity="tensor", act_format="none"))
+    assert run_facts(Recipe(act_granularity="tensor", smoothquant=0.5, bn_retune=True)).passes == 3
+    assert run_facts(Recipe(act_granularity="tensor", act_calib="best")).sample_batches == 2
     assert run_facts(Recipe(act_calib="best", act_granularity="token")).sample_batches == 0
 
 
 def test_plan_gives_each_module_its_weight_and_input_plan():
     model = tiny("llama")
-    plan = build_plan(model, Recipe(format="e4m3", overrides={"*.mlp.*": "e5m2",
+    plan = build_plan(model, Recipe(act_granularity="tensor",
+                                    format="e4m3", overrides={"*.mlp.*": "e5m2",
                                                               "*.self_attn.o_proj": "none"},
                                     act_calib="percentile", weight_granularity="block",
                                     block_size=16))
@@ -59,7 +60,7 @@ def test_plan_gives_each_module_its_weight_and_input_plan():
 
 
 def test_overriding_every_module_to_none_makes_static_recipe_need_no_data():
-    plan = build_plan(tiny("llama"), Recipe(overrides={"*": "none"}))
+    plan = build_plan(tiny("llama"), Recipe(act_granularity="tensor", overrides={"*": "none"}))
     assert plan.modules == [] and not plan.facts.static_inputs
 
 
@@ -83,7 +84,7 @@ def test_registry_entries_carry_kind_and_options_and_drive_validation():
                                                           pow2_range=(1, 2)).percentile == 50.0
     assert set(registry.names("activation", registry.LAYER_AWARE)) == {"best", "pow2-search"}
     with pytest.raises(UsageError, match="act_calib must be one of"):
-        Recipe(act_calib="kl")
+        Recipe(act_granularity="tensor", act_calib="kl")
     with pytest.raises(UsageError, match="layer-aware"):
         registry.activation_entry("best").build()
 
@@ -99,13 +100,14 @@ def test_choose_layerwise_dispatches_by_entry_and_a_new_layer_aware_entry_runs(m
                                      fallback="max")
     monkeypatch.setitem(registry._REGISTRY["activation"], "probe", entry)
     model = tiny("llama")
-    recipe = Recipe(act_calib="probe")
+    recipe = Recipe(act_granularity="tensor", act_calib="probe")
     plan = build_plan(model, recipe)
     samples = {m.name: torch.zeros(1) for m in plan.gemms}
     choose_layerwise(model, plan.gemms, {}, samples, recipe, None, None, [])
     assert calls == [[m.name for m in plan.gemms]]
     with pytest.raises(ValueError, match="not a layer-aware"):
-        choose_layerwise(model, plan.gemms, {}, samples, Recipe(act_calib="max"), None, None, [])
+        choose_layerwise(model, plan.gemms, {}, samples, Recipe(act_granularity="tensor",
+                                                                act_calib="max"), None, None, [])
 
 
 def test_cli_token_activations_with_bn_retune_read_the_calibration_data(tmp_path):
@@ -132,7 +134,8 @@ def test_quantize_model_batches_feed_token_dynamic_smoothquant():
 
 def test_overrides_are_partial_plans_and_the_short_form_keeps_working():
     model = tiny("llama")
-    recipe = Recipe(format="e4m3", overrides={"*.mlp.*": {"act_format": "none"},
+    recipe = Recipe(act_granularity="tensor",
+                    format="e4m3", overrides={"*.mlp.*": {"act_format": "none"},
                                               "*.self_attn.q_proj": {"weight_format": "e5m2"},
                                               "*.self_attn.k_proj": "int8",
                                               "*.self_attn.v_proj": {"weight_format": "none"}})
@@ -146,6 +149,23 @@ def test_overrides_are_partial_plans_and_the_short_form_keeps_working():
     assert "self_attn.v_proj" not in plan
     assert Recipe.from_dict(recipe.to_dict()) == recipe  # records and reloads as given
     with pytest.raises(UsageError, match="partial plans with keys"):
-        Recipe(overrides={"x": {"granularity": "tensor"}})
+        Recipe(act_granularity="tensor", overrides={"x": {"granularity": "tensor"}})
     with pytest.raises(UsageError, match="override x=e9m9"):
-        Recipe(overrides={"x": {"act_format": "e9m9"}})
+        Recipe(act_granularity="tensor", overrides={"x": {"act_format": "e9m9"}})
+
+
+def test_default_recipe_is_dynamic_per_token_and_static_on_convolutions():
+    """The default (FP8_DYNAMIC) on a CNN: per-token scales need a token axis, so the
+    convolutions get static per-tensor input scales and the linear head dynamic per-token
+    ones; an explicit --act-granularity is what every module gets."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 10))
+    plan = build_plan(model, Recipe())
+    got = {m.name: (m.input.granularity, m.input.static) for m in plan.gemms}
+    assert got == {"0": ("tensor", True), "3": ("token", False)}
+    assert plan.needs_calibration and Recipe().weight_calib == "max"
+    assert Recipe(calib_data="c.txt").weight_calib == "gptq"
+    assert Recipe(calib_data="c.txt", scheme="fp8-dynamic").weight_calib == "max"
+    explicit = build_plan(model, Recipe(act_granularity="token"))
+    assert {m.input.granularity for m in explicit.gemms} == {"token"}
+    assert not build_plan(tiny("llama"), Recipe()).needs_calibration

@@ -48,7 +48,8 @@ def test_sizes():
 
 def test_estimate_counts_the_weights_blocks_and_calibration(src):
     model = build_empty(src, torch.bfloat16)
-    est = route.estimate(model, Recipe(num_samples=4, seq_len=16, batch_size=2))
+    est = route.estimate(model, Recipe(act_granularity="tensor",
+                                       num_samples=4, seq_len=16, batch_size=2))
     real = tiny("llama")
     numel = sum(p.numel() for p in real.parameters())
     layer = sum(p.numel() for p in real.model.layers[0].parameters())
@@ -61,12 +62,12 @@ def test_estimate_counts_the_weights_blocks_and_calibration(src):
                                                         + 2 * 4 * 16 * 16)
     assert est.activations == 2 * 4 * 16 * 64 * 2
     assert est.in_memory > est.sequential_fixed > route.RUNTIME_BYTES
-    weight_only = route.estimate(model, Recipe(act_format="none"))
+    weight_only = route.estimate(model, Recipe(act_granularity="tensor", act_format="none"))
     assert weight_only.parts["calibration_batch_bytes"] == 0 and weight_only.activations == 0
 
 
 def test_choose_by_budget(src):
-    static = Recipe(num_samples=4, seq_len=16)
+    static = Recipe(act_granularity="tensor", num_samples=4, seq_len=16)
     assert route.choose(str(src), static).path == "in-memory"
     big = route.choose(str(src), static, max_memory=8 * 10**9)
     assert big.path == "in-memory" and "fit --max-memory 8.00 GB" in big.reason
@@ -84,12 +85,15 @@ def test_choose_by_budget(src):
     assert forced.path == "sequential" and forced.reason.startswith("--sequential")
     assert forced.activation_budget == 8 * 10**9 - forced.estimate.sequential_fixed
     # no calibration: model-free whatever the budget (it needs a few tensors in memory)
-    free = route.choose(str(src), Recipe(act_format="none"), max_memory=10**6)
+    free = route.choose(str(src), Recipe(act_granularity="tensor",
+                                         act_format="none"), max_memory=10**6)
     assert free.path == "model-free" and free.job is not None
-    no_free = route.choose(str(src), Recipe(act_format="none"), model_free=False,
+    no_free = route.choose(str(src), Recipe(act_granularity="tensor",
+                                            act_format="none"), model_free=False,
                            max_memory=10**6)
     assert no_free.path == "sequential"
-    assert route.choose(str(src), Recipe(act_format="none"), model_free=False).path == \
+    assert route.choose(str(src), Recipe(act_granularity="tensor",
+                                         act_format="none"), model_free=False).path == \
         "in-memory"
     with pytest.raises(UsageError, match="two different paths"):
         route.choose(str(src), static, sequential=True, model_free=True)
@@ -102,8 +106,10 @@ def _quantize(*args):
 
 
 def test_cli_budget_too_small_for_in_memory_runs_sequential(src, calib, tmp_path):
-    common = [src, "--calib-data", calib, "--num-samples", "4", "--seq-len", "16"]
-    est = route.estimate(build_empty(src, torch.bfloat16), Recipe(num_samples=4, seq_len=16))
+    common = [src, "--calib-data", calib, "--num-samples", "4", "--seq-len", "16",
+              "--act-granularity", "tensor", "--weight-calib", "max"]
+    est = route.estimate(build_empty(src, torch.bfloat16), Recipe(act_granularity="tensor",
+                                                                  num_samples=4, seq_len=16))
     between = (est.in_memory + est.sequential_fixed) // 2  # in bytes: the tiny model is small
     seq = _quantize(*common, "-o", tmp_path / "seq", "--max-memory", between, "--propagate",
                     "fp")

@@ -22,7 +22,7 @@ HARD = "model.layers.0.self_attn.o_proj"
 SENTENCES = ["the quick brown fox jumps over the lazy dog",
              "a small model reads a few words of text",
              "hello world and hello again"]
-RECIPE = Recipe(dtype="float32")
+RECIPE = Recipe(act_granularity="tensor", dtype="float32")  # static inputs: pinned
 
 
 def _corpus(word_tokenizer, n: int, seed: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ def _quant_state(model):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
 def test_sequential_fp_propagation_is_bit_identical(arch, tmp_path):
     folder = _saved(arch, tmp_path)
-    recipe = Recipe(dtype="float32", act_calib="best")
+    recipe = Recipe(act_granularity="tensor", dtype="float32", act_calib="best")
     batches = list(token_batches(IDS, 3))
     ref = type(_tiny(arch)).from_pretrained(folder, dtype=torch.float32).eval()
     quantize_model(ref, recipe, batches)
@@ -52,7 +52,7 @@ def test_sequential_fp_propagation_is_bit_identical(arch, tmp_path):
 
 def test_spill_under_tiny_budget_gives_the_same_result(tmp_path, monkeypatch):
     folder = _saved("llama", tmp_path)
-    recipe = Recipe(dtype="float32")
+    recipe = Recipe(act_granularity="tensor", dtype="float32")
     batches = list(token_batches(IDS, 2))
     spilled = []
     real_close = ActivationStore.close
@@ -73,7 +73,7 @@ def test_spill_under_tiny_budget_gives_the_same_result(tmp_path, monkeypatch):
 
 def test_quantized_propagation_differs_and_stays_close(tmp_path):
     folder = _saved("llama", tmp_path)
-    recipe = Recipe(dtype="float32")
+    recipe = Recipe(act_granularity="tensor", dtype="float32")
     batches = list(token_batches(IDS, 3))
     fp, _ = quantize_sequential(folder, recipe, batches, propagate="fp")
     q, _ = quantize_sequential(folder, recipe, batches, propagate="quantized")
@@ -132,7 +132,8 @@ def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp
     word_tokenizer.save_pretrained(folder)
     calib = tmp_path / "calib.txt"
     calib.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
-    args = ["--calib-data", str(calib), "--num-samples", "4", "--seq-len", "16", "--json"]
+    args = ["--calib-data", str(calib), "--num-samples", "4", "--seq-len", "16", "--json",
+            "--act-granularity", "tensor", "--weight-calib", "max"]
     outs = {}
     for mode, extra in (("memory", []), ("sequential", ["--sequential", "--propagate", "fp"])):
         out = tmp_path / mode
@@ -232,7 +233,8 @@ def test_a_failing_block_write_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(CheckpointWriter, "add_block", add_block)
     with pytest.raises(Fp8ptqError, match="disk went away; nothing was written"):
-        write_sequential(folder, Recipe(dtype="float32"), list(token_batches(IDS, 3)),
+        write_sequential(folder, Recipe(act_granularity="tensor",
+                                        dtype="float32"), list(token_batches(IDS, 3)),
                          tmp_path / "out")
     assert calls == ["model.layers.0.", "model.layers.1."]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]

@@ -31,7 +31,8 @@ def quant_state(model):
 def test_sequential_moe_is_bit_identical_and_reloads(arch, tmp_path):
     tiny(arch).save_pretrained(tmp_path / "src", max_shard_size="200KB")  # experts span files
     # the recipe vLLM's fused-MoE kernels serve: compressed-tensors with per-expert names
-    recipe = Recipe(dtype="float32", weight_granularity="tensor", batch_size=2)
+    recipe = Recipe(act_granularity="tensor",
+                    dtype="float32", weight_granularity="tensor", batch_size=2)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
     ref_result = quantize_model(ref, recipe, batches())
     result, loader = quantize_sequential(tmp_path / "src", recipe, batches(), propagate="fp")

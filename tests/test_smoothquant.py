@@ -117,7 +117,8 @@ def test_smoothed_model_computes_the_same_in_fp32(arch, alpha):
     model = randomize_norms(tiny(arch))
     original = copy.deepcopy(model)
     ref = run(model, IDS)
-    report, *_ = smooth(model, Recipe(format="e4m3", smoothquant=alpha, dtype="float32"))
+    report, *_ = smooth(model, Recipe(act_granularity="tensor",
+                                      format="e4m3", smoothquant=alpha, dtype="float32"))
 
     assert {n: g["consumers"] for n, g in report["groups"].items()} == EXPECTED_GROUPS[arch]
     for norm, group in report["groups"].items():
@@ -150,7 +151,8 @@ def test_smoothquant_lowers_quantized_error_with_outlier_channels(arch, fmt):
 
     def quantized_error(alpha):
         model = copy.deepcopy(base)
-        result = quantize_model(model, Recipe(format=fmt, smoothquant=alpha, dtype="float32",
+        result = quantize_model(model, Recipe(act_granularity="tensor",
+                                              format=fmt, smoothquant=alpha, dtype="float32",
                                               skip=UNSMOOTHABLE), token_batches(IDS, 4))
         return rel_error(run(model, IDS), ref), result
 
@@ -181,7 +183,8 @@ def _objective(x, act_amax, weights, fmt, s):
 def test_auto_alpha_is_no_worse_than_half_on_its_objective(fmt):
     model = with_outliers("llama")
     original = copy.deepcopy(model)
-    report, _, pre, samples = smooth(model, Recipe(format=fmt, smoothquant="auto",
+    report, _, pre, samples = smooth(model, Recipe(act_granularity="tensor",
+                                                   format=fmt, smoothquant="auto",
                                                    dtype="float32"))
     spec = get_format(fmt)
     assert report["alpha"] == "auto" and len(report["groups"]) == 4
@@ -213,7 +216,8 @@ def test_auto_leaves_a_group_unsmoothed_when_no_alpha_beats_that():
     model = tiny("llama")
     original = copy.deepcopy(model)
     ref = run(model, IDS)
-    report, *_ = smooth(model, Recipe(format="e4m3", act_format="none", smoothquant="auto",
+    report, *_ = smooth(model, Recipe(act_granularity="tensor",
+                                      format="e4m3", act_format="none", smoothquant="auto",
                                       dtype="float32"))
     kept = {n: g for n, g in report["groups"].items() if g["alpha"] is None}
     assert kept and len(kept) < len(report["groups"])
@@ -230,7 +234,7 @@ def test_auto_leaves_a_group_unsmoothed_when_no_alpha_beats_that():
 @pytest.mark.parametrize("alpha", [0.5, "auto"])
 def test_report_is_json_records_alpha_per_group_and_checkpoint_keeps_it(tmp_path, alpha):
     model = with_outliers("llama")
-    recipe = Recipe(format="e4m3", smoothquant=alpha, dtype="float32")
+    recipe = Recipe(act_granularity="tensor", format="e4m3", smoothquant=alpha, dtype="float32")
     result = quantize_model(model, recipe, token_batches(IDS, 4))
     report = result.extras["smoothquant"]
     assert json.loads(json.dumps(report, allow_nan=False)) == report

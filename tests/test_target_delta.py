@@ -25,9 +25,9 @@ SENSITIVE = "model.layers.0.mlp.down_proj"
 
 
 def test_ladder():
-    names = [r.name for r in ladder(Recipe())]
+    names = [r.name for r in ladder(Recipe(act_granularity="tensor"))]
     assert names == ["base", "gptq", "finer", "fallback"]
-    rungs = {r.name: r for r in ladder(Recipe())}
+    rungs = {r.name: r for r in ladder(Recipe(act_granularity="tensor"))}
     assert rungs["gptq"].fields == {"weight_calib": "gptq"}
     assert rungs["finer"].fields == {"weight_calib": "gptq", "act_granularity": "token"}
     assert rungs["fallback"].skip and rungs["fallback"].override() == "none"
@@ -42,13 +42,13 @@ def test_ladder():
     assert [x.name for x in ladder(Recipe(weight_calib="gptq", act_granularity="token"))] == [
         "base", "fallback"]
     # the rung's recipe for the sweep
-    assert rungs["finer"].recipe(Recipe()).act_granularity == "token"
+    assert rungs["finer"].recipe(Recipe(act_granularity="tensor")).act_granularity == "token"
     assert Rung("fallback", {"format": "e5m2"}, 4).recipe(
-        Recipe(weight_format="e4m3")).weight_format is None
+        Recipe(act_granularity="tensor", weight_format="e4m3")).weight_format is None
 
 
 def test_assign_by_gain_per_cost():
-    rungs = ladder(Recipe())  # costs base 0, gptq 1, finer 2, fallback 4
+    rungs = ladder(Recipe(act_granularity="tensor"))  # costs base 0, gptq 1, finer 2, fallback 4
     deltas = {"a": {"base": 1.0, "gptq": 0.2, "finer": 0.1, "fallback": 0.0},
               "b": {"base": 0.3, "gptq": 0.29, "finer": 0.05, "fallback": 0.0},
               "c": {"base": -0.1, "gptq": 0.0, "finer": 0.0, "fallback": 0.0}}
@@ -114,7 +114,7 @@ def test_choose_moves_only_the_sensitive_module():
     model = sensitive_llama()
     batches = list(token_batches(windows(8, 32, 100), 4))
     eval_ids = windows(4, 32, 200)
-    recipe = Recipe(dtype="float32")
+    recipe = Recipe(act_granularity="tensor", dtype="float32")
     result = choose(model, recipe, batches, eval_ids, target="2%")
     units = {u.unit: u for u in result.units}
     assert units[SENSITIVE].deltas["base"] > 10 * max(
@@ -155,7 +155,7 @@ def test_partial_plan_overrides_reach_the_pipeline():
         else:
             assert gptq["distinct_inputs"] == 1  # only down_proj's Hessian
     with pytest.raises(UsageError, match="override x weight_calib"):
-        Recipe(overrides={"x": {"weight_calib": "nope"}})
+        Recipe(act_granularity="tensor", overrides={"x": {"weight_calib": "nope"}})
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp8ptq.validate import RULES, validate
-from tiny_models import invoke, tiny
+from tiny_models import STATIC, invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "hello world and hello again"]
-CALIB = ["--num-samples", "4", "--seq-len", "8", "--batch-size", "2"]
+CALIB = ["--num-samples", "4", "--seq-len", "8", "--batch-size", "2", *STATIC]
 
 
 @pytest.fixture(scope="module")

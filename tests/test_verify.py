@@ -28,8 +28,9 @@ def moe(tmp_path_factory):
     """A native (channel weights, static activations) and a compressed-tensors (per-tensor
     weights) checkpoint of a tiny Qwen3-MoE with fused experts."""
     root = tmp_path_factory.mktemp("moe")
-    for name, recipe in (("native", Recipe(format="e4m3", batch_size=2)),
-                         ("ct", Recipe(format="e4m3", batch_size=2, weight_granularity="tensor"))):
+    for name, recipe in (("native", Recipe(act_granularity="tensor", format="e4m3", batch_size=2)),
+                         ("ct", Recipe(act_granularity="tensor",
+                                       format="e4m3", batch_size=2, weight_granularity="tensor"))):
         result = quantize_model(tiny("qwen3_moe"), recipe, batches())
         facts = save_quantized(result, recipe, root / name)
         assert facts["layout"] == {"native": "fp8ptq-native", "ct": "compressed-tensors"}[name]

@@ -25,6 +25,10 @@ from transformers import (
 from fp8ptq.cli.main import main
 
 VOCAB = 128
+# The recipe before the default became FP8_DYNAMIC + GPTQ: channel weights rounded to nearest,
+# static per-tensor activation scales. Tests of static scales / calibration pin it explicitly.
+STATIC = ["--act-granularity", "tensor", "--weight-calib", "max"]
+STATIC_RECIPE = dict(act_granularity="tensor", weight_calib="max")
 ARCHS = ("llama", "gpt2", "opt", "bert")
 
 MOE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -85,14 +85,15 @@ def quantize_flags(recipe: Recipe, suggestion: Suggestion) -> list[str]:
     """``fp8ptq quantize`` flags for ``recipe`` (where it differs from the defaults, less the
     calibration-size flags) with the suggestion applied."""
     flags = ["--format", suggestion.format]
-    default = Recipe()
+    default = Recipe(calib_data=recipe.calib_data)  # the weight calibrator's default needs it
     for name in Recipe.model_fields:
         value = getattr(recipe, name)
         if name in NOT_SUGGESTED or value == getattr(default, name):
             continue
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            flags += [flag] if value else []
+        if isinstance(value, bool):  # on-by-default GPTQ switches are turned off by --no-
+            flags += [flag] if value else (["--no-" + flag[2:]] if name.startswith("gptq_")
+                                           else [])
         elif isinstance(value, tuple):
             flags += [flag, ",".join(map(str, value))]
         else:
