@@ -139,7 +139,7 @@ def test_choose_moves_only_the_sensitive_module():
 def test_partial_plan_overrides_reach_the_pipeline():
     """What --target-delta writes as overrides: a module's own weight calibrator (GPTQ, with its
     Hessian) and activation granularity."""
-    recipe = Recipe(dtype="float32", gptq_sequential=False, overrides={
+    recipe = Recipe(act_granularity="tensor", dtype="float32", gptq_sequential=False, overrides={
         "model.layers.0.mlp.down_proj": {"weight_calib": "gptq", "act_granularity": "token"}})
     for sequential in (False, True):
         model = tiny("llama")

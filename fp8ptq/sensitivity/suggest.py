@@ -85,10 +85,12 @@ def quantize_flags(recipe: Recipe, suggestion: Suggestion) -> list[str]:
     """``fp8ptq quantize`` flags for ``recipe`` (where it differs from the defaults, less the
     calibration-size flags) with the suggestion applied."""
     flags = ["--format", suggestion.format]
-    default = Recipe(calib_data=recipe.calib_data)  # the weight calibrator's default needs it
+    # the defaults given the same calibration data (the weight calibrator's depends on it)
+    default = Recipe(calib_data=recipe.calib_data)
     for name in Recipe.model_fields:
         value = getattr(recipe, name)
-        if name in NOT_SUGGESTED or value == getattr(default, name):
+        if name in NOT_SUGGESTED or (name != "calib_data" and value == getattr(default, name)) \
+                or value is None:
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):  # on-by-default GPTQ switches are turned off by --no-
