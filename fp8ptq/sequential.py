@@ -117,19 +117,20 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     t0 = time.perf_counter()
     store = ActivationStore(activation_budget, spill_dir)
     # under torchrun a rank carries its own share (+ the example batches every rank reads)
-    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+    kwargs_list = distributed.together(capture_block_inputs, model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches), SAMPLE_BATCHES))
     run.times["calibrate"] += time.perf_counter() - t0
     tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
-        loader.load_block(i, prefix)
+        # every step without a collective of its own ends all ranks together if one fails
+        distributed.together(loader.load_block, i, prefix)
         nxt = ActivationStore(activation_budget, spill_dir)
         if propagate == "fp":
-            tupled = run_block(block, store, kwargs_list, nxt)
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         reports = run.quantize_block(block, prefix, store, kwargs_list)
         if propagate == "quantized":
-            tupled = run_block(block, store, kwargs_list, nxt)
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         store.close()
         store = nxt
         if open_writer is not None:
@@ -154,13 +155,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
 
 def _agreed(writer: CheckpointWriter | None, work) -> None:
     """``work(writer)`` where there is a writer (rank 0); a failure ends every rank together."""
-    error = None
-    try:
-        if writer is not None:
-            work(writer)
-    except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
-        error = e
-    distributed.agree(error)
+    distributed.together(lambda: None if writer is None else work(writer))
 
 
 def _write_outside(writer: CheckpointWriter, model: nn.Module, list_name: str,
