@@ -310,20 +310,23 @@ class _Stand(nn.Module):
 
 
 def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, output, *,
-                     force: bool = False, tokenizer=None, close_kwargs=None, **options):
+                     force: bool = False, tokenizer=None, close_kwargs=None,
+                     max_shard_bytes: int | None = None, **options):
     """``quantize_sequential`` writing checkpoint ``output`` as it goes: each block is written
     (``CheckpointWriter.add_block``) as soon as it is quantized and then freed; the writer is
     closed at the end with ``close_kwargs(result)`` (source, calibration facts, ``check``...)
     passed to ``CheckpointWriter.close``. Rank 0 writes under torchrun. Returns (result,
     sizes: what ``close`` returns, {} on other ranks). Any failure leaves nothing at
-    ``output``. ``options``: those of ``quantize_sequential``."""
+    ``output``. ``max_shard_bytes``: the output shard size (default 2 GiB); the writer holds
+    the open shard in memory, so it is part of the peak (``route.shard_bytes`` sizes it under
+    ``--max-memory``). ``options``: those of ``quantize_sequential``."""
     writers: list[CheckpointWriter] = []
     sizes: dict = {}
     with ExitStack() as stack:
         def open_writer(model, plan):
             choice = choose_layout(describe_plan(plan), model_type=model_type_of(model))
-            writers.append(stack.enter_context(CheckpointWriter.open(output, choice,
-                                                                     force=force)))
+            writers.append(stack.enter_context(CheckpointWriter.open(
+                output, choice, force=force, max_shard_bytes=max_shard_bytes)))
             return writers[-1]
 
         result, _ = quantize_sequential(folder, recipe, batches, open_writer=open_writer,
@@ -342,7 +345,8 @@ def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, o
 
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
-                    output=None, force: bool = False, close_kwargs=None):
+                    output=None, force: bool = False, close_kwargs=None,
+                    max_shard_bytes: int | None = None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
@@ -364,6 +368,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     else:
         result, sizes = write_sequential(
             folder, recipe, batches, output, force=force, tokenizer=tokenizer,
-            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)), **options)
+            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)),
+            max_shard_bytes=max_shard_bytes, **options)
     loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
     return result, loaded, calib, sizes
