@@ -39,11 +39,12 @@ from torch import nn
 from . import distributed
 from .checkpoint.shards import SHARD_BYTES
 from .errors import UsageError
+from .loading import resolve_safetensors
 from .model.blocks import find_blocks
 from .model_free import ModelFreeJob, NotModelFree, refusal
 from .plan import build_plan, run_facts
 from .recipe import Recipe
-from .source import build_empty, resolve_safetensors
+from .weights import build_empty
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
 
@@ -85,7 +86,7 @@ class Estimate:
 
 
 def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Estimate:
-    """Peak-memory estimates for ``model`` (built on the meta device, ``source.build_empty``)
+    """Peak-memory estimates for ``model`` (built on the meta device, ``weights.build_empty``)
     quantized with ``recipe``; ``budget``: the ``--max-memory`` bytes, which size the output
     shard the sequential path's writer holds open (``shard_bytes``)."""
     size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
