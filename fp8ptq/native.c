@@ -265,7 +265,31 @@ static inline v8i vstep_log2(const fmt_t *f, v8u field, int kind) {
     return visel(e < f->lin_lo, vsplat(f->lin_slo), vmin(e, vsplat(f->lin_hi)) - f->mbits);
 }
 
+/* vquantize for IEEE-like grids rounded half to even, in integer operations on the float32
+ * bits: in the normal binades the grid keeps ``mbits`` mantissa bits, so rounding is adding
+ * half a step minus one plus the kept lowest bit, then clearing the dropped bits (a carry moves
+ * into the exponent by itself); below the smallest normal the spacing is fixed, 2^slo, and one
+ * float addition of C = 2^(slo + 23) rounds to it (|y| < C, so the sum's ulp is that spacing;
+ * IEEE addition rounds half to even) and subtracting C back is exact. Same values as the
+ * floor / fraction form below, bit for bit (NaN keeps its payload, quietened, like the
+ * multiplications there); a third of the operations. */
+static inline v8f vquantize_rne_linear(const fmt_t *f, v8f y) {
+    v8u yb = (v8u)y;
+    v8u ab = yb & 0x7fffffffu;
+    const int drop = 23 - f->mbits;
+    v8u r = (ab + ((1u << (drop - 1)) - 1u) + ((ab >> drop) & 1u)) & ~((1u << drop) - 1u);
+    const float c = pow2(f->lin_slo + 23);
+    v8u sub = (v8u)(((v8f)ab + c) - c);
+    v8i normal = (v8i)ab >= (int32_t)((uint32_t)(127 + f->lin_lo) << 23);
+    v8i q = visel(normal, (v8i)r, (v8i)sub);
+    q = visel(q > (int32_t)f2u(f->max), vsplat((int32_t)f2u(f->overflow)), q);
+    q = visel((v8i)ab > 0x7f800000, (v8i)(ab | 0x400000u), q);
+    if (!f->negzero) return (v8f)((v8u)q | (yb & 0x80000000u & (v8u)(q != 0)));
+    return (v8f)((v8u)q | (yb & 0x80000000u));
+}
+
 static inline v8f vquantize(const fmt_t *f, v8f y, int kind, int rounding) {
+    if (kind == K_LINEAR && rounding == R_NEAREST_EVEN) return vquantize_rne_linear(f, y);
     v8u yb = (v8u)y;
     v8u ab = yb & 0x7fffffffu;
     if (kind == K_INT) {  /* quantize_int: round half even is sign * rint(|y|) */
@@ -298,11 +322,11 @@ static inline v8i vcode(const fmt_t *f, v8f q, int kind) {
     if (kind == K_INT) return __builtin_convertvector(q, v8i) & f->code_mask;
     v8u qb = (v8u)q;
     v8u ab = qb & 0x7fffffffu;
-    v8i finite = ab < 0x7f800000u;
+    v8i finite = (v8i)ab < 0x7f800000;  /* signed compares: ab < 2^31 (AVX2 has no unsigned) */
     ab = (v8u)((v8i)ab & finite);
     v8i code;
     if (kind == K_LINEAR && f->lin_codes) {
-        v8i normal = ab >= (uint32_t)(127 + f->lin_lo) << 23;
+        v8i normal = (v8i)ab >= (int32_t)((uint32_t)(127 + f->lin_lo) << 23);
         v8i sub = __builtin_convertvector((v8f)ab * pow2(f->mbits - f->lin_lo), v8i);
         code = visel(normal, (v8i)(ab >> (23 - f->mbits)) - f->lin_code_off, sub);
     } else {
@@ -327,6 +351,20 @@ static inline v8u vbf16_bits(v8f v) {  /* f2bf, lane by lane */
     return (v8u)visel(v != v, vsplat(0x7fc0), (v8i)r);
 }
 
+/* The low byte / low half of each 32-bit lane (a truncating narrow: lanes hold codes < 256 and
+ * bfloat16 patterns). A byte shuffle, where __builtin_convertvector goes lane by lane through
+ * general registers. */
+typedef uint8_t v32b __attribute__((vector_size(32)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+static inline v8b narrow8(v8i v) {
+    v32b b = (v32b)v;
+    return __builtin_shufflevector(b, b, 0, 4, 8, 12, 16, 20, 24, 28);
+}
+static inline v8h narrow16(v8u v) {
+    v16h h = (v16h)v;
+    return __builtin_shufflevector(h, h, 0, 2, 4, 6, 8, 10, 12, 14);
+}
+
 /* Elements [lo, hi) of one row (one scale ``s``; ``scaled`` = 0 means no scale). Always
  * inlined into one function per (kind, source dtype, output, rounding) below, so that the
  * branches on them are resolved at compile time and the loop body is straight vector code. */
@@ -340,12 +378,12 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
         v8f y = scaled ? x / s : x;
         v8f q = vquantize(f, y, kind, rounding);
         if (out_kind == OUT_CODES) {
-            v8b c = __builtin_convertvector(vcode(f, q, kind), v8b);
+            v8b c = narrow8(vcode(f, q, kind));
             memcpy((uint8_t *)j->dst + k, &c, sizeof c);
         } else {
             v8f v = scaled ? q * s : q;
             if (dtype == DT_BF16) {
-                v8h h = __builtin_convertvector(vbf16_bits(v), v8h);
+                v8h h = narrow16(vbf16_bits(v));
                 memcpy((uint16_t *)j->dst + k, &h, sizeof h);
             } else {
                 memcpy((float *)j->dst + k, &v, sizeof v);
@@ -363,8 +401,15 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
 }
 
 static inline __attribute__((always_inline)) void
-fast_range(const job_t *j, int64_t lo, int64_t hi, const int kind, const int dtype,
+fast_range(const job_t *jp, int64_t lo, int64_t hi, const int kind, const int dtype,
            const int out_kind, const int rounding) {
+    /* Private copies of the job and the format: the output is written through a uint8_t /
+     * uint16_t pointer, which C lets alias anything, so with the caller's structs the compiler
+     * reloads every format field after each store; nothing can point into these locals. */
+    fmt_t fmt = *jp->fmt;
+    job_t job = *jp;
+    job.fmt = &fmt;
+    const job_t *j = &job;
     if (!j->scale) {
         fast_span(j, lo, hi, 1.0f, 0, kind, dtype, out_kind, rounding);
         return;
