@@ -15,23 +15,28 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
 from .atomic import atomic_dir
 from .checkpoint import load_quantized
 from .errors import DataError, UsageError, first_line
 from .files import read_json
-from .model.auto import TASK_CLASSES, LoadedModel, model_class  # noqa: F401 - re-exported
+from .model.auto import (  # noqa: F401 - re-exported
+    TASK_CLASSES,
+    LoadedModel,
+    load_config,
+    model_class,
+)
 from .placement import Placement
 from .safe_pickle import load_torch_file
+from .source import is_safetensors_folder
 from .vision import TinyMobileNet
-from .weights import has_safetensors, load_streaming
+from .weights import load_streaming
 
 # the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
 # "Expecting value: line 1 column 1" without a file name)
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json")
-REMOTE_CODE_HINTS = ("trust_remote_code", "custom code")
 
 
 def load_model(
@@ -152,22 +157,7 @@ def streamable(location, kind, config, placement_kwargs, hub_kwargs) -> bool:
     return (kind in ("local", "gguf") and not placement_kwargs
             and not hub_kwargs.get("trust_remote_code")
             and getattr(config, "quantization_config", None) is None
-            and has_safetensors(location))
-
-
-def load_config(source, location, **hub_kwargs):
-    """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
-    transformers does not know, or a repository that ships its own code (refused unless
-    ``trust_remote_code``)."""
-    try:
-        return AutoConfig.from_pretrained(location, **hub_kwargs)
-    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
-        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
-            raise UsageError(f"refusing to run the code that model {source!r} ships with "
-                             "(its config names its own Python modules); pass "
-                             "--trust-remote-code (trust_remote_code=True) only if you trust "
-                             "its source") from None
-        raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
+            and is_safetensors_folder(Path(location)))
 
 
 def load_tokenizer(source, location, **hub_kwargs):
@@ -293,6 +283,41 @@ def gguf_folder(gguf_path: Path, task: str | None = None) -> Path:
         _save_atomically(model, tokenizer, cached)
         del model
     return cached
+
+
+def resolve_safetensors(spec: str, *, task: str | None = None) -> tuple[Path, str] | str:
+    """``(folder, kind)`` of the safetensors checkpoint behind MODEL ``spec`` (kind: ``local``,
+    ``hub`` or ``gguf``), or a string saying why there is none (a ``.pt`` module, a folder with
+    only ``.bin`` weights, an fp8ptq checkpoint, a hub id with no snapshot)."""
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_folder(path.resolve(), task), "gguf"
+    if path.is_dir():
+        if (path / "fp8ptq.json").is_file():
+            return f"{spec} is an fp8ptq checkpoint (already quantized)"
+        if is_safetensors_folder(path):
+            return path.resolve(), "local"
+        return f"{spec} has no config.json with safetensors weights"
+    if path.exists() or spec.startswith((os.sep, ".", "~")) or spec.count("/") != 1:
+        return f"{spec} is not a safetensors checkpoint folder, a hub id or a .gguf file"
+    return _hub_snapshot(spec)
+
+
+def _hub_snapshot(repo_id: str) -> tuple[Path, str] | str:
+    """The local snapshot of hub model ``repo_id`` (config, tokenizer and safetensors files
+    only; fetched when the hub is reachable and the cache lacks them)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        folder = Path(snapshot_download(
+            repo_id, local_files_only=hub_offline(),
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
+    except (OSError, ValueError, HFValidationError) as e:
+        return f"no local snapshot of {repo_id} ({first_line(e)})"
+    if not is_safetensors_folder(folder):
+        return f"the snapshot of {repo_id} has no safetensors weights"
+    return folder, "hub"
 
 
 def _check_gguf(gguf_path: Path) -> None:

@@ -48,8 +48,9 @@ from .pipeline import (
 )
 from .plan import ModulePlan, build_plan, run_facts
 from .recipe import Recipe
-from .source import SafetensorsSource, build_empty
+from .source import SafetensorsSource
 from .weight_map import Load, SourceMap
+from .weights import build_empty
 
 
 class NotModelFree(UsageError):

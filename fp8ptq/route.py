@@ -38,11 +38,12 @@ from torch import nn
 from . import distributed
 from .checkpoint.shards import SHARD_BYTES
 from .errors import UsageError
+from .loading import resolve_safetensors
 from .model.blocks import find_blocks
 from .model_free import ModelFreeJob, NotModelFree, refusal
 from .plan import build_plan, run_facts
 from .recipe import Recipe
-from .source import build_empty, resolve_safetensors
+from .weights import build_empty
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
 
@@ -84,7 +85,7 @@ class Estimate:
 
 
 def estimate(model: nn.Module, recipe: Recipe) -> Estimate:
-    """Peak-memory estimates for ``model`` (built on the meta device, ``source.build_empty``)
+    """Peak-memory estimates for ``model`` (built on the meta device, ``weights.build_empty``)
     quantized with ``recipe``."""
     size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
     weights = sum(p.numel() for p in model.parameters()) * size

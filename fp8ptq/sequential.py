@@ -37,12 +37,13 @@ from .checkpoint.layouts import choose_layout, describe_plan, model_type_of, qua
 from .checkpoint.writer import CheckpointWriter
 from .data import build_calibration_set, resolve_calib_spec
 from .errors import DataError, UsageError
-from .loading import LoadedModel, load_config, load_tokenizer, model_class
+from .loading import LoadedModel, load_tokenizer
 from .model.blocks import block_prefix, find_blocks
 from .pipeline import QuantizeResult, high_precision_report, quantize_model, token_batches
 from .plan import SAMPLE_BATCHES, QuantPlan, build_plan
 from .recipe import Recipe
-from .weights import CheckpointKeys, SafetensorsSource, build_empty, load_tensors
+from .source import SafetensorsSource
+from .weights import WeightLoader, build_empty
 
 
 class BlockLoader:
@@ -52,13 +53,13 @@ class BlockLoader:
 
     def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
         self.model, self.source, self.dtype = model, source, dtype
-        self.keys = CheckpointKeys(model, source.names())
+        self.weights = WeightLoader(model, source, dtype)
         self.resident: set[int] = set()
         self.max_resident = 0
         self.loads: list[int] = []  # block indices in load order (tests read it)
 
     def load_prefix(self, prefix: str, exclude: str | None = None) -> None:
-        load_tensors(self.model, self.source, self.keys.under(prefix, exclude), self.dtype)
+        self.weights.load(self.weights.under(prefix, exclude))
 
     def load_block(self, index: int, prefix: str) -> None:
         self.load_prefix(prefix)
@@ -89,8 +90,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
         raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
                          "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
-    config = load_config(str(folder), folder)
-    model = build_empty(model_class(config), config, dtype)
+    model = build_empty(folder, dtype)
     found = find_blocks(model)
     if found is None:
         raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "

@@ -1,19 +1,18 @@
-"""A model's weights read from its safetensors files tensor by tensor, without building the model.
+"""A model's weights read from its safetensors files tensor by tensor: fp8ptq's one weight reader.
 
-Sequential quantization (``fp8ptq.sequential``: one block's tensors at a time) and the
-model-free path (``fp8ptq.model_free``: one GEMM weight at a time, never a model) read a
-checkpoint through ``SafetensorsSource``. Every shard's header is parsed and checked when the
-source opens (before anything is written): a truncated or corrupt shard, or an index naming a
-tensor its shard lacks, is one ``DataError`` line naming the file. Tensors are then read with
-positioned reads (``os.preadv``, which releases the GIL) straight into a tensor of their own:
-memory is the tensor read, not the shard, and no page of the file stays mapped into the
-process (a memory-mapped shard would count in its RSS up to the shard's size).
+Every path that reads a local safetensors checkpoint reads it through ``SafetensorsSource``:
+the in-memory pipeline's loader and sequential quantization (``fp8ptq.weights``: the whole
+model, or one block's tensors at a time, into a model built without weights) and the
+model-free path (``fp8ptq.model_free``: one GEMM weight at a time, never a model). Every
+shard's header is parsed and checked when the source opens (before anything is written): a
+truncated or corrupt shard, or an index naming a tensor its shard lacks, is one ``DataError``
+line naming the file. Tensors are then read with positioned reads (``os.preadv``, which
+releases the GIL) straight into a tensor of their own: memory is the tensor read, not the
+shard, and no page of the file stays mapped into the process (a memory-mapped shard would
+count in its RSS up to the shard's size).
 
-``resolve_safetensors(spec)`` finds the folder for what users pass as MODEL: a local folder,
-a hub id (its local snapshot, downloaded like ``from_pretrained`` would when the hub is
-reachable) or a ``.gguf`` file (fp8ptq's dequantized cache of it, ``fp8ptq.loading``).
-``build_empty`` builds the architecture from config.json with every parameter on the meta
-device (accelerate's ``init_empty_weights``), the structure the plan is made from.
+Which checkpoint tensor makes which parameter is ``fp8ptq.weight_map``'s job (transformers'
+own rules); where MODEL's safetensors folder is, ``fp8ptq.loading.resolve_safetensors``.
 """
 
 from __future__ import annotations
@@ -26,13 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
-from torch import nn
 
-from .errors import DataError, UsageError, first_line
+from .errors import DataError, first_line
 from .files import read_json
-from .loading import gguf_folder, hub_offline, load_config, model_class
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -182,52 +178,5 @@ def is_safetensors_folder(path: Path) -> bool:
                                                  or (path / INDEX_NAME).is_file())
 
 
-def resolve_safetensors(spec: str, *, task: str | None = None) -> tuple[Path, str] | str:
-    """``(folder, kind)`` of the safetensors checkpoint behind MODEL ``spec`` (kind: ``local``,
-    ``hub`` or ``gguf``), or a string saying why there is none (a ``.pt`` module, a folder with
-    only ``.bin`` weights, an fp8ptq checkpoint, a hub id with no snapshot)."""
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return gguf_folder(path.resolve(), task), "gguf"
-    if path.is_dir():
-        if (path / "fp8ptq.json").is_file():
-            return f"{spec} is an fp8ptq checkpoint (already quantized)"
-        if is_safetensors_folder(path):
-            return path.resolve(), "local"
-        return f"{spec} has no config.json with safetensors weights"
-    if path.exists() or spec.startswith((os.sep, ".", "~")) or spec.count("/") != 1:
-        return f"{spec} is not a safetensors checkpoint folder, a hub id or a .gguf file"
-    return _hub_snapshot(spec)
-
-
-def _hub_snapshot(repo_id: str) -> tuple[Path, str] | str:
-    """The local snapshot of hub model ``repo_id`` (config, tokenizer and safetensors files
-    only; fetched when the hub is reachable and the cache lacks them)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        folder = Path(snapshot_download(
-            repo_id, local_files_only=hub_offline(),
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]))
-    except (OSError, ValueError, HFValidationError) as e:
-        return f"no local snapshot of {repo_id} ({first_line(e)})"
-    if not is_safetensors_folder(folder):
-        return f"the snapshot of {repo_id} has no safetensors weights"
-    return folder, "hub"
-
-
-def build_empty(folder: str | Path, dtype: torch.dtype, task: str | None = None) -> nn.Module:
-    """The model's architecture from its config, every parameter on the meta device (buffers
-    are real: they come from the model's code, not from the checkpoint)."""
-    config = load_config(str(folder), folder)
-    try:
-        with init_empty_weights(include_buffers=False):
-            model = model_class(config, task).from_config(config, dtype=dtype)
-    except ValueError as e:  # e.g. an auto class that does not fit the architecture
-        raise UsageError(f"cannot build {folder}: {first_line(e)}") from None
-    return model.eval()
-
-
-__all__ = ["SafetensorsSource", "TensorEntry", "read_header", "resolve_safetensors",
-           "is_safetensors_folder", "build_empty", "DTYPES"]
+__all__ = ["SafetensorsSource", "TensorEntry", "read_header", "is_safetensors_folder", "DTYPES",
+           "INDEX_NAME", "SINGLE_NAME"]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from fp8ptq import route
 from fp8ptq.errors import UsageError
 from fp8ptq.recipe import Recipe
-from fp8ptq.source import build_empty
+from fp8ptq.weights import build_empty
 from tiny_models import invoke, tiny
 
 

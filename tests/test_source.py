@@ -14,10 +14,12 @@ from fp8ptq.errors import DataError, NumericsError
 from fp8ptq.formats import decode, encode, get_format
 from fp8ptq.formats.registry import preset_names
 from fp8ptq.granularity import weight_granularity
+from fp8ptq.loading import resolve_safetensors
 from fp8ptq.scales import sqnr_db
-from fp8ptq.source import SafetensorsSource, build_empty, resolve_safetensors
+from fp8ptq.source import SafetensorsSource
 from fp8ptq.weight_map import SourceMap
 from fp8ptq.weight_quant import _decoder, half_layout, quantize_weight
+from fp8ptq.weights import build_empty
 from tiny_models import tiny
 
 

@@ -1,6 +1,6 @@
-"""Model classes and the loaded-model record: a leaf module, so that loading a model
-(``fp8ptq.loading``) and loading an fp8ptq checkpoint (``fp8ptq.checkpoint.reader``) share them
-without importing each other."""
+"""Model configs, model classes and the loaded-model record: a leaf module, so that loading a
+model (``fp8ptq.loading``), building one without weights (``fp8ptq.weights``) and loading an
+fp8ptq checkpoint (``fp8ptq.checkpoint.reader``) share them without importing each other."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
 )
+
+from ..errors import DataError, UsageError, first_line
 
 TASK_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
@@ -20,6 +23,8 @@ TASK_CLASSES = {
     "seq-cls": AutoModelForSequenceClassification,
     "base": AutoModel,
 }
+
+REMOTE_CODE_HINTS = ("trust_remote_code", "custom code")
 
 
 @dataclass
@@ -44,3 +49,18 @@ def model_class(config, task: str | None = None):
         if arch.endswith(("ForCausalLM", "LMHeadModel")):
             return AutoModelForCausalLM
     return AutoModel
+
+
+def load_config(source, location, **hub_kwargs):
+    """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
+    transformers does not know, or a repository that ships its own code (refused unless
+    ``trust_remote_code``)."""
+    try:
+        return AutoConfig.from_pretrained(location, **hub_kwargs)
+    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
+        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
+            raise UsageError(f"refusing to run the code that model {source!r} ships with "
+                             "(its config names its own Python modules); pass "
+                             "--trust-remote-code (trust_remote_code=True) only if you trust "
+                             "its source") from None
+        raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
