@@ -211,6 +211,9 @@ def main() -> None:
     ap.add_argument("--no-llmc", action="store_true", help="skip the llm-compressor row")
     ap.add_argument("--remeasure-llmc", action="store_true",
                     help="rerun llm-compressor instead of reading its cached time")
+    ap.add_argument("--samples", type=int, help="calibration windows (override)")
+    ap.add_argument("--eval-tokens", type=int, help="WikiText slice length (override)")
+    ap.add_argument("--formats", help="comma-separated eval formats (override)")
     args = ap.parse_args()
     sections = set(args.only.split(","))
     if args.quick:
@@ -219,6 +222,9 @@ def main() -> None:
     else:
         dtype, samples, eval_tokens, articles, formats, repeat = (
             args.dtype or "bfloat16", 32, None, 1, EVAL_FORMATS, 2)
+    samples = args.samples or samples
+    eval_tokens = args.eval_tokens or eval_tokens
+    formats = args.formats.split(",") if args.formats else formats
     out = Rows()
     load0 = os.getloadavg()
     out.note(f"{torch.get_num_threads()} threads, native kernels "
