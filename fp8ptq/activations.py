@@ -10,7 +10,7 @@ up to a byte budget and spills the rest to files in a scratch folder (read back 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +112,21 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
             tupled = isinstance(y, tuple)
             out.put(i, y[0] if tupled else y)
     return tupled
+
+
+class BlockBatch(Mapping):
+    """One block's calibration batch (sequential mode, sequential GPTQ): the recorded keyword
+    arguments, and its hidden states read from the activation store only while a forward
+    runs."""
+
+    def __init__(self, store: ActivationStore, index: int, kwargs: dict):
+        self.store, self.index, self.kwargs = store, index, kwargs
+
+    def __getitem__(self, key):
+        return self.store.get(self.index) if key == "hidden_states" else self.kwargs[key]
+
+    def __iter__(self):
+        return iter(("hidden_states", *self.kwargs))
+
+    def __len__(self):
+        return 1 + len(self.kwargs)

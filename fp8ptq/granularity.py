@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
+
 
 @dataclass(frozen=True)
 class PerTensor:
@@ -22,8 +24,9 @@ class PerTensor:
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
         # in the weight's own dtype, then float32: max is exact, and a bf16 weight needs no
-        # float32 copy of itself
-        return w.abs().amax().float().reshape(1)
+        # float32 copy of itself (nor, through the C kernel, an |w| copy)
+        rows = native.row_absmax(w)
+        return w.abs().amax().float().reshape(1) if rows is None else rows.max().reshape(1)
 
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape([1] * w.dim())
@@ -46,7 +49,8 @@ class PerChannel:
         return getattr(t.float(), how)(dim=1, keepdim=True)
 
     def amax(self, w: torch.Tensor) -> torch.Tensor:
-        return w.abs().amax(dim=1, keepdim=True).float()
+        rows = native.row_absmax(w)  # one pass, no |w| copy; NaN as torch's amax
+        return w.abs().amax(dim=1, keepdim=True).float() if rows is None else rows.reshape(-1, 1)
 
     def expand(self, scale: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return scale.reshape(-1, 1)

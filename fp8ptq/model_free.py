@@ -35,16 +35,13 @@ from accelerate.utils import set_module_tensor_to_device
 
 from .errors import DataError, UsageError
 from .formats import decode
+from .fused import fused_groups, unified_weight_scales, unify_fused, unify_input_scales
 from .model.gemm import weight_from_2d
 from .pipeline import (
     QuantizeResult,
-    fused_groups,
     high_precision_report,
     quantize_experts_module,
     quantize_target,
-    unified_weight_scales,
-    unify_fused,
-    unify_input_scales,
 )
 from .plan import ModulePlan, build_plan, run_facts
 from .recipe import Recipe

@@ -34,7 +34,8 @@ import torch
 log = logging.getLogger("fp8ptq.native")
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared",
+         "-pthread")
 ARCH_FLAGS = ("-march=native",)
 
 # Codes of native.c's enums.
@@ -183,6 +184,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8ptq_observe.argtypes = [p, i32, i64, i64, p, p, p, i32, i32, i32, i32]
     lib.fp8ptq_observe.restype = ctypes.c_int
     lib.fp8ptq_have_f16.restype = ctypes.c_int
+    lib.fp8ptq_weight_sweep.argtypes = [ctypes.POINTER(FormatTables), p, i32, p, p, i32, i64, i64,
+                                        p, p, p, p, i32]
+    lib.fp8ptq_weight_sweep.restype = ctypes.c_int
+    lib.fp8ptq_row_absmax.argtypes = [p, i32, i64, i64, p, i32]
+    lib.fp8ptq_row_absmax.restype = None
     lib.fp8ptq_advise_huge.argtypes = [p, i64]
     lib.fp8ptq_advise_huge.restype = None
 
@@ -235,6 +241,42 @@ def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
                               int(per_col), None if rand is None else rand.data_ptr(),
                               x.numel(), cols, torch.get_num_threads())
     return out
+
+
+def row_absmax(w2d: torch.Tensor) -> torch.Tensor | None:
+    """``w2d.abs().amax(dim=1).float()`` of a contiguous float32 / bfloat16 [rows, cols]
+    matrix in one pass without a copy of it (NaN in a row gives NaN, as torch), or None where
+    the kernels do not apply."""
+    if w2d.dim() != 2 or w2d.dtype not in (torch.float32, torch.bfloat16) or \
+            not w2d.is_contiguous() or not supports(w2d) or w2d.shape[1] == 0:
+        return None
+    out = torch.empty(w2d.shape[0], dtype=torch.float32)
+    library().fp8ptq_row_absmax(w2d.data_ptr(), DTYPES[w2d.dtype], w2d.shape[0], w2d.shape[1],
+                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def weight_sweep(tables: FormatTables, w2d: torch.Tensor, scale: torch.Tensor, per_row: bool):
+    """``weight_quant.quantize_weight`` in one pass over the contiguous [rows, cols] float32 /
+    bfloat16 ``w2d`` (``supports(w2d)`` must hold) with float32 ``scale`` (one value, or one per
+    row): ``(codes, signal, noise, amax, nonfinite)`` - uint8 codes of ``w2d / scale``, per-row
+    float64 sums of x^2 and of (x - dequantized)^2, per-row float32 max of finite |x|, and the
+    count of non-finite values; None where the kernel does not apply (the caller's torch path
+    runs)."""
+    rows, cols = w2d.shape
+    codes = empty((rows, cols), torch.uint8)
+    signal = torch.empty(rows, dtype=torch.float64)
+    noise = torch.empty(rows, dtype=torch.float64)
+    amax = torch.empty(rows, dtype=torch.float32)
+    nonfinite = ctypes.c_int64(0)
+    rc = library().fp8ptq_weight_sweep(ctypes.byref(tables), w2d.data_ptr(), DTYPES[w2d.dtype],
+                                       codes.data_ptr(), scale.data_ptr(), int(per_row), rows,
+                                       cols, signal.data_ptr(), noise.data_ptr(),
+                                       amax.data_ptr(), ctypes.addressof(nonfinite),
+                                       torch.get_num_threads())
+    if rc != 0:
+        return None
+    return codes, signal, noise, amax, int(nonfinite.value)
 
 
 def observe(x2d: torch.Tensor, channel_amax: torch.Tensor, histogram: torch.Tensor,

@@ -17,6 +17,13 @@ from .calibrators.layerwise import choose_layerwise
 from .calibrators.registry import weight_entry
 from .errors import NumericsError, UsageError
 from .formats import decode
+from .fused import (
+    fused_groups,
+    unified_weight_scales,
+    unify_fused,
+    unify_input_scales,
+)
+from .gptq_sequential import outside_blocks, quantize_in_order
 from .hessian import HessianCollector
 from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
@@ -160,7 +167,10 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
-    hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)}) \
+    in_order = facts.gptq and recipe.gptq_sequential and batches is not None
+    one_pass = set(outside_blocks(model, targets)) if in_order else None  # the rest: in order
+    hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)
+                                 and (one_pass is None or t.name in one_pass)}) \
         if facts.gptq else None
     if batches is not None:
         with taps.observing() if taps else nullcontext():
@@ -187,17 +197,26 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     if hessians is not None:
         extras["gptq"] = {"hessian_bytes": hessians.nbytes, "damp": recipe.gptq_damp,
                           "act_order": recipe.gptq_act_order, "block": recipe.gptq_block,
-                          "distinct_inputs": len(hessians.sums)}
-    for t in targets:
+                          "distinct_inputs": len(hessians.sums), "sequential": None}
+    by_name: dict[str, ModuleReport] = {}
+
+    def quantize_one(t: Target, hessian: torch.Tensor | None) -> None:
         t_calib = w_calib if t.weight.calibrator == recipe.weight_calib else \
             plan.weight_calibrator(t)  # a partial-plan override's own
-        report = quantize_target(model, t, recipe, target_granularity(t, gran), t_calib, a_calib,
-                                  stats.get(t.name),
-                                  chosen.get(t.name), weight_scale=unified.get(t.name),
-                                  hessian=hessians.hessian(t.name)
-                                  if hessians and reads_data(t) else None)
-        all_warnings += [f"{t.name}: {w}" for w in report.warnings]
-        reports.append(report)
+        by_name[t.name] = quantize_target(model, t, recipe, target_granularity(t, gran),
+                                          t_calib, a_calib, stats.get(t.name),
+                                          chosen.get(t.name), weight_scale=unified.get(t.name),
+                                          hessian=hessian)
+
+    if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
+        extras["gptq"]["sequential"] = quantize_in_order(
+            model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one)
+    for t in targets:
+        if t.name not in by_name:
+            quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
+    for t in targets:
+        all_warnings += [f"{t.name}: {w}" for w in by_name[t.name].warnings]
+        reports.append(by_name[t.name])
     if groups:
         extras["fused_groups"] = unify_input_scales(model, groups, reports)
     if experts:
@@ -342,78 +361,3 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         input_sqnr_db=input_sqnr, warnings=warnings,
         act_calib=chosen.method if chosen is not None else
         (t.input.calibrator if t.input else recipe.act_calib))
-
-
-# Shards that runtimes fuse into one GEMM (vLLM's ``packed_modules_mapping``: qkv_proj,
-# gate_up_proj; BERT's query/key/value): siblings under one parent module.
-FUSED_SHARDS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
-                ("query", "key", "value"))
-
-
-def fused_groups(names: list[str]) -> list[list[str]]:
-    """Groups of quantized modules that a runtime fuses into one GEMM, by sibling names."""
-    present = set(names)
-    parents = sorted({n.rpartition(".")[0] for n in names})
-    groups = []
-    for parent in parents:
-        for shards in FUSED_SHARDS:
-            members = [f"{parent}.{s}" if parent else s for s in shards]
-            if all(m in present for m in members):
-                groups.append(members)
-    return groups
-
-
-def unify_fused(recipe: Recipe, targets: list[Target]) -> bool:
-    """``--unify-fused-scales``; by default on when the checkpoint can be compressed-tensors
-    (e4m3 or int8 weights), i.e. when a runtime will fuse the shards."""
-    if recipe.unify_fused_scales is not None:
-        return recipe.unify_fused_scales
-    return bool(targets) and all(t.weight_format.compressed_tensors_type is not None
-                                 for t in targets)
-
-
-def unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen,
-                          weights: dict | None = None) -> dict:
-    """Per-tensor weight scales shared by each group of fused shards: vLLM runs q/k/v (gate/up)
-    as one GEMM with one weight scale and requantizes every shard to the largest one at load
-    time, rounding the weights twice; choosing the shared (largest) scale here, before the
-    weights are rounded, makes what fp8ptq simulates exactly what vLLM serves."""
-    if gran.name != "tensor" or not groups:
-        return {}
-    by_name = {t.name: t for t in targets}
-    out = {}
-    for group in groups:
-        scales = []
-        for name in group:
-            t = by_name[name]
-            c = chosen.get(name)
-            if c is not None and c.weight_scale is not None:
-                scales.append(c.weight_scale.reshape(-1).float())
-                continue
-            w2d = weight_2d(t.module, (weights or {}).get(name)).detach()
-            scales.append(choose_scale(w2d, t.weight_format, gran, w_calib,
-                                       pow2=recipe.scale_pow2).reshape(-1))
-        shared = torch.stack(scales).max(dim=0).values
-        out.update({name: shared.clone() for name in group})
-    return out
-
-
-def unify_input_scales(model: nn.Module, groups: list[list[str]], reports) -> list[dict]:
-    """One static input scale per fused group (the largest: what vLLM uses for the fused
-    GEMM). With statistics-based calibrators the shards saw the same input and already agree;
-    layer-output-aware ones may pick differently per shard."""
-    by_name = {r.name: r for r in reports}
-    out = []
-    for group in groups:
-        qs = [model.get_submodule(n) for n in group]
-        scales = [q.input_scale for q in qs if q.input_scale is not None]
-        entry = {"modules": group, "input_scales_agreed": True}
-        if len(scales) == len(qs):
-            shared = torch.stack([s.reshape(()) for s in scales]).max()
-            entry["input_scales_agreed"] = all(bool(s.reshape(()) == shared) for s in scales)
-            for n, q in zip(group, qs):
-                q.input_scale.fill_(shared)
-                by_name[n].input_scale = float(shared)
-        entry["weight_scale"] = [float(q.weight_scale.max()) for q in qs]
-        out.append(entry)
-    return out

@@ -53,6 +53,9 @@ class Recipe(BaseModel):
     gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
     gptq_act_order: bool = False  # GPTQ: columns in order of decreasing input energy
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
+    # GPTQ Hessians from the already-quantized model, group by group in run order
+    # (``fp8ptq.gptq_sequential``); False: all from one pass over the float model
+    gptq_sequential: bool = True
     rounding: str | None = None  # default: the format's own
     scale_pow2: bool = False
     skip: list[str] = Field(default_factory=list)

@@ -14,7 +14,7 @@ from .checkpoint.experts_io import SERVABLE
 from .checkpoint.layouts import get_layout
 from .checkpoint.reader import _load_tensors, _read_config, read_metadata
 from .checkpoint.verify import SCALE_SUFFIXES, format_from_facts, scale_problem
-from .pipeline import FUSED_SHARDS
+from .fused import FUSED_SHARDS
 
 TP_SIZES = (1, 2, 4, 8)
 VLLM_CT = ("vLLM vllm/model_executor/layers/quantization/compressed_tensors/"

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .activations import ActivationStore, capture_block_inputs, run_block
+from .activations import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from .checkpoint.contents import plain_tensors
 from .checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
 from .checkpoint.writer import CheckpointWriter
@@ -216,7 +216,7 @@ class _Run:
         plan = self.part(lambda n: n.startswith(prefix), prefix)
         if not plan.modules:
             return []
-        block_batches = [None if kw is None else _BlockBatch(store, j, kw)
+        block_batches = [None if kw is None else BlockBatch(store, j, kw)
                          for j, kw in enumerate(kwargs_list)] or None
         result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
                                 plan=plan)
@@ -263,23 +263,6 @@ class _Run:
                 {**group, "modules": [prefix + m for m in group["modules"]]})
         for k, v in result.seconds.items():
             self.times[k] = self.times.get(k, 0.0) + v
-
-
-class _BlockBatch(Mapping):
-    """One block's calibration batch: the recorded keyword arguments, and its hidden states
-    read from the activation store only while a forward runs."""
-
-    def __init__(self, store: ActivationStore, index: int, kwargs: dict):
-        self.store, self.index, self.kwargs = store, index, kwargs
-
-    def __getitem__(self, key):
-        return self.store.get(self.index) if key == "hidden_states" else self.kwargs[key]
-
-    def __iter__(self):
-        return iter(("hidden_states", *self.kwargs))
-
-    def __len__(self):
-        return 1 + len(self.kwargs)
 
 
 class _Feed:

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .errors import NumericsError
 from .formats import FormatSpec, decode, encode
+from .formats.binades import native_tables
 from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
@@ -46,6 +48,9 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
                     rounding: str | None = None, name: str = "weight") -> QuantizedWeight:
     """Codes of the ``[out, in]`` matrix ``w2d`` (any float dtype) with ``scale`` (the shape
     ``gran`` gives), plus its amax and SQNR. NaN / inf anywhere is a ``NumericsError``."""
+    swept = _native_sweep(w2d, scale, fmt, gran, rounding, name)
+    if swept is not None:
+        return swept
     rows, cols = w2d.shape
     codes = torch.empty((rows, cols), dtype=torch.uint8, device=w2d.device)
     kw = {"rounding": rounding} if rounding else {}
@@ -70,11 +75,38 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
         d = x - dequantize(c).mul_(s)
         noise += _sum_squares(d)
         signal += _sum_squares(x)
+    return QuantizedWeight(codes, scale, amax, _sqnr(signal, noise))
+
+
+def _sqnr(signal: float, noise: float) -> float:
     if noise == 0:
-        sqnr = math.inf
-    else:
-        sqnr = 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-    return QuantizedWeight(codes, scale, amax, sqnr)
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _native_sweep(w2d, scale, fmt, gran, rounding, name) -> QuantizedWeight | None:
+    """``quantize_weight`` by the C kernel (``fp8ptq.native.weight_sweep``: one pass reading
+    the weight once, ~10x fewer memory trips than the chunked torch sweep): per-tensor or
+    per-channel float32 scales, round-half-even / half-away, a float32 or bfloat16 weight.
+    Same codes bit for bit; the same SQNR terms summed in another order. None: not here."""
+    rounding = rounding or fmt.rounding
+    per_row = gran.name == "channel"
+    if not (per_row or gran.name == "tensor") or scale.dtype != torch.float32 or \
+            rounding not in ("nearest_even", "half_away") or not native.supports(w2d) or \
+            w2d.dtype not in (torch.float32, torch.bfloat16) or w2d.dim() != 2 or \
+            scale.numel() != (w2d.shape[0] if per_row else 1):
+        return None
+    tables = native_tables(fmt, rounding)
+    if tables is None:
+        return None
+    out = native.weight_sweep(tables, w2d.contiguous(), scale.contiguous(), per_row)
+    if out is None:
+        return None
+    codes, signal, noise, amax, nonfinite = out
+    if nonfinite:
+        raise NumericsError(f"weight of {name} contains NaN or inf; refusing to quantize it")
+    top = float(amax.max()) if amax.numel() else 0.0
+    return QuantizedWeight(codes, scale, top, _sqnr(float(signal.sum()), float(noise.sum())))
 
 
 _HALF: dict[str, tuple[int, float] | None] = {}

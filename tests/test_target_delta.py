@@ -139,15 +139,21 @@ def test_choose_moves_only_the_sensitive_module():
 def test_partial_plan_overrides_reach_the_pipeline():
     """What --target-delta writes as overrides: a module's own weight calibrator (GPTQ, with its
     Hessian) and activation granularity."""
-    model = tiny("llama")
-    recipe = Recipe(dtype="float32", overrides={
+    recipe = Recipe(dtype="float32", gptq_sequential=False, overrides={
         "model.layers.0.mlp.down_proj": {"weight_calib": "gptq", "act_granularity": "token"}})
-    result = quantize_model(model, recipe, token_batches(IDS, 4))
-    down = model.get_submodule("model.layers.0.mlp.down_proj")
-    other = model.get_submodule("model.layers.0.mlp.up_proj")
-    assert down.act_granularity == "token" and down.input_scale is None
-    assert other.act_granularity == "tensor" and other.input_scale is not None
-    assert result.extras["gptq"]["distinct_inputs"] == 1  # only down_proj's Hessian
+    for sequential in (False, True):
+        model = tiny("llama")
+        result = quantize_model(model, recipe.merged(gptq_sequential=sequential),
+                                token_batches(IDS, 4))
+        down = model.get_submodule("model.layers.0.mlp.down_proj")
+        other = model.get_submodule("model.layers.0.mlp.up_proj")
+        assert down.act_granularity == "token" and down.input_scale is None
+        assert other.act_granularity == "tensor" and other.input_scale is not None
+        gptq = result.extras["gptq"]
+        if sequential:  # one Hessian gathered, down_proj's (in_features 128, float64)
+            assert gptq["sequential"]["max_hessian_bytes"] == 128 * 128 * 8
+        else:
+            assert gptq["distinct_inputs"] == 1  # only down_proj's Hessian
     with pytest.raises(UsageError, match="override x weight_calib"):
         Recipe(overrides={"x": {"weight_calib": "nope"}})
 

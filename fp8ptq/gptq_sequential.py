@@ -1,0 +1,181 @@
+"""Sequential GPTQ: each GEMM's Hessian from the inputs the already-quantized model gives it.
+
+One-pass GPTQ (``HessianCollector`` in the calibration pass) takes every Hessian from the float
+model, so each layer compensates its own rounding but not what the layers before it left in its
+input. Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", 2022, section 4 (and their reference code's ``--true-sequential``) quantize in
+the order the model runs: a GEMM's inputs come from the model whose earlier GEMMs are already
+quantized, so its error compensation also absorbs the error propagated from them (as
+llm-compressor's sequential pipeline does, one decoder layer at a time).
+
+fp8ptq goes one step finer than one layer at a time: inside each block the GEMMs are taken in
+groups, in the order the block runs them (q/k/v, then o, then gate/up, then down: GEMMs fed the
+very same tensor are one group, with one Hessian), and each group's Hessian is gathered with
+every earlier group already quantized, activations included (a ``QuantGemm`` simulates its input
+quantization). Cost and memory stay those of one block: the calibration batches run once up to
+block 0 (``fp8ptq.activations``: in memory up to a budget, spilled to files beyond), then per
+block one partial forward per group (stopped at the group's input) and one full forward through
+the quantized block to make the next block's inputs. Only one group's Hessians are held at once.
+
+Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
+outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model;
+fused MoE experts are quantized after the blocks, as in the one-pass pipeline (they take no
+GPTQ: rounded to nearest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import distributed
+from .activations import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from .hessian import HessianCollector
+from .model.blocks import block_prefix, find_blocks
+from .model.forward import run_batch
+
+Quantize = Callable[[object, "torch.Tensor | None"], None]  # (plan entry, Hessian or None)
+
+
+class _Stop(Exception):
+    pass
+
+
+def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
+                      quantize: Quantize, *, activation_budget: int = 1 << 30,
+                      spill_dir=None) -> dict:
+    """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
+    ``quantize(target, hessian)`` for each; ``gptq``: names of the targets that want a
+    Hessian. Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
+    facts for the report (``blocks``, ``groups``, ``forwards``, ``max_hessian_bytes``,
+    ``outside``: the names left to the caller)."""
+    found = find_blocks(model)
+    outside = outside_blocks(model, targets)
+    facts = {"blocks": 0, "groups": 0, "forwards": 0, "max_hessian_bytes": 0, "outside": []}
+    if found is None:
+        facts["blocks"] = 1
+        _quantize_unit(model, targets, gptq, batches, quantize, facts)
+        return facts
+    list_name, blocks = found
+    inside = {i: [t for t in targets if t.name.startswith(block_prefix(list_name, i))]
+              for i in range(len(blocks))}
+    facts["outside"] = outside
+    store = ActivationStore(activation_budget, spill_dir)
+    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+                                       distributed.share_indices(len(batches)))
+    try:
+        for i, block in enumerate(blocks):
+            prefix = block_prefix(list_name, i)
+            local = [_Local(t, prefix) for t in inside[i]]
+            block_batches = [None if kw is None else BlockBatch(store, j, kw)
+                             for j, kw in enumerate(kwargs_list)]
+            _quantize_unit(block, local, {t.name for t in local if t.target.name in gptq},
+                           block_batches, lambda lt, h: quantize(lt.target, h), facts)
+            facts["blocks"] += 1
+            if i + 1 < len(blocks):
+                nxt = ActivationStore(activation_budget, spill_dir)
+                run_block(block, store, kwargs_list, nxt)
+                facts["forwards"] += 1
+                store.close()
+                store = nxt
+    finally:
+        store.close()
+    return facts
+
+
+def outside_blocks(model: nn.Module, targets: list) -> list[str]:
+    """Names of the targets outside the model's repeated blocks (none if it has no blocks):
+    they keep the one-pass Hessian of the float model."""
+    found = find_blocks(model)
+    if found is None:
+        return []
+    list_name, blocks = found
+    prefixes = tuple(block_prefix(list_name, i) for i in range(len(blocks)))
+    return [t.name for t in targets if not t.name.startswith(prefixes)]
+
+
+class _Local:
+    """A plan entry seen from inside its block: its name relative to the block."""
+
+    def __init__(self, target, prefix: str):
+        self.target, self.name = target, target.name[len(prefix):]
+        self.module = target.module
+
+
+def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
+                   quantize: Quantize, facts: dict) -> None:
+    """The targets of one unit (a block, or a model without blocks) group by group in run
+    order; each GPTQ group's Hessian from a forward through the unit as quantized so far."""
+    if not targets:
+        return
+    for group in _groups_in_run_order(unit, targets, batches):
+        wanted = [t for t in group if t.name in gptq]
+        hessians = None
+        if wanted and any(b is not None for b in batches):
+            hessians = _group_hessians(unit, wanted, batches)
+            facts["forwards"] += 1
+            facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
+        facts["groups"] += 1
+        for t in group:
+            quantize(t, hessians.hessian(t.name) if hessians and t.name in gptq else None)
+
+
+def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:
+    """Targets in the order one forward of the first batch reaches them, those fed the same
+    input tensor in one group; targets that forward never reaches come last, one each."""
+    example = next((b for b in batches if b is not None), None)
+    order: list[tuple[object, list]] = []  # (input tensor, targets) in call order
+    seen: set[str] = set()
+
+    def hook_for(t):
+        def hook(_module, args):
+            if t.name in seen or not args or not torch.is_tensor(args[0]):
+                return
+            seen.add(t.name)
+            if order and order[-1][0] is args[0]:
+                order[-1][1].append(t)
+            else:
+                order.append((args[0], [t]))
+        return hook
+
+    if example is not None:
+        handles = [t.module.register_forward_pre_hook(hook_for(t)) for t in targets]
+        try:
+            with torch.inference_mode():
+                run_batch(unit, example, logits=False)
+        finally:
+            for h in handles:
+                h.remove()
+    groups = [ts for _, ts in order]
+    return groups + [[t] for t in targets if t.name not in seen]
+
+
+def _group_hessians(unit: nn.Module, group: list, batches: list) -> HessianCollector:
+    """The group's Hessians from every batch, each forward stopped once the group's last
+    member has seen its input (nothing after it is needed); reduced across ranks."""
+    collector = HessianCollector({t.name: t.module for t in group})
+    error = None
+    with collector.observing(), torch.inference_mode():
+        # registered after the collector's hooks, so it runs after the last one
+        stop = group[-1].module.register_forward_pre_hook(_raise_stop)
+        try:
+            for _, batch in distributed.shard(batches):
+                if batch is None:
+                    continue
+                try:
+                    run_batch(unit, batch, logits=False)
+                except _Stop:
+                    pass
+        except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
+            error = e
+        finally:
+            stop.remove()
+    distributed.agree(error)
+    distributed.reduce_sums(collector.sums, collector.rows)
+    return collector
+
+
+def _raise_stop(_module, _args):
+    raise _Stop

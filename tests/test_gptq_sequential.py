@@ -1,0 +1,133 @@
+"""Sequential GPTQ (``fp8ptq.gptq_sequential``): every Hessian is the one the FINAL quantized
+model gives that GEMM on the calibration batches (the errors of the GEMMs before it included),
+the first group's equals one-pass GPTQ bit for bit, GPTQ's output error on those rows is never
+above round-to-nearest's, and GEMMs outside the blocks keep the one-pass Hessian."""
+
+import json
+
+import pytest
+import torch
+
+from fp8ptq import pipeline
+from fp8ptq.calibrators.gptq import gptq_codes
+from fp8ptq.formats import decode, encode
+from fp8ptq.hessian import HessianCollector
+from fp8ptq.model.forward import run_batch
+from fp8ptq.pipeline import quantize_model, token_batches
+from fp8ptq.qmodules import QuantGemm
+from fp8ptq.recipe import Recipe
+from tiny_models import IDS, invoke, tiny
+
+BATCHES = list(token_batches(IDS, 4))
+QUANTIZE_TARGET = pipeline.quantize_target
+
+
+def recorded_run(monkeypatch, model, recipe):
+    """Quantize ``model``; returns (result, {name: Hessian handed to quantize_target})."""
+    seen = {}
+    def spy(model_, t, *args, hessian=None, **kwargs):
+        seen[t.name] = hessian
+        return QUANTIZE_TARGET(model_, t, *args, hessian=hessian, **kwargs)
+
+    monkeypatch.setattr(pipeline, "quantize_target", spy)
+    return quantize_model(model, recipe, BATCHES), seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_each_hessian_is_what_the_quantized_model_feeds_that_gemm(monkeypatch, arch):
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    dtype="float32")
+    model = tiny(arch).float()
+    result, seen = recorded_run(monkeypatch, model, recipe)
+    facts = result.extras["gptq"]["sequential"]
+    assert facts["blocks"] == 2
+    assert facts["outside"] == (["qa_outputs"] if arch == "bert" else [])  # one-pass H
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantGemm)}
+    assert set(quantized) == set(seen) and all(h is not None for h in seen.values())
+    after = HessianCollector(quantized)
+    with after.observing(), torch.inference_mode():
+        for b in BATCHES:
+            run_batch(model, b)
+    for name, h in seen.items():
+        if name not in facts["outside"]:
+            torch.testing.assert_close(h, after.hessian(name), rtol=1e-6, atol=1e-9)
+    # the one-pass Hessians (float model) differ after the first GEMM group
+    float_model = tiny(arch).float()
+    _, one_pass = recorded_run(monkeypatch, float_model,
+                               recipe.merged(gptq_sequential=False))
+    first = next(iter(seen))
+    assert torch.equal(seen[first], one_pass[first])
+    same = [n for n in seen if torch.equal(seen[n], one_pass[n])]
+    # the first group (q/k/v share their input) and what is outside the blocks
+    assert first in same and len(same) <= 3 + len(facts["outside"])
+
+
+def test_first_group_codes_equal_one_pass_and_later_ones_differ():
+    recipe = Recipe(format="e4m3", act_format="none", weight_calib="gptq", dtype="float32")
+    seq, one = tiny("llama").float(), tiny("llama").float()
+    quantize_model(seq, recipe, BATCHES)
+    quantize_model(one, recipe.merged(gptq_sequential=False), BATCHES)
+    layers = seq.model.layers, one.model.layers
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        a, b = (getattr(layer[0].self_attn, proj).weight_codes for layer in layers)
+        assert torch.equal(a, b)
+    assert not torch.equal(layers[0][1].mlp.down_proj.weight_codes,
+                           layers[1][1].mlp.down_proj.weight_codes)
+
+
+def test_gptq_beats_round_to_nearest_on_its_own_sequential_rows(monkeypatch):
+    """The GPTQ property on the rows each GEMM sees in sequential mode: the output error
+    tr((W - Q) H (W - Q)^T) of GPTQ's codes is <= that of rounding to nearest at the same
+    scales, for every GEMM."""
+    recipe = Recipe(format="hif8", act_format="none", weight_calib="gptq", dtype="float32")
+    ref = tiny("llama").float()
+    model = tiny("llama").float()
+    _, seen = recorded_run(monkeypatch, model, recipe)
+    for name, h in seen.items():
+        q = model.get_submodule(name)
+        w = ref.get_submodule(name).weight.detach().double()
+        s = q.weight_granularity.expand(q.weight_scale, w).double()
+        gq = decode(q.weight_codes, q.weight_format).double() * s
+        rtn = decode(encode((w / s).float(), q.weight_format), q.weight_format).double() * s
+
+        def err(wq, h=h, w=w):
+            d = w - wq
+            return float(torch.einsum("oi,ij,oj->", d, h.double(), d))
+
+        assert err(gq) <= err(rtn) * 1.0001, name
+
+
+def test_lm_head_outside_the_blocks_keeps_the_one_pass_hessian(monkeypatch):
+    recipe = Recipe(format="e4m3", act_format="none", weight_calib="gptq", dtype="float32",
+                    quantize_lm_head=True)
+    model = tiny("llama", tie_word_embeddings=False).float()
+    result, seen = recorded_run(monkeypatch, model, recipe)
+    assert result.extras["gptq"]["sequential"]["outside"] == ["lm_head"]
+    assert seen["lm_head"] is not None and not result.modules[-1].warnings
+    float_model = tiny("llama", tie_word_embeddings=False).float()
+    want = HessianCollector({"lm_head": float_model.lm_head})
+    with want.observing(), torch.inference_mode():
+        for b in BATCHES:
+            run_batch(float_model, b)
+    torch.testing.assert_close(seen["lm_head"], want.hessian("lm_head"))
+    codes = gptq_codes(float_model.lm_head.weight.detach(), want.hessian("lm_head"),
+                       model.lm_head.weight_granularity.expand(model.lm_head.weight_scale,
+                                                               float_model.lm_head.weight),
+                       model.lm_head.weight_format)
+    assert torch.equal(codes, model.lm_head.weight_codes)
+
+
+def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
+    src = tmp_path / "src"
+    tiny("llama").save_pretrained(src)
+    word_tokenizer.save_pretrained(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog hello world again\n" * 8)
+    for flag, want in (("--no-gptq-sequential", False), ("--gptq-sequential", True)):
+        out = tmp_path / flag
+        r = invoke(["quantize", src, "-o", out, "--weight-calib", "gptq", flag,
+                    "--act-granularity", "token", "--calib-data", calib, "--num-samples", 2,
+                    "--seq-len", 8, "--dtype", "float32"])
+        assert r.exit_code == 0, r.output
+        doc = json.loads((out / "fp8ptq.json").read_text())
+        assert doc["recipe"]["gptq_sequential"] is want
