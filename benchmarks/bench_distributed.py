@@ -3,12 +3,14 @@ same model and calibration windows; wall time, the calibrate step, and whether t
 tensors are identical bit for bit.
 
     python benchmarks/bench_distributed.py [--model GGUF|DIR] [--nproc 2] [--num-samples 32]
-        [--seq-len 512] [--json PATH]
+        [--seq-len 512] [--sequential] [--json PATH]
 
 Every rank holds a full copy of the model and runs its share of the batches; the statistics are
-all-reduced once per pass. On a 2-core CPU two ranks compete for the same cores (each rank runs
-with one thread, like torchrun's default), so expect little speed-up: the point is correctness
-and the cost of the reduction; on several GPUs or nodes the calibrate step divides by N.
+all-reduced once per pass. With ``--sequential`` (MODEL a safetensors folder) every rank streams
+the same blocks and the statistics are reduced once per block. On a 2-core CPU two ranks compete
+for the same cores (each rank runs with one thread, like torchrun's default), so expect little
+speed-up: the point is correctness and the cost of the reduction; on several GPUs or nodes the
+calibrate step divides by N.
 """
 
 from __future__ import annotations
@@ -56,18 +58,22 @@ def main() -> None:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--format", default="e4m3")
+    ap.add_argument("--sequential", action="store_true",
+                    help="block by block (MODEL: a local safetensors folder)")
     ap.add_argument("--json")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="fp8ptq-bench-dist-"))
     common = ["quantize", args.model, "--format", args.format, "--calib-data", args.calib_data,
-              "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--json"]
+              "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--json",
+              *(["--sequential"] if args.sequential else [])]
+    step = "calibrate+quantize" if args.sequential else "calibrate"  # sequential interleaves
     rows = []
     try:
         for threads in (os.cpu_count() or 1, 1):
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
             wall, rep = run([*FP8PTQ, *common, "-o", str(tmp / f"one-{threads}")], env)
             rows.append({"run": f"1 process, {threads} thread(s)", "wall s": wall,
-                         "calibrate s": rep["seconds"].get("calibrate"),
+                         f"{step} s": rep["seconds"].get(step),
                          "peak RSS MiB (rank 0)": rep["peak_rss_mb"]})
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -76,10 +82,11 @@ def main() -> None:
         a, b = tensors(tmp / "one-1"), tensors(tmp / "ranks")
         same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         rows.append({"run": f"{args.nproc} torchrun ranks, 1 thread each", "wall s": wall,
-                     "calibrate s": rep["seconds"].get("calibrate"),
+                     f"{step} s": rep["seconds"].get(step),
                      "peak RSS MiB (rank 0)": rep["peak_rss_mb"]})
+        mode = ", sequential" if args.sequential else ""
         emit(f"data-parallel calibration ({args.num_samples} x {args.seq_len} tokens, "
-             f"{args.format}); checkpoint identical to 1 process / 1 thread: {same}", rows,
+             f"{args.format}{mode}); checkpoint identical to 1 process / 1 thread: {same}", rows,
              args.json, {"identical": same})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -184,5 +184,18 @@ def agree(error: BaseException | None) -> None:
         raise RankFailure(f"rank {r} failed: {message.split(': ', 1)[-1]}")
 
 
+def together(work, *args):
+    """``work(*args)`` on every rank, then ``agree``: a step that runs no collective of its own
+    (loading a block, carrying activations on) fails on every rank together instead of leaving
+    the others waiting in the next collective. Returns what ``work`` returns."""
+    error, result = None, None
+    try:
+        result = work(*args)
+    except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
+        error = e
+    agree(error)
+    return result
+
+
 class RankFailure(Fp8ptqError):
     """Another rank failed; this one stops with it (the exit code of a runtime failure)."""

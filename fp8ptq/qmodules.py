@@ -25,6 +25,7 @@ from .formats import (
 from .granularity import act_granularity as act_granularity_of
 from .model.gemm import kind, weight_2d, weight_from_2d
 from .scales import dynamic_scale
+from .weight_quant import by_rows
 
 
 class QuantGemm(nn.Module):
@@ -71,7 +72,7 @@ class QuantGemm(nn.Module):
             return
         dtype = inner.weight.dtype
         with torch.no_grad():
-            inner.weight.data = weight_from_2d(inner, self._values(codes).to(dtype))
+            inner.weight.data = weight_from_2d(inner, self._values(codes, dtype))
         inner.weight.requires_grad_(False)
         # One copy of the weight (see the class docstring): the codes are kept only when the
         # weight's dtype cannot give them back exactly.
@@ -103,13 +104,15 @@ class QuantGemm(nn.Module):
         return cached
 
     def _reencode(self) -> torch.Tensor:
-        w = weight_2d(self.inner).detach().float()
-        return encode(w / self.weight_granularity.expand(self.weight_scale, w),
-                      self.weight_format)
+        fmt = self.weight_format
+        return by_rows(weight_2d(self.inner).detach(), self.weight_scale,
+                       self.weight_granularity, lambda w, s: encode(w.float() / s, fmt),
+                       torch.uint8)
 
-    def _values(self, codes: torch.Tensor) -> torch.Tensor:
-        w = decode(codes, self.weight_format)
-        return w * self.weight_granularity.expand(self.weight_scale, w)
+    def _values(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        fmt = self.weight_format
+        return by_rows(codes, self.weight_scale, self.weight_granularity,
+                       lambda c, s: (decode(c, fmt) * s).to(dtype), dtype)
 
     def dequantized_weight_2d(self) -> torch.Tensor:
         return self._values(self.weight_codes)

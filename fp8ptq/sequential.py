@@ -117,19 +117,20 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     t0 = time.perf_counter()
     store = ActivationStore(activation_budget, spill_dir)
     # under torchrun a rank carries its own share (+ the example batches every rank reads)
-    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+    kwargs_list = distributed.together(capture_block_inputs, model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches), SAMPLE_BATCHES))
     run.times["calibrate"] += time.perf_counter() - t0
     tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
-        loader.load_block(i, prefix)
+        # every step without a collective of its own ends all ranks together if one fails
+        distributed.together(loader.load_block, i, prefix)
         nxt = ActivationStore(activation_budget, spill_dir)
         if propagate == "fp":
-            tupled = run_block(block, store, kwargs_list, nxt)
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         reports = run.quantize_block(block, prefix, store, kwargs_list)
         if propagate == "quantized":
-            tupled = run_block(block, store, kwargs_list, nxt)
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         store.close()
         store = nxt
         if open_writer is not None:
@@ -154,13 +155,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
 
 def _agreed(writer: CheckpointWriter | None, work) -> None:
     """``work(writer)`` where there is a writer (rank 0); a failure ends every rank together."""
-    error = None
-    try:
-        if writer is not None:
-            work(writer)
-    except Exception as e:  # noqa: BLE001 - every rank learns it (agree) and stops
-        error = e
-    distributed.agree(error)
+    distributed.together(lambda: None if writer is None else work(writer))
 
 
 def _write_outside(writer: CheckpointWriter, model: nn.Module, list_name: str,
@@ -298,20 +293,23 @@ class _Stand(nn.Module):
 
 
 def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, output, *,
-                     force: bool = False, tokenizer=None, close_kwargs=None, **options):
+                     force: bool = False, tokenizer=None, close_kwargs=None,
+                     max_shard_bytes: int | None = None, **options):
     """``quantize_sequential`` writing checkpoint ``output`` as it goes: each block is written
     (``CheckpointWriter.add_block``) as soon as it is quantized and then freed; the writer is
     closed at the end with ``close_kwargs(result)`` (source, calibration facts, ``check``...)
     passed to ``CheckpointWriter.close``. Rank 0 writes under torchrun. Returns (result,
     sizes: what ``close`` returns, {} on other ranks). Any failure leaves nothing at
-    ``output``. ``options``: those of ``quantize_sequential``."""
+    ``output``. ``max_shard_bytes``: the output shard size (default 2 GiB); the writer holds
+    the open shard in memory, so it is part of the peak (``route.shard_bytes`` sizes it under
+    ``--max-memory``). ``options``: those of ``quantize_sequential``."""
     writers: list[CheckpointWriter] = []
     sizes: dict = {}
     with ExitStack() as stack:
         def open_writer(model, plan):
             choice = choose_layout(describe_plan(plan), model_type=model_type_of(model))
-            writers.append(stack.enter_context(CheckpointWriter.open(output, choice,
-                                                                     force=force)))
+            writers.append(stack.enter_context(CheckpointWriter.open(
+                output, choice, force=force, max_shard_bytes=max_shard_bytes)))
             return writers[-1]
 
         result, _ = quantize_sequential(folder, recipe, batches, open_writer=open_writer,
@@ -330,7 +328,8 @@ def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, o
 
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
-                    output=None, force: bool = False, close_kwargs=None):
+                    output=None, force: bool = False, close_kwargs=None,
+                    max_shard_bytes: int | None = None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
@@ -352,6 +351,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     else:
         result, sizes = write_sequential(
             folder, recipe, batches, output, force=force, tokenizer=tokenizer,
-            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)), **options)
+            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)),
+            max_shard_bytes=max_shard_bytes, **options)
     loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
     return result, loaded, calib, sizes

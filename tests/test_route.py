@@ -18,7 +18,7 @@ from tiny_models import invoke, tiny
 @pytest.fixture
 def src(tmp_path, word_tokenizer):
     folder = tmp_path / "src"
-    tiny("llama").save_pretrained(folder)
+    tiny("llama", num_hidden_layers=8).save_pretrained(folder)  # in memory > sequential
     word_tokenizer.save_pretrained(folder)
     return folder
 
@@ -49,12 +49,17 @@ def test_sizes():
 def test_estimate_counts_the_weights_blocks_and_calibration(src):
     model = build_empty(src, torch.bfloat16)
     est = route.estimate(model, Recipe(num_samples=4, seq_len=16, batch_size=2))
-    real = tiny("llama")
+    real = tiny("llama", num_hidden_layers=8)
     numel = sum(p.numel() for p in real.parameters())
     layer = sum(p.numel() for p in real.model.layers[0].parameters())
     assert est.weights == 2 * numel
     assert est.parts["block_bytes"] == 2 * layer
-    assert est.parts["outside_blocks_bytes"] == 2 * (numel - 2 * layer)
+    assert est.parts["outside_blocks_bytes"] == 2 * (numel - 8 * layer)
+    # the sequential writer's open shard: the blocks' codes (1 byte a weight), at most a shard
+    assert est.parts["open_shard_bytes"] == 8 * layer
+    assert est.sequential_fixed == (route.RUNTIME_BYTES + est.parts["outside_blocks_bytes"]
+                                    + 2 * est.parts["block_bytes"] + 5 * 128 * 64
+                                    + est.parts["calibration_batch_bytes"] + 8 * layer)
     assert est.parts["quantize_temporaries_bytes"] == 5 * 128 * 64  # an MLP GEMM: 128 x 64
     # one batch: 2 x 16 tokens x (6 hidden + 2 intermediate + vocab) + 2 x 4 heads x 16^2
     assert est.parts["calibration_batch_bytes"] == 4 * (32 * (6 * 64 + 2 * 128 + 128)
@@ -76,7 +81,10 @@ def test_choose_by_budget(src):
     assert small.path == "sequential" and "exceed --max-memory 0.67 GB" in small.reason
     assert small.activation_budget == between - est.sequential_fixed > 0
     assert "may be exceeded" not in small.reason
-    assert small.sequential_options() == {"activation_budget": small.activation_budget}
+    assert small.sequential_options() == {"activation_budget": small.activation_budget,
+                                          "max_shard_bytes": route.shard_bytes(between)}
+    assert route.estimate(build_empty(src, torch.bfloat16), static,
+                          budget=between).sequential_fixed == est.sequential_fixed
     tiny_budget = route.choose(str(src), static, max_memory=10**6)
     assert tiny_budget.path == "sequential" and tiny_budget.activation_budget == 0
     assert "the budget may be exceeded" in tiny_budget.reason

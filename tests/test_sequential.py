@@ -120,6 +120,33 @@ def test_quantgemm_holds_the_weight_once(fmt, dtype):
     assert held == 48 * 96 * lin.weight.element_size() + 48 * 4 + 48 * lin.weight.element_size()
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_quantgemm_makes_no_whole_weight_float32_temporary(granularity):
+    """Building a ``QuantGemm`` (codes -> dequantized bf16 weight, and the check that the codes
+    come back) and reading its codes work on row chunks: no op allocates a float32 copy of the
+    whole weight (on a 13824 x 5120 GEMM those made the peak of a sequential block, ~0.9 GB
+    over its 141 MB of bf16), and the values are the whole-matrix expression's bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp8ptq.formats import decode, encode, get_format
+    from fp8ptq.granularity import weight_granularity
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 1024).to(torch.bfloat16)
+    spec, gran = get_format("e4m3"), weight_granularity(granularity, 128)
+    w = lin.weight.detach().float()
+    scale = gran.amax(w) / spec.max
+    codes = encode(w / gran.expand(scale, w), spec)
+    want = (decode(codes, spec) * gran.expand(scale, w)).to(torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        q = QuantGemm(lin, weight_format=spec, weight_codes=codes, weight_scale=scale,
+                      weight_granularity=gran, act_format=None, input_scale=None)
+        back = q.weight_codes
+    largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]")
+    assert 0 < largest <= w.numel() * 2  # the bf16 result (2 bytes an element) at most
+    assert torch.equal(q.weight, want) and torch.equal(back, codes) and not q.holds_codes
+
+
 def test_cli_sequential_writes_the_same_checkpoint_and_transformers_loads_it(tmp_path,
                                                                                word_tokenizer):
     import json
@@ -236,3 +263,33 @@ def test_a_failing_block_write_leaves_nothing(tmp_path, monkeypatch):
                          tmp_path / "out")
     assert calls == ["model.layers.0.", "model.layers.1."]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
+
+
+def test_the_writer_holds_at_most_one_shard_of_the_size_asked(tmp_path, monkeypatch):
+    """The writer keeps the open shard's tensors until it is full, so the shard size bounds
+    what sequential mode holds besides the block (``--max-memory`` sizes it,
+    ``route.shard_bytes``): every shard written stays under ``max_shard_bytes``, and the
+    tensors are those of the one-shard checkpoint."""
+    from fp8ptq.checkpoint.shards import ShardWriter
+    from fp8ptq.sequential import write_sequential
+
+    folder = _saved("llama", tmp_path)
+    recipe, batches = Recipe(dtype="float32"), list(token_batches(IDS, 3))
+    written = []
+    real = ShardWriter._write
+
+    def _write(self, tensors):
+        written.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        real(self, tensors)
+
+    monkeypatch.setattr(ShardWriter, "_write", _write)
+    write_sequential(folder, recipe, batches, tmp_path / "one")
+    assert len(written) == 1  # default 2 GiB: the whole tiny checkpoint in one shard
+    whole, written[:] = written[0], []
+    limit = 40_000  # above the largest tensor (the 128 x 64 float32 embeddings: 32 KiB)
+    write_sequential(folder, recipe, batches, tmp_path / "small", max_shard_bytes=limit)
+    assert len(written) >= whole // limit and max(written) <= limit
+    assert sum(written) == whole
+    assert len(list((tmp_path / "small").glob("model-*-of-*.safetensors"))) == len(written)
+    a, b = checkpoint_tensors(tmp_path / "one"), checkpoint_tensors(tmp_path / "small")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
