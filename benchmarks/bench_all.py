@@ -1,25 +1,34 @@
-"""Every speed target of the project in one table: the regression check for a change.
+"""Every speed target of issue 16 in one table: the regression check for a change.
 
-    python benchmarks/bench_all.py [--quick] [--json PATH] [--no-llmc]
+    python benchmarks/bench_all.py [--quick] [--dtype D] [--json PATH] [--no-llmc]
+        [--remeasure-llmc] [--only codecs,build,calib,eval,quantize]
 
-Rows (each a measured figure, the reference it is divided by, the ratio and the target):
+Each row is printed as soon as it is measured (measured value, the reference it is divided by,
+the ratio, the target, met?), then the whole table; ``--json`` writes the rows. Rows:
 
-- codecs: ``encode`` and ``fake_quantize`` GB/s of a 4096 x 4096 float32 tensor against the same
-  run's memory copy, for e4m3, e5m2, e4m3fnuz, e5m2fnuz, hfp8, hif8, a generic ExMy (e3m4) and
-  int8. Targets: >= 50% of the copy for OCP / FNUZ, >= 25% for the others.
-- the C kernels' first-call build (``fp8ptq.native``, a fresh cache folder): seconds.
-- calibration: the statistics pass of ``quantize`` (SmolLM2-135M, e4m3, channel weights, static
-  per-tensor activations, batch 8, N x 512 tokens of calib/wiki-paragraphs.txt, bf16) against the
-  faster of two plain forward passes over the same batches. Target <= 1.15x.
-- simulated eval: lm-eval WikiText perplexity of the quantized model (e4m3 and hif8, static
-  per-tensor activations) against the bf16 eval of the same model and tokens. Target <= 1.15x.
-- quantize wall time (a fresh ``fp8ptq quantize`` process, load to written checkpoint) against
-  llm-compressor's ``oneshot`` + save of the same scheme on the same Hugging Face folder and
-  paragraphs, in its own venv (``compare_llmcompressor.py``), when that venv exists. Target
-  <= 0.5x.
+- codecs: ``encode`` and ``fake_quantize`` GB/s of a 4096 x 4096 float32 tensor (GB of float32
+  input per second) against the same run's memory copy of that tensor into a preallocated one,
+  for e4m3, e5m2, e4m3fnuz, e5m2fnuz (target >= 50% of the copy), hfp8, hif8, the generic ExMy
+  e3m4 and e2m5 and int8 (>= 25%).
+- the C kernels' first-call build (``fp8ptq.native`` into an empty cache folder): seconds.
+- calibration: the statistics pass of ``quantize`` (SmolLM2-135M, e4m3, channel weights,
+  static per-tensor activations, batch 8, N x 512 tokens of calib/wiki-paragraphs.txt) against
+  the faster of two plain forward passes over the same batches (the same forward: LM head on
+  the last position only). Target <= 1.15x.
+- simulated eval: lm-eval WikiText perplexity of the quantized model (static per-tensor
+  activations) for each format against the same model's eval unquantized, same tokens.
+  Target <= 1.15x.
+- quantize: a fresh ``fp8ptq quantize`` process (load to written checkpoint) against
+  llm-compressor's ``oneshot`` + save of the same job on the same token windows in its venv
+  (``llmc_timing.py``; its time cached with its date and load). Target <= 0.5x.
 
-``--quick`` (< 3 minutes on 2 cores): 32 x 512 calibration tokens instead of 128 x 512, one
-WikiText article, one timing per codec. Report timings taken on a quiet machine.
+Model dtype: bfloat16 by default, float32 with ``--quick``. On a CPU without native bf16 GEMMs
+(AVX2 only, like the 2-core development machine) a bf16 forward is ~7x slower than float32, so
+the bf16 rows take far too long for a quick check, and they are the easier ones: the model's
+GEMMs dominate and hide the quantization work. float32 is the harder denominator.
+
+``--quick`` (< 3 minutes on 2 quiet cores): 8 x 512 calibration tokens, a ~1,000-token WikiText
+slice, fewer eval formats, one timing per codec. Report timings taken on a quiet machine.
 """
 
 from __future__ import annotations
@@ -28,80 +37,73 @@ import argparse
 import copy
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import llmc_timing
 import torch
 from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, best_seconds, emit
+from rich.console import Console
 
 from fp8ptq import job, native
 from fp8ptq.evals import run_tasks
+from fp8ptq.evals.wikitext import split_articles
 from fp8ptq.formats import encode, fake_quantize, get_format
-from fp8ptq.pipeline import run_batch, token_batches
+from fp8ptq.model.forward import run_batch, token_batches
 from fp8ptq.recipe import Recipe
 
-CODEC_FORMATS = {"e4m3": 0.5, "e5m2": 0.5, "e4m3fnuz": 0.5, "e5m2fnuz": 0.5, "hfp8": 0.25,
-                 "hif8": 0.25, "e3m4": 0.25, "int8": 0.25}
-LLMC_PY = Path.home() / ".cache/fp8ptq-bench/llmc-venv/bin/python"
-HF_DIR = Path.home() / ".cache/fp8ptq-bench/smollm2-135m-hf"
-
-# llm-compressor, same job as fp8ptq's: e4m3 channel weights, static per-tensor activations,
-# lm_head kept, bf16 model; argv = hf_dir, out_dir, calib_file, n, seq_len.
-LLMC_CHILD = r'''
-import sys
-from datasets import Dataset
-from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer
-hf, out, calib, n, seq = sys.argv[1:6]
-n, seq = int(n), int(seq)
-model = AutoModelForCausalLM.from_pretrained(hf, dtype="bfloat16")
-tok = AutoTokenizer.from_pretrained(hf)
-lines = [l.strip() for l in open(calib, encoding="utf-8") if l.strip()][:n]
-ds = Dataset.from_dict({"text": lines}).map(
-    lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True,
-    remove_columns=["text"])
-args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
-recipe = QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": {
-    "targets": ["Linear"], "weights": {**args, "strategy": "channel"},
-    "input_activations": {**args, "strategy": "tensor"}}})
-oneshot(model=model, recipe=recipe, dataset=ds, num_calibration_samples=n, max_seq_length=seq,
-        batch_size=8)
-model.save_pretrained(out, save_compressed=True)
-tok.save_pretrained(out)
-'''
+CODEC_TARGETS = {"e4m3": 0.5, "e5m2": 0.5, "e4m3fnuz": 0.5, "e5m2fnuz": 0.5, "hfp8": 0.25,
+                 "hif8": 0.25, "e3m4": 0.25, "e2m5": 0.25, "int8": 0.25}
+EVAL_FORMATS = ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "hif8", "e3m4", "e2m5", "int8")
+QUICK_EVAL_FORMATS = ("e4m3", "e5m2", "e4m3fnuz", "hfp8", "hif8", "e3m4")
+SECTIONS = ("codecs", "build", "calib", "eval", "quantize")
 
 
-def row(what: str, value: float, unit: str, reference: float | None = None, ref_unit: str = "",
-        target: str = "", met: bool | None = None) -> dict:
-    return {"what": what, "value": value, "unit": unit, "reference": reference,
-            "ref unit": ref_unit, "ratio": None if reference is None else value / reference,
-            "target": target, "met": None if met is None else ("yes" if met else "NO")}
+class Rows:
+    """The rows measured so far; each is printed the moment it is added."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.console = Console(highlight=False, soft_wrap=True)
+
+    def add(self, what: str, value: float, unit: str, reference: float | None = None,
+            ref_unit: str = "", target: str = "", met: bool | None = None, **extra) -> None:
+        row = {"what": what, "value": value, "unit": unit, "reference": reference,
+               "ref unit": ref_unit, "ratio": None if reference is None else value / reference,
+               "target": target, "met": None if met is None else ("yes" if met else "NO"),
+               **extra}
+        self.rows.append(row)
+        ref = "" if reference is None else \
+            f" vs {reference:.3g} {ref_unit} = {row['ratio']:.3g}x"
+        verdict = "" if met is None else f" target {target}: {row['met']}"
+        self.console.print(f"[{time.perf_counter() - self.t0:5.0f} s] {what}: {value:.3g} {unit}"
+                           f"{ref}{verdict}")
+
+    def note(self, text: str) -> None:
+        self.console.print(f"[{time.perf_counter() - self.t0:5.0f} s] {text}")
 
 
-def codec_rows(repeat: int) -> list[dict]:
+def codec_rows(out: Rows, repeat: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(4096, 4096)
     gb = x.numel() * 4 / 1e9
     dst = torch.empty_like(x)
     copy_gbs = gb / best_seconds(lambda: dst.copy_(x), max(repeat, 3))
+    out.add("memory copy 4096x4096 fp32", copy_gbs, "GB/s")
     scale = torch.tensor(x.abs().max().item() / 400.0)
     y = x / scale
-    rows = [row("memory copy 4096x4096 fp32", copy_gbs, "GB/s")]
-    for name, target in CODEC_FORMATS.items():
+    for name, target in CODEC_TARGETS.items():
         spec = get_format(name)
         for op, fn in (("encode", lambda s=spec: encode(y, s)),
                        ("fake-quant", lambda s=spec: fake_quantize(x, scale, s))):
             gbs = gb / best_seconds(fn, repeat)
-            rows.append(row(f"{op} {name}", gbs, "GB/s", copy_gbs, "GB/s copy",
-                            f">= {target:.0%} of copy", gbs / copy_gbs >= target))
-    return rows
+            out.add(f"{op} {name}", gbs, "GB/s", copy_gbs, "GB/s copy",
+                    f">= {target:.0%} of copy", gbs / copy_gbs >= target)
 
 
-def build_row() -> dict:
+def build_row(out: Rows) -> None:
     """The C kernels built from scratch into a temporary cache folder (the first-call cost on a
     fresh machine; later processes load the cached library)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,103 +120,137 @@ def build_row() -> dict:
                 os.environ.pop("FP8PTQ_CACHE")
             else:
                 os.environ["FP8PTQ_CACHE"] = old
-    return row("C kernels first-call build" + ("" if ok else " (FAILED)"), seconds, "s",
-               target="once per machine")
+    out.add("C kernels first-call build" + ("" if ok else " (FAILED)"), seconds, "s",
+            target="once per machine")
 
 
 def plain_forward(model, batches) -> float:
+    """The floor: the same forward the calibration pass runs (LM head on the last position
+    only, ``logits=False``), without observers. A forward that computes every position's
+    logits would be ~25% slower for SmolLM2 and flatter the ratio."""
     t0 = time.perf_counter()
     with torch.inference_mode():
         for batch in batches:
-            run_batch(model, batch)
+            run_batch(model, batch, logits=False)
     return time.perf_counter() - t0
 
 
-def eval_seconds(model, tokenizer, articles: int, repeat: int) -> float:
+def eval_slice(tokens: int | None, folder: Path) -> str:
+    """The first WikiText-2 test article, cut to about ``tokens`` tokens (~4 characters per
+    token) at a line end, as a raw file; None: the whole file (the eval's ``limit`` applies)."""
+    if tokens is None:
+        return WIKITEXT
+    article = split_articles(Path(WIKITEXT).read_text(encoding="utf-8"))[0]
+    cut = article.rfind("\n", 0, tokens * 4)
+    path = folder / "wiki-slice.raw"
+    path.write_text(article[:cut + 1], encoding="utf-8")
+    return str(path)
+
+
+def eval_seconds(model, tokenizer, data: str, articles: int, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        run_tasks(model, tokenizer, ["wikitext"], data={"wikitext": WIKITEXT}, limit=articles,
-                  batch_size=8)
-        best = min(best, time.perf_counter() - t0)
+        result = run_tasks(model, tokenizer, ["wikitext"], data={"wikitext": data},
+                           limit=articles, batch_size=8)
+        best = min(best, result.seconds["wikitext"])
     return best
 
 
-def model_rows(samples: int, articles: int, repeat: int) -> list[dict]:
+def model_rows(out: Rows, sections, dtype: str, samples: int, eval_tokens: int | None,
+               articles: int, formats, repeat: int) -> None:
     recipe = Recipe(format="e4m3", weight_granularity="channel", act_granularity="tensor",
-                    calib_data=CALIB, num_samples=samples, seq_len=512, batch_size=8)
+                    calib_data=CALIB, num_samples=samples, seq_len=512, batch_size=8,
+                    dtype=dtype)
     loaded = job.load(SMOLLM2, recipe)
     calib = job.calibration_set(loaded, recipe)
-    batches = list(token_batches(calib.input_ids, recipe.batch_size))
     pristine = copy.deepcopy(loaded.model)
-    forward = min(plain_forward(loaded.model, batches) for _ in range(2))
-    base_eval = eval_seconds(loaded.model, loaded.tokenizer, articles, repeat)
-    rows = []
-    for fmt in ("e4m3", "hif8"):
-        loaded.model = copy.deepcopy(pristine)
+    if "calib" in sections:
+        batches = list(token_batches(calib.input_ids, recipe.batch_size))
+        forward = min(plain_forward(loaded.model, batches) for _ in range(2))
         timings = job.JobTimings()
-        job.quantize_loaded(loaded, recipe.merged(format=fmt), calib, timings=timings)
-        if fmt == "e4m3":
-            cal = timings.seconds["calibrate"]
-            rows.append(row(f"calibrate e4m3, {samples}x512 tokens", cal, "s", forward,
-                            "s bf16 forward", "<= 1.15x", cal / forward <= 1.15))
-        seconds = eval_seconds(loaded.model, loaded.tokenizer, articles, repeat)
-        rows.append(row(f"simulated eval {fmt} (static A), {articles} article(s)", seconds, "s",
-                        base_eval, "s bf16 eval", "<= 1.15x", seconds / base_eval <= 1.15))
-    return rows
-
-
-def hf_folder() -> Path:
-    """SmolLM2 as a float32 Hugging Face folder, made once; both tools read it as bf16."""
-    if not (HF_DIR / "config.json").exists():
-        from compare_llmcompressor import hf_folder as convert  # noqa: PLC0415 (script)
-
-        convert(Path(SMOLLM2), HF_DIR)
-    return HF_DIR
-
-
-def wall(cmd: list[str], env: dict | None = None) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **(env or {})})
-    return time.perf_counter() - t0
-
-
-def llmc_rows(samples: int) -> list[dict]:
-    hf = hf_folder()
-    fp8ptq = Path(sys.executable).with_name("fp8ptq")
+        job.quantize_loaded(loaded, recipe, calib, timings=timings)
+        cal = timings.seconds["calibrate"]
+        out.add(f"calibrate e4m3 ({dtype}, {samples}x512 tokens)", cal, "s", forward,
+                f"s {dtype} forward", "<= 1.15x", cal / forward <= 1.15)
+    if "eval" not in sections:
+        return
+    # the eval variants' scales come from one short batch: eval speed does not depend on them
+    small = recipe.merged(num_samples=2, seq_len=128)
+    small_calib = job.calibration_set(loaded, small)
     with tempfile.TemporaryDirectory() as tmp:
-        ours = wall([str(fp8ptq), "quantize", str(hf), "--format", "e4m3",
-                     "--weight-granularity", "channel", "--act-granularity", "tensor",
-                     "--calib-data", CALIB, "--num-samples", str(samples), "--seq-len", "512",
-                     "--batch-size", "8", "--dtype", "bfloat16", "-o", f"{tmp}/ours"])
-        theirs = wall([str(LLMC_PY), "-c", LLMC_CHILD, str(hf), f"{tmp}/llmc", CALIB,
-                       str(samples), "512"], env={"TOKENIZERS_PARALLELISM": "false"})
-    return [row(f"quantize wall, {samples}x512 (fp8ptq process)", ours, "s", theirs,
-                "s llm-compressor", "<= 0.5x", ours / theirs <= 0.5)]
+        data = eval_slice(eval_tokens, Path(tmp))
+        loaded.model = copy.deepcopy(pristine)
+        base = eval_seconds(loaded.model, loaded.tokenizer, data, articles, repeat)
+        what = "WikiText slice" if eval_tokens else f"{articles} WikiText article(s)"
+        out.add(f"eval {dtype} ({what})", base, "s")
+        for fmt in formats:
+            loaded.model = copy.deepcopy(pristine)
+            job.quantize_loaded(loaded, small.merged(format=fmt), small_calib)
+            seconds = eval_seconds(loaded.model, loaded.tokenizer, data, articles, repeat)
+            out.add(f"simulated eval {fmt} (static A)", seconds, "s", base, f"s {dtype} eval",
+                    "<= 1.15x", seconds / base <= 1.15)
+
+
+def quantize_row(out: Rows, dtype: str, samples: int, remeasure: bool) -> None:
+    ours, theirs = llmc_timing.quantize_walls(SMOLLM2, CALIB, samples, 512, dtype, remeasure)
+    when = "cached, " if theirs.get("cached") else ""
+    load = theirs["load_before"][0]
+    out.add(f"quantize wall ({dtype}, {samples}x512, fresh process)", ours, "s",
+            theirs["seconds"], f"s llm-compressor ({when}measured {theirs['measured_at']} at "
+            f"load {load:.1f})", "<= 0.5x", ours / theirs["seconds"] <= 0.5,
+            llmc_measured_at=theirs["measured_at"], llmc_cached=bool(theirs.get("cached")))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="< 3 minutes: 32 samples, 1 article")
+    ap.add_argument("--quick", action="store_true", help="< 3 minutes quiet (see the docstring)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    help="model dtype (default: bfloat16, float32 with --quick)")
     ap.add_argument("--json")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     ap.add_argument("--no-llmc", action="store_true", help="skip the llm-compressor row")
+    ap.add_argument("--remeasure-llmc", action="store_true",
+                    help="rerun llm-compressor instead of reading its cached time")
+    ap.add_argument("--samples", type=int, help="calibration windows (override)")
+    ap.add_argument("--eval-tokens", type=int, help="WikiText slice length (override)")
+    ap.add_argument("--formats", help="comma-separated eval formats (override)")
     args = ap.parse_args()
-    samples, articles, repeat = (32, 1, 1) if args.quick else (128, 2, 2)
-    t0 = time.perf_counter()
-    rows = codec_rows(repeat) + [build_row()]
-    if not Path(SMOLLM2).is_file():
-        print(f"SmolLM2 not found under {ASSETS} (set FP8PTQ_ASSETS): model rows skipped")
+    sections = set(args.only.split(","))
+    if args.quick:
+        dtype, samples, eval_tokens, articles, formats, repeat = (
+            args.dtype or "float32", 8, 1000, 1, QUICK_EVAL_FORMATS, 1)
     else:
-        rows += model_rows(samples, articles, repeat)
-        if not args.no_llmc and LLMC_PY.exists():
-            rows += llmc_rows(samples)
-    load = os.getloadavg()
+        dtype, samples, eval_tokens, articles, formats, repeat = (
+            args.dtype or "bfloat16", 32, None, 1, EVAL_FORMATS, 2)
+    samples = args.samples or samples
+    eval_tokens = args.eval_tokens or eval_tokens
+    formats = args.formats.split(",") if args.formats else formats
+    out = Rows()
+    load0 = os.getloadavg()
+    out.note(f"{torch.get_num_threads()} threads, native kernels "
+             f"{'on' if native.available() else 'OFF'}, load {load0[0]:.2f}, model {dtype}")
+    if "codecs" in sections:
+        codec_rows(out, repeat)
+    if "build" in sections:
+        build_row(out)
+    if not Path(SMOLLM2).is_file():
+        out.note(f"SmolLM2 not found under {ASSETS} (set FP8PTQ_ASSETS): model rows skipped")
+    else:
+        if sections & {"calib", "eval"}:
+            model_rows(out, sections, dtype, samples, eval_tokens, articles, formats, repeat)
+        if "quantize" in sections and not args.no_llmc:
+            if llmc_timing.available():
+                quantize_row(out, dtype, samples, args.remeasure_llmc)
+            else:
+                out.note(f"no llm-compressor venv at {llmc_timing.LLMC_PY}: quantize row skipped")
+    load1 = os.getloadavg()
     emit(f"fp8ptq speed targets ({torch.get_num_threads()} threads, native kernels "
-         f"{'on' if native.available() else 'OFF'}, load {load[0]:.2f}, "
-         f"{time.perf_counter() - t0:.0f} s)", rows, args.json,
-         {"quick": args.quick, "load": load, "native": native.available()})
-    if args.json:
-        print(json.dumps({"missed": [r["what"] for r in rows if r["met"] == "NO"]}))
+         f"{'on' if native.available() else 'OFF'}, model {dtype}, load {load0[0]:.2f} -> "
+         f"{load1[0]:.2f}, {time.perf_counter() - out.t0:.0f} s)", out.rows, args.json,
+         {"quick": args.quick, "dtype": dtype, "load_before": load0, "load_after": load1,
+          "native": native.available(), "seconds": time.perf_counter() - out.t0})
+    missed = [r["what"] for r in out.rows if r["met"] == "NO"]
+    print(json.dumps({"missed": missed}) if args.json else f"missed: {len(missed)}")
 
 
 if __name__ == "__main__":

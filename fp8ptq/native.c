@@ -25,6 +25,9 @@ enum { R_NEAREST_EVEN = 0, R_HALF_AWAY = 1, R_STOCHASTIC = 2, R_HYBRID = 3 };
 enum { OUT_VALUES = 0, OUT_SAME = 1, OUT_CODES = 2 };
 #define MAX_THREADS 64
 #define MIN_PER_THREAD 32768
+/* the vector helpers must melt into each specialised loop (a call per 8 lanes costs more than
+ * the work) */
+#define VINLINE static inline __attribute__((always_inline))
 
 /* What fp8ptq/formats knows about a format, flattened (native.py fills it from the layout and
  * the binade tables of fp8ptq/formats/binades.py). Tables are indexed by the float32 exponent
@@ -48,6 +51,18 @@ typedef struct {
      * min(e, lin_hi) - mbits``; the code of a grid magnitude a >= 2^lin_lo is its float32 bits
      * >> (23 - mbits) minus ``lin_code_off``, below that a * 2^(mbits - lin_lo). */
     int32_t linear, lin_lo, lin_slo, lin_hi, mbits, lin_codes, lin_code_off;
+    /* Tapered grids (HiFloat8), where codes run consecutively within each binade: the code of
+     * a grid magnitude whose float32 significand (with the implicit bit) is M is
+     * ``(pack >> 5) - 256 + (M >> (pack & 31))``, pack = code_pack[exponent field]: one lookup
+     * instead of four (native.py checks the formula on every magnitude; packed = 0 otherwise). */
+    int32_t packed;
+    int32_t code_pack[256];
+    /* Tapered grids described arithmetically (HiFloat8: 3 mantissa bits near 2^0, fewer
+     * further out): with E the exponent clamped to [taper_lo, taper_hi], the spacing is
+     * 2^(E - w), w = taper_w0 minus the number of thresholds taper_t[k] <= |E| (unused
+     * thresholds are 1 << 20). native.py sets ``tapered`` only when this reproduces step_log2
+     * for all 256 fields; the loops then need no lookup to round. */
+    int32_t tapered, taper_lo, taper_hi, taper_w0, taper_t[4];
 } fmt_t;
 
 typedef struct {
@@ -228,26 +243,26 @@ typedef uint8_t v8b __attribute__((vector_size(8)));
 
 enum { K_LINEAR = 0, K_TABLE = 1, K_INT = 2 };
 
-static inline v8f vsel(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
-static inline v8i visel(v8i m, v8i a, v8i b) { return (a & m) | (b & ~m); }
-static inline v8i vsplat(int32_t v) { return (v8i){0} + v; }
-static inline v8f vsplatf(float v) { return (v8f){0} + v; }
-static inline v8i vgather(const int32_t *restrict t, v8u i) {
+VINLINE v8f vsel(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
+VINLINE v8i visel(v8i m, v8i a, v8i b) { return (a & m) | (b & ~m); }
+VINLINE v8i vsplat(int32_t v) { return (v8i){0} + v; }
+VINLINE v8f vsplatf(float v) { return (v8f){0} + v; }
+VINLINE v8i vgather(const int32_t *restrict t, v8u i) {
     return (v8i){t[i[0]], t[i[1]], t[i[2]], t[i[3]], t[i[4]], t[i[5]], t[i[6]], t[i[7]]};
 }
-static inline v8f vpow2(v8i e) { return (v8f)((v8u)(e + 127) << 23); }
-static inline v8i vmin(v8i a, v8i b) { return visel(a < b, a, b); }
+VINLINE v8f vpow2(v8i e) { return (v8f)((v8u)(e + 127) << 23); }
+VINLINE v8i vmin(v8i a, v8i b) { return visel(a < b, a, b); }
 
 /* floorf of non-negative (or NaN / inf) lanes: below 2^23 truncation is the floor, above it
  * every float is an integer already. */
-static inline v8f vfloor_pos(v8f t) {
+VINLINE v8f vfloor_pos(v8f t) {
     v8i small = t < 8388608.0f;
     v8f tin = vsel(small, t, (v8f){0});
     v8f tr = __builtin_convertvector(__builtin_convertvector(tin, v8i), v8f);
     return vsel(small, tr, t);
 }
 
-static inline v8f vload(const void *src, int dtype, int64_t k) {
+VINLINE v8f vload(const void *src, int dtype, int64_t k) {
     if (dtype == DT_BF16) {
         v8h h;
         memcpy(&h, (const uint16_t *)src + k, sizeof h);
@@ -259,13 +274,48 @@ static inline v8f vload(const void *src, int dtype, int64_t k) {
 }
 
 /* step_log2 of the binade of each lane's float32 exponent field */
-static inline v8i vstep_log2(const fmt_t *f, v8u field, int kind) {
+VINLINE v8i vstep_log2(const fmt_t *f, v8u field, int kind) {
+    if (kind == K_TABLE && f->tapered) {
+        v8i e = (v8i)field - 127;
+        e = visel(e < f->taper_lo, vsplat(f->taper_lo), visel(e > f->taper_hi,
+                                                               vsplat(f->taper_hi), e));
+        v8i a = visel(e < 0, -e, e);
+        v8i w = vsplat(f->taper_w0) + (a >= f->taper_t[0]) + (a >= f->taper_t[1]) +
+                (a >= f->taper_t[2]) + (a >= f->taper_t[3]);  /* true lanes are -1 */
+        return e - w;
+    }
     if (kind == K_TABLE) return vgather(f->step_log2, field);
     v8i e = (v8i)field - 127;
     return visel(e < f->lin_lo, vsplat(f->lin_slo), vmin(e, vsplat(f->lin_hi)) - f->mbits);
 }
 
-static inline v8f vquantize(const fmt_t *f, v8f y, int kind, int rounding) {
+/* vquantize for IEEE-like grids rounded half to even, in integer operations on the float32
+ * bits: in the normal binades the grid keeps ``mbits`` mantissa bits, so rounding is adding
+ * half a step minus one plus the kept lowest bit, then clearing the dropped bits (a carry moves
+ * into the exponent by itself); below the smallest normal the spacing is fixed, 2^slo, and one
+ * float addition of C = 2^(slo + 23) rounds to it (|y| < C, so the sum's ulp is that spacing;
+ * IEEE addition rounds half to even) and subtracting C back is exact. Same values as the
+ * floor / fraction form below, bit for bit (NaN keeps its payload, quietened, like the
+ * multiplications there); a third of the operations. */
+VINLINE v8f vquantize_rne_linear(const fmt_t *f, v8f y) {
+    v8u yb = (v8u)y;
+    v8u ab = yb & 0x7fffffffu;
+    const int drop = 23 - f->mbits;
+    /* the kept significand's lowest bit (with no mantissa bits it is the implicit 1: odd) */
+    v8u odd = f->mbits ? (ab >> drop) & 1u : (v8u){0} + 1u;
+    v8u r = (ab + ((1u << (drop - 1)) - 1u) + odd) & ~((1u << drop) - 1u);
+    const float c = pow2(f->lin_slo + 23);
+    v8u sub = (v8u)(((v8f)ab + c) - c);
+    v8i normal = (v8i)ab >= (int32_t)((uint32_t)(127 + f->lin_lo) << 23);
+    v8i q = visel(normal, (v8i)r, (v8i)sub);
+    q = visel(q > (int32_t)f2u(f->max), vsplat((int32_t)f2u(f->overflow)), q);
+    q = visel((v8i)ab > 0x7f800000, (v8i)(ab | 0x400000u), q);
+    if (!f->negzero) return (v8f)((v8u)q | (yb & 0x80000000u & (v8u)(q != 0)));
+    return (v8f)((v8u)q | (yb & 0x80000000u));
+}
+
+VINLINE v8f vquantize(const fmt_t *f, v8f y, int kind, int rounding) {
+    if (kind == K_LINEAR && rounding == R_NEAREST_EVEN) return vquantize_rne_linear(f, y);
     v8u yb = (v8u)y;
     v8u ab = yb & 0x7fffffffu;
     if (kind == K_INT) {  /* quantize_int: round half even is sign * rint(|y|) */
@@ -294,17 +344,22 @@ static inline v8f vquantize(const fmt_t *f, v8f y, int kind, int rounding) {
     return q;
 }
 
-static inline v8i vcode(const fmt_t *f, v8f q, int kind) {
+VINLINE v8i vcode(const fmt_t *f, v8f q, int kind) {
     if (kind == K_INT) return __builtin_convertvector(q, v8i) & f->code_mask;
     v8u qb = (v8u)q;
     v8u ab = qb & 0x7fffffffu;
-    v8i finite = ab < 0x7f800000u;
+    v8i finite = (v8i)ab < 0x7f800000;  /* signed compares: ab < 2^31 (AVX2 has no unsigned) */
     ab = (v8u)((v8i)ab & finite);
     v8i code;
     if (kind == K_LINEAR && f->lin_codes) {
-        v8i normal = ab >= (uint32_t)(127 + f->lin_lo) << 23;
+        v8i normal = (v8i)ab >= (int32_t)((uint32_t)(127 + f->lin_lo) << 23);
         v8i sub = __builtin_convertvector((v8f)ab * pow2(f->mbits - f->lin_lo), v8i);
         code = visel(normal, (v8i)(ab >> (23 - f->mbits)) - f->lin_code_off, sub);
+    } else if (kind == K_TABLE && f->packed) {
+        v8u field = ab >> 23;
+        v8i pack = vgather(f->code_pack, field);
+        v8u m = (ab & 0x7fffffu) | (v8u)((v8i)(field != 0) & 0x800000);
+        code = ((pack >> 5) - 256) + (v8i)(m >> (v8u)(pack & 31));
     } else {
         v8u field = ab >> 23;
         v8f first = (v8f)vgather(f->first_bits, field);
@@ -321,10 +376,24 @@ static inline v8i vcode(const fmt_t *f, v8f q, int kind) {
     return code;
 }
 
-static inline v8u vbf16_bits(v8f v) {  /* f2bf, lane by lane */
+VINLINE v8u vbf16_bits(v8f v) {  /* f2bf, lane by lane */
     v8u u = (v8u)v;
     v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (v8u)visel(v != v, vsplat(0x7fc0), (v8i)r);
+}
+
+/* The low byte / low half of each 32-bit lane (a truncating narrow: lanes hold codes < 256 and
+ * bfloat16 patterns). A byte shuffle, where __builtin_convertvector goes lane by lane through
+ * general registers. */
+typedef uint8_t v32b __attribute__((vector_size(32)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+VINLINE v8b narrow8(v8i v) {
+    v32b b = (v32b)v;
+    return __builtin_shufflevector(b, b, 0, 4, 8, 12, 16, 20, 24, 28);
+}
+VINLINE v8h narrow16(v8u v) {
+    v16h h = (v16h)v;
+    return __builtin_shufflevector(h, h, 0, 2, 4, 6, 8, 10, 12, 14);
 }
 
 /* Elements [lo, hi) of one row (one scale ``s``; ``scaled`` = 0 means no scale). Always
@@ -340,12 +409,12 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
         v8f y = scaled ? x / s : x;
         v8f q = vquantize(f, y, kind, rounding);
         if (out_kind == OUT_CODES) {
-            v8b c = __builtin_convertvector(vcode(f, q, kind), v8b);
+            v8b c = narrow8(vcode(f, q, kind));
             memcpy((uint8_t *)j->dst + k, &c, sizeof c);
         } else {
             v8f v = scaled ? q * s : q;
             if (dtype == DT_BF16) {
-                v8h h = __builtin_convertvector(vbf16_bits(v), v8h);
+                v8h h = narrow16(vbf16_bits(v));
                 memcpy((uint16_t *)j->dst + k, &h, sizeof h);
             } else {
                 memcpy((float *)j->dst + k, &v, sizeof v);
@@ -363,8 +432,15 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
 }
 
 static inline __attribute__((always_inline)) void
-fast_range(const job_t *j, int64_t lo, int64_t hi, const int kind, const int dtype,
+fast_range(const job_t *jp, int64_t lo, int64_t hi, const int kind, const int dtype,
            const int out_kind, const int rounding) {
+    /* Private copies of the job and the format: the output is written through a uint8_t /
+     * uint16_t pointer, which C lets alias anything, so with the caller's structs the compiler
+     * reloads every format field after each store; nothing can point into these locals. */
+    fmt_t fmt = *jp->fmt;
+    job_t job = *jp;
+    job.fmt = &fmt;
+    const job_t *j = &job;
     if (!j->scale) {
         fast_span(j, lo, hi, 1.0f, 0, kind, dtype, out_kind, rounding);
         return;

@@ -59,7 +59,11 @@ class FormatTables(ctypes.Structure):
                 ("code_mask", ctypes.c_int32), ("linear", ctypes.c_int32),
                 ("lin_lo", ctypes.c_int32), ("lin_slo", ctypes.c_int32),
                 ("lin_hi", ctypes.c_int32), ("mbits", ctypes.c_int32),
-                ("lin_codes", ctypes.c_int32), ("lin_code_off", ctypes.c_int32)]
+                ("lin_codes", ctypes.c_int32), ("lin_code_off", ctypes.c_int32),
+                ("packed", ctypes.c_int32), ("code_pack", _i32x256),
+                ("tapered", ctypes.c_int32), ("taper_lo", ctypes.c_int32),
+                ("taper_hi", ctypes.c_int32), ("taper_w0", ctypes.c_int32),
+                ("taper_t", ctypes.c_int32 * 4)]
 
 
 build_seconds: float | None = None  # how long the first build took in this process (None: cached)

@@ -97,6 +97,30 @@ def test_fake_quantize_is_bit_identical_for_every_scale_layout(name):
 
 
 @needs_native
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "e3m4",
+                                  "e2m5", "e5m2b10", "e4m3b5fn", "e6m1", "e1m6fn", "e3m0",
+                                  "e2m0b0", "e2m0b0-ftz", "hif8"])
+def test_every_bfloat16_pattern_rounds_identically(name):
+    """Every bfloat16 bit pattern (each binade, subnormals, ties, inf, NaN), as bfloat16, as
+    float32 and as float32 with random low bits: the kernels' vector loops (integer rounding for
+    IEEE-like grids) against the torch path, saturating and not, fake-quantized and encoded."""
+    spec = get_format(name.removesuffix("-ftz"))
+    if name.endswith("-ftz"):  # no subnormals: no mantissa bits and the clamped lowest binade
+        spec = dataclasses.replace(spec, name=name, subnormals=False)
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    low = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(5),
+                        dtype=torch.int32)
+    noisy = (x.float().view(torch.int32) | low).view(torch.float32)
+    for t in (x, x.float(), noisy):
+        for scale in (torch.tensor(1.0), torch.tensor(0.37)):
+            got, want = _both(lambda: codec.fake_quantize(t, scale, spec))
+            assert _same(got, want), (name, t.dtype, scale)
+        for saturate in (True, False):
+            got, want = _both(lambda: codec.encode(t.float(), spec, saturate=saturate))
+            assert _same(got, want), (name, t.dtype, saturate)
+
+
+@needs_native
 @pytest.mark.parametrize("name", ["e4m3", "hif8", "int8", "e3m4"])
 def test_big_tensors_split_across_threads_identically(name):
     spec = get_format(name)

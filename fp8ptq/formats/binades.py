@@ -93,6 +93,10 @@ def native_tables(spec, rounding: str, saturate: bool = True,
     for rank, code in enumerate(lay.magnitude_codes.tolist()):
         t.codes[rank] = code
     _linear_description(spec, t)
+    if not t.lin_codes:
+        _packed_codes(lay, t)
+    if not t.linear:
+        _taper_description(lay, t)
     t.max = lay.max
     t.overflow = lay.max if saturate else (float("inf") if lay.has_inf else float("nan"))
     t.negzero = int(lay.has_negative_zero)
@@ -100,6 +104,62 @@ def native_tables(spec, rounding: str, saturate: bool = True,
     t.inf_code = lay.inf_code if lay.has_inf else 0
     t.nan_code = lay.nan_code if lay.has_nan else 0
     return t
+
+
+def _taper_description(lay, t) -> None:
+    """Fill ``t``'s arithmetic description of a symmetric tapered grid (see native.c's
+    ``fmt_t``) where it reproduces ``step_log2`` for every field: the mantissa width at
+    exponent E (clamped to the layout's binades) is the width at 0 less one per threshold
+    reached by |E|."""
+    widths = [e - s for e, s in zip(range(lay.e_lo, lay.e_hi + 1), lay.step_log2.tolist())]
+    w0 = max(widths)
+    # each threshold: the smallest |E| at which the width has dropped by one more step
+    thresholds = [min((abs(e) for e, w in zip(range(lay.e_lo, lay.e_hi + 1), widths)
+                       if w0 - w >= k), default=None) for k in range(1, w0 + 1)]
+    if None in thresholds or len(thresholds) > 4:
+        return
+    thresholds += [1 << 20] * (4 - len(thresholds))
+
+    def step(field: int) -> int:
+        e = min(max(field - 127, lay.e_lo), lay.e_hi)
+        return e - (w0 - sum(abs(e) >= th for th in thresholds))
+
+    if any(step(f) != t.step_log2[f] for f in range(256)):
+        return
+    t.tapered, t.taper_lo, t.taper_hi, t.taper_w0 = 1, lay.e_lo, lay.e_hi, w0
+    for k, th in enumerate(thresholds):
+        t.taper_t[k] = th
+
+
+def _packed_codes(lay, t) -> None:
+    """Fill ``t.code_pack`` (see native.c's ``fmt_t``) where codes run consecutively within
+    each binade: the code of a grid magnitude with float32 exponent field f and significand M
+    (implicit bit included) is then ``base[f] + (M >> shift[f])``, with ``shift = 23 + step - e``
+    (M >> shift counts grid steps from 0) and ``base = code of the binade's first magnitude -
+    first / 2^step``. Kept only if that formula gives every magnitude's code."""
+    pack = []
+    for field in range(256):
+        e = max(field, 1) - 127  # field 0 (float32 subnormals): M carries no implicit bit
+        shift = min(23 + t.step_log2[field] - e, 31)  # >= 24 gives 0 steps, as 31 does
+        first = t.first_bits[field]
+        steps_to_first = torch.tensor(first, dtype=torch.int32).view(torch.float32).item() * \
+            2.0 ** -t.step_log2[field]
+        base = t.codes[t.first_rank[field]] - int(steps_to_first) if \
+            t.first_rank[field] < lay.magnitudes.numel() else 0
+        if not 0 <= shift <= 31 or not -256 <= base < 768 or steps_to_first != int(steps_to_first):
+            pack.append(None)
+            continue
+        pack.append(((base + 256) << 5) | shift)
+    for bits, code in zip(lay.magnitudes.view(torch.int32).tolist(),
+                          lay.magnitude_codes.tolist()):
+        field = bits >> 23
+        p = pack[field]
+        m = (bits & 0x7FFFFF) | (0x800000 if field else 0)
+        if p is None or (p >> 5) - 256 + (m >> (p & 31)) != code:
+            return
+    t.packed = 1
+    for field, p in enumerate(pack):
+        t.code_pack[field] = 0 if p is None else p
 
 
 def _linear_description(spec, t) -> None:
