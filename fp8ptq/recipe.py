@@ -241,6 +241,9 @@ def load_recipe_dict(path: str | Path) -> dict:
         raise UsageError(f"recipe {path} must be a mapping of option: value")
     if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json
         data = data["recipe"]
+    named = [k for k in data if not isinstance(k, str)]  # YAML "?" or "1: 2" give None / 1
+    if named:
+        raise UsageError(f"recipe {path}: option names must be strings, got {named[0]!r}")
     return data
 
 
