@@ -142,7 +142,7 @@ def test_mse_weight_calibrator_picks_each_channels_best_candidate():
 
 
 def test_unknown_calibrator_is_a_usage_error():
-    with pytest.raises(UsageError, match="valid: max, percentile, mse, cast, best, search, pow2-search"):
+    with pytest.raises(UsageError, match="valid: max, percentile, mse, cast, best, pow2-search"):
         activation_calibrator("kl")
 
 
