@@ -24,9 +24,6 @@ register(CalibratorEntry("mse", "activation", factory=MseCalibrator))
 register(CalibratorEntry("cast", "activation", factory=CastCalibrator, help="scale 1"))
 register(CalibratorEntry("best", "activation", LAYER_AWARE, choose=layerwise.choose_best,
                          options=_PERCENTILE, fallback="max"))
-register(CalibratorEntry("search", "activation", LAYER_AWARE, choose=layerwise.choose_search,
-                         options=_PERCENTILE, fallback="max",
-                         help="best's candidates + amax x 2^(-k/8), k <= 24, by output error"))
 register(CalibratorEntry("pow2-search", "activation", LAYER_AWARE,
                          choose=layerwise.choose_pow2_search, options=_POW2, fallback="max"))
 register(CalibratorEntry("max", "weight", factory=MaxWeightCalibrator))

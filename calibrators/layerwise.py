@@ -3,16 +3,6 @@
 - ``best`` (Micikevicius et al. 2022 sec 4.2): per GEMM, the max, percentile and MSE input
   scales from the one calibration pass compete; the one whose quantized output (quantized input
   x quantized weight) is closest to the high-precision output on sampled input rows wins.
-- ``search``: the same output-error judgement over a dense grid of clip ranges, amax x
-  2^(-k/8) for k = 0..24 (down to amax / 8), together with best's three candidates (so its error
-  on the sampled rows is never above best's). Why: with a per-tensor static scale the largest
-  value seen sets the resolution of every other token; a few massive activations (SmolLM2's
-  down_proj inputs reach ~3,000 while most values are below 1) push the bulk into e4m3's
-  subnormal range. The max over a smaller calibration set (llm-compressor's static min-max
-  observer over short documents) lands ~10-30% lower on SmolLM2 and scores better; the search
-  picks that trade-off per layer from the layer's output error instead of from the data set's
-  length (range setting by output MSE: Nagel et al. 2021, "A White Paper on Neural Network
-  Quantization", sec 3.4).
 - ``pow2-search`` (Luo et al. 2024 Algorithm 1): layer by layer in forward order, search
   power-of-two scales 2^-Ea for the input and 2^-Ew for the weight (Ea, Ew in
   ``recipe.pow2_range``) that minimise the MSE of the layer output against the high-precision
@@ -43,9 +33,6 @@ from fp8ptq.scales import amax_to_scale
 
 from .registry import activation_entry
 
-SEARCH_STEPS = 24  # ``search``'s grid: amax x 2^(-k/8), k = 0..24 (1 down to 1/8)
-SEARCH_RATIOS = tuple(2.0 ** (-k / 8) for k in range(SEARCH_STEPS + 1))
-
 
 @dataclass
 class LayerChoice:
@@ -74,13 +61,6 @@ def choose_best(model, targets, stats, samples, recipe, gran, w_calib, batches) 
             for t in targets}
 
 
-def choose_search(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
-    """``search``: best's candidates plus amax x 2^(-k/8), k = 0..SEARCH_STEPS, per layer."""
-    return {t.name: _best_of(t, stats[t.name], samples[t.name], recipe, gran, w_calib,
-                             grid=SEARCH_RATIOS, prefix="search")
-            for t in targets}
-
-
 def choose_pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches) -> dict:
     """``pow2-search``: the layer-by-layer power-of-two search, on the first batch."""
     return _pow2_search(model, targets, stats, samples, recipe, gran, w_calib, batches[:1])
@@ -99,23 +79,16 @@ def _output_error(t, x, x_q, w, w_q) -> float:
     return float((x_q @ w_q.T - x @ w.T).pow(2).mean())
 
 
-def _best_of(t, st, x, recipe, gran, w_calib, grid: tuple[float, ...] = (),
-             prefix: str = "best") -> LayerChoice:
-    """The candidate clip range with the least output error on the rows ``x``: the max,
-    percentile and MSE calibrators' picks, then ``amax x r`` for each ratio r in ``grid``
-    (the first of equal errors wins, so ties keep the statistics calibrators' choice)."""
+def _best_of(t, st, x, recipe, gran, w_calib) -> LayerChoice:
     w, w_q = _quantized_weight(t, gran, w_calib, recipe)
-    candidates = []
+    best = None
     for name in ("max", "percentile", "mse"):
         calib = activation_entry(name)
-        candidates.append((name, calib.build(**calib.options_from(recipe)).amax(st, t.act_format)))
-    candidates += [(f"max*{r:.4g}", st.amax * r) for r in grid if r != 1.0]
-    best = None
-    for name, amax in candidates:
+        amax = calib.build(**calib.options_from(recipe)).amax(st, t.act_format)
         scale = amax_to_scale(amax, t.act_format, pow2=recipe.scale_pow2)
         err = _output_error(t, x, fake_quantize(x, scale, t.act_format), w, w_q)
         if best is None or err < best.error:
-            best = LayerChoice(f"{prefix}:{name}", input_amax=amax, input_scale=scale, error=err)
+            best = LayerChoice(f"best:{name}", input_amax=amax, input_scale=scale, error=err)
     return best
 
 

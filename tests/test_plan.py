@@ -82,8 +82,7 @@ def test_registry_entries_carry_kind_and_options_and_drive_validation():
     assert registry.statistics_entry("pow2-search").name == "max"
     assert registry.activation_entry("percentile").build(percentile=50.0,
                                                           pow2_range=(1, 2)).percentile == 50.0
-    assert set(registry.names("activation", registry.LAYER_AWARE)) == {"best", "search",
-                                                                       "pow2-search"}
+    assert set(registry.names("activation", registry.LAYER_AWARE)) == {"best", "pow2-search"}
     with pytest.raises(UsageError, match="act_calib must be one of"):
         Recipe(act_granularity="tensor", act_calib="kl")
     with pytest.raises(UsageError, match="layer-aware"):
