@@ -35,17 +35,10 @@ ROWS = {
     "fp8-static": ("`--scheme fp8-static`: tensor W + static tensor A", "per-tensor scaled_mm"),
     "fp8-static-gptq": ("`fp8-static` + GPTQ", "per-tensor scaled_mm"),
     "fp8-static-best": ("`fp8-static` + `--act-calib best`", "per-tensor scaled_mm"),
-    "fp8-static-search": ("`fp8-static` + `--act-calib search`", "per-tensor scaled_mm"),
-    "static-search": ("channel W + static tensor A, `--act-calib search`",
-                      "channel W x tensor A scaled_mm"),
-    "static-search-gptq-seq-ao": ("channel W + static tensor A `search` + sequential GPTQ "
-                                  "act-order", "channel W x tensor A scaled_mm"),
-    "fp8-static-search-gptq-seq-ao": ("`fp8-static` + `search` + sequential GPTQ act-order",
-                                      "per-tensor scaled_mm"),
-    "static-search-sq-gptq-seq-ao": ("`static-search-gptq-seq-ao` + SmoothQuant 0.5",
-                                     "channel W x tensor A scaled_mm"),
-    "static-search-rot-gptq-seq-ao": ("`static-search-gptq-seq-ao` + `--rotate hadamard`",
-                                      "channel W x tensor A scaled_mm"),
+    # an experiment, not kept (commit 8174815, reverted): each static input scale chosen among
+    # best's candidates and amax x 2^(-k/8), k <= 24, by the GEMM's output MSE on sampled rows
+    "fp8-static-search": ("`fp8-static` + clip search by output MSE (experiment, not kept)",
+                          "per-tensor scaled_mm"),
     "fp8-dynamic": ("`--scheme fp8-dynamic`: channel W + dynamic token A", "row-wise scaled_mm"),
     "fp8-dynamic-gptq": ("`fp8-dynamic` + GPTQ", "row-wise scaled_mm"),
     "fp8-dynamic-gptq-mse": ("`fp8-dynamic` + GPTQ with MSE scales", "row-wise scaled_mm"),
