@@ -27,6 +27,7 @@ from .gptq_sequential import outside_blocks, quantize_in_order
 from .hessian import HessianCollector
 from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
+from .model.gemm32 import float32_gemms
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
 from .plan import (  # noqa: F401
@@ -98,7 +99,8 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     logits = head_observed(model, modules.values())  # else the head runs on one position
     error = None
     with collector.observing(), experts.observing() if experts else nullcontext(), \
-            hessians.observing() if hessians else nullcontext(), torch.inference_mode():
+            hessians.observing() if hessians else nullcontext(), torch.inference_mode(), \
+            float32_gemms():
         try:
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
@@ -128,7 +130,14 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                    progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
-    (``build_plan(model, recipe)``)."""
+    (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
+    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``)."""
+    with float32_gemms():
+        return _quantize_model(model, recipe, batches, progress, plan)
+
+
+def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
+                    progress, plan: QuantPlan | None) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     rotation = None
