@@ -16,6 +16,6 @@ from .spec import ROUNDINGS, FormatSpec, scaled_mm_pair
 
 __all__ = [
     "FormatSpec", "PRESETS", "ROUNDINGS", "get_format", "preset_names", "quantize_values",
-    "encode", "encode_scaled", "decode", "dequantize", "fake_quantize", "to_torch_float8", "codes_as_torch_float8",
-    "torch_dtype", "scaled_mm_pair",
+    "encode", "encode_scaled", "decode", "dequantize", "fake_quantize", "to_torch_float8",
+    "codes_as_torch_float8", "torch_dtype", "scaled_mm_pair",
 ]
