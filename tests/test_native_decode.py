@@ -10,7 +10,7 @@ import torch
 from fp8ptq import native
 from fp8ptq.formats import codec
 from fp8ptq.formats.registry import get_format
-from fp8ptq.granularity import weight_granularity
+from fp8ptq.granularity import PerToken, weight_granularity
 from fp8ptq.qmodules import QuantGemm
 from test_native import FORMATS, _both, _inputs, _same, needs_native
 
@@ -107,3 +107,16 @@ def test_quantgemm_is_the_same_whichever_path_builds_it(granularity, name, dtype
     assert torch.equal(fast[1], codes) and torch.equal(slow[1], codes)
     assert fast[2] == slow[2] is False
     assert _same(fast[3], slow[3]) and fast[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_per_token_amax_is_torch_s(dtype):
+    """Dynamic per-token scales read their amax through the row kernel: torch's value bit for
+    bit (NaN rows stay NaN, -0 and inf as torch), for 2-D / 3-D inputs, odd widths, no rows."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 7, 37, generator=g) * 30).to(dtype)
+    x[0, 0, 3], x[1, 2, 0], x[2, 3, 36], x[3, 1] = torch.nan, torch.inf, -torch.inf, -0.0
+    for t in (x, x[0], x[:, :, :1], x[:0], x.transpose(0, 1)):
+        got, want = _both(lambda: PerToken().amax(t))
+        ref = t.abs().amax(dim=-1, keepdim=True).float()
+        assert got.shape == ref.shape and _same(got, ref) and _same(want, ref)
