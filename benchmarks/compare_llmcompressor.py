@@ -13,9 +13,14 @@ compressed-tensors (0.19) inside it. The venv must import a ``+cpu`` torch befor
 Steps:
 
 1. The model as a float32 Hugging Face folder (the SmolLM2 GGUF dequantized once; MiniLM's folder
-   as it is), the calibration windows: the first ``--num-samples`` paragraphs of
-   ``calib/wiki-paragraphs.txt`` cut to 512 tokens for llm-compressor (its ``oneshot`` takes a
-   dataset of documents), the same file for fp8ptq.
+   as it is) and the calibration windows. ``--windows fp8ptq`` (default): llm-compressor gets
+   fp8ptq's own token windows (``fp8ptq.data.build_calibration_set`` on
+   ``calib/wiki-paragraphs.txt``: ``--num-samples`` windows of 512 tokens, seed 0) as a
+   pre-tokenized dataset, so both tools calibrate on the same tokens (their sha256 is written
+   to ``llmc_run.json``). ``--windows paragraphs``: the first ``--num-samples`` paragraphs cut
+   to 512 tokens (what ``oneshot`` does with a dataset of documents: ~150 tokens each here, a
+   third of fp8ptq's tokens); those folders are named ``llmc-SCHEME-paragraphs``. Recipes
+   with dynamic activations and no GPTQ read no data and are shared by both.
 2. Each llm-compressor recipe (``QuantizationModifier`` with ``FP8`` / ``FP8_DYNAMIC`` /
    ``FP8_BLOCK``, ``GPTQModifier`` with ``FP8`` / ``FP8_DYNAMIC``; lm_head / qa_outputs
    ignored) runs ``oneshot`` in a child process of that venv and saves its compressed-tensors
@@ -44,6 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import recipe_study as study  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from fp8ptq.data import build_calibration_set, load_texts  # noqa: E402
 
 VENV = Path.home() / ".cache/fp8ptq-bench/llmc-venv"
 LLMC_VERSION = "0.14.0.1"
@@ -75,10 +83,14 @@ cls = AutoModelForQuestionAnswering if task == "qa" else AutoModelForCausalLM
 model = cls.from_pretrained(src, dtype=torch.float32)
 tok = AutoTokenizer.from_pretrained(src)
 ignore = ["qa_outputs"] if task == "qa" else ["lm_head"]
-lines = [l.strip() for l in open(calib, encoding="utf-8") if l.strip()][:n]
-ds = Dataset.from_dict({"text": lines}).map(
-    lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True,
-    remove_columns=["text"])
+if calib.endswith(".json"):  # fp8ptq's token windows, pre-tokenized
+    ids = json.load(open(calib))["input_ids"]
+    ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(r) for r in ids]})
+else:  # documents: the first n paragraphs, each cut to seq tokens
+    lines = [l.strip() for l in open(calib, encoding="utf-8") if l.strip()][:n]
+    ds = Dataset.from_dict({"text": lines}).map(
+        lambda b: tok(b["text"], truncation=True, max_length=seq), batched=True,
+        remove_columns=["text"])
 base = scheme.removeprefix("GPTQ-")
 Modifier = GPTQModifier if scheme.startswith("GPTQ-") else QuantizationModifier
 recipe = Modifier(targets="Linear", scheme=base, ignore=ignore)
@@ -139,15 +151,36 @@ def timed_child(cmd: list[str], prefix: list[str], env=None
     return time.perf_counter() - t0, done
 
 
+def reads_data(scheme: str) -> bool:
+    return scheme == "FP8" or scheme.startswith("GPTQ-")
+
+
+def fp8ptq_windows(src: Path, calib: Path, n: int, out: Path) -> Path:
+    """fp8ptq's calibration windows for ``src``'s tokenizer, as the JSON the child reads."""
+    windows = build_calibration_set(load_texts(str(calib)), AutoTokenizer.from_pretrained(src),
+                                    num_samples=n, seq_len=512, seed=0, source=str(calib))
+    path = out / f"fp8ptq-windows-{n}x512.json"
+    path.write_text(json.dumps({"sha256": windows.sha256,
+                                "input_ids": windows.input_ids.tolist()}))
+    return path
+
+
 def run_llmc(py: Path, src: Path, scheme: str, out: Path, calib: Path, n: int, task: str,
-             prefix: list[str]) -> dict:
-    dest = out / f"llmc-{scheme}"
+             prefix: list[str], windows: Path | None = None) -> dict:
+    """One llm-compressor run (cached). ``windows``: fp8ptq's token windows (a JSON from
+    ``fp8ptq_windows``) instead of ``calib``'s first ``n`` paragraphs."""
+    suffix = "-paragraphs" if windows is None and reads_data(scheme) else ""
+    dest = out / f"llmc-{scheme}{suffix}"
+    if windows is not None and reads_data(scheme):
+        calib = windows
     if not (dest / "llmc_run.json").exists():
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         wall, _ = timed_child([str(py), "-c", CHILD, str(src), scheme, str(dest), str(calib),
                                str(n), "512", task], prefix, env)
         facts = json.loads((dest / "llmc_run.json").read_text())
         facts["wall_seconds"] = wall
+        if calib.suffix == ".json":
+            facts["windows_sha256"] = json.loads(calib.read_text())["sha256"]
         (dest / "llmc_run.json").write_text(json.dumps(facts, indent=1))
     return {"path": str(dest), **json.loads((dest / "llmc_run.json").read_text())}
 
@@ -179,6 +212,9 @@ def main(argv=None) -> None:
     ap.add_argument("--num-samples", type=int, default=32)
     ap.add_argument("--articles", type=int, default=5)
     ap.add_argument("--questions", type=int, default=1000)
+    ap.add_argument("--windows", choices=("fp8ptq", "paragraphs"), default="fp8ptq",
+                    help="llm-compressor's calibration data: fp8ptq's token windows (the same "
+                         "tokens as fp8ptq) or the first paragraphs of the file")
     ap.add_argument("--timings", action="store_true",
                     help="also time fp8ptq quantize of each equivalent (child processes)")
     ap.add_argument("--prefix", default="", help="command the quantize children run under")
@@ -202,7 +238,9 @@ def main(argv=None) -> None:
     prefix = args.prefix.split() if args.prefix else []
     schemes = [s for s in args.schemes.split(",") if s]
     task = "qa" if m["task"] == "squad" else "causal-lm"
-    llmc = {s: run_llmc(py, src, s, cache, calib, args.num_samples, task, prefix)
+    windows = fp8ptq_windows(src, calib, args.num_samples, cache) \
+        if args.windows == "fp8ptq" else None
+    llmc = {s: run_llmc(py, src, s, cache, calib, args.num_samples, task, prefix, windows)
             for s in schemes}
     timings = {n: time_fp8ptq(src, n, cache, calib, args.num_samples, prefix)
                for n in dict.fromkeys(EQUIVALENT[s] for s in schemes)} if args.timings else {}
@@ -218,8 +256,8 @@ def main(argv=None) -> None:
                        "--questions", str(args.questions),
                        "--only", ",".join(dict.fromkeys([EQUIVALENT[s] for s in schemes]
                                                         + extra)),
-                       "--checkpoints", ",".join(f"llmc-{s}={llmc[s]['path']}"
-                                                 for s in schemes)])
+                       "--checkpoints", ",".join(f"{Path(llmc[s]['path']).name}="
+                                                 f"{llmc[s]['path']}" for s in schemes)])
     report = {"llmcompressor": {"version": LLMC_VERSION, "runs": llmc},
               "fp8ptq_timings": timings, "equivalent": EQUIVALENT, "report": rows}
     path = cache / "compare_llmcompressor.json"

@@ -1,7 +1,8 @@
 """``fp8ptq quantize`` against llm-compressor's ``oneshot`` on the same job, as wall time of two
 fresh processes (the speed row of ``bench_all.py``).
 
-The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights, static
+The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
+nearest (``--weight-calib max``: llm-compressor's ``QuantizationModifier`` runs no GPTQ), static
 per-tensor input scales, lm_head kept, batch 8, the same ``N`` token windows of ``seq_len`` tokens
 for both tools. The windows are fp8ptq's own (``fp8ptq.data.build_calibration_set`` over
 calib/wiki-paragraphs.txt with the folder's tokenizer); llm-compressor gets them as a
@@ -66,9 +67,13 @@ def available() -> bool:
 
 
 def llmc_version() -> str:
-    done = subprocess.run([str(LLMC_PY), "-c", "import llmcompressor; "
-                           "print(llmcompressor.__version__)"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    """The installed llmcompressor's version from its package metadata. Importing the package
+    instead would run its import-time logging (``No accelerator available`` on a CPU goes to
+    stdout) into the answer, and with it into the cache key."""
+    done = subprocess.run([str(LLMC_PY), "-c", "from importlib.metadata import version; "
+                           "print(version('llmcompressor'))"], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    return lines[-1].strip() if done.returncode == 0 and lines else "unknown"
 
 
 def hf_folder(gguf: str) -> Path:
@@ -119,7 +124,8 @@ def quantize_walls(gguf: str, calib: str, samples: int, seq_len: int, dtype: str
     fp8ptq = Path(sys.executable).with_name("fp8ptq")
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-") as tmp:
         ours = _wall([str(fp8ptq), "quantize", str(hf), "--format", "e4m3",
-                      "--weight-granularity", "channel", "--act-granularity", "tensor",
+                      "--weight-granularity", "channel", "--weight-calib", "max",
+                      "--act-granularity", "tensor",
                       "--calib-data", calib, "--num-samples", str(samples), "--seq-len",
                       str(seq_len), "--batch-size", "8", "--dtype", dtype, "-o",
                       f"{tmp}/ours"])

@@ -45,6 +45,7 @@ E4M3 = {
     "static-best-gptq": dict(act_calib="best", weight_calib="gptq"),
     "fp8-static": dict(scheme="fp8-static"),  # llm-compressor FP8: tensor W, static tensor A
     "fp8-static-gptq": dict(scheme="fp8-static", weight_calib="gptq"),
+    "fp8-static-best": dict(scheme="fp8-static", act_calib="best"),
     "fp8-dynamic": dict(scheme="fp8-dynamic"),  # channel W, dynamic per-token A
     "fp8-dynamic-gptq": dict(scheme="fp8-dynamic", weight_calib="gptq"),
     "fp8-dynamic-gptq-mse": dict(act_granularity="token", weight_calib="gptq-mse"),

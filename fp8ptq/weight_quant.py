@@ -122,13 +122,17 @@ def row_chunks(rows: int, cols: int, gran, *, whole: bool = False,
     return [(start, min(rows, start + chunk)) for start in range(0, rows, chunk)]
 
 
-def by_rows(src: torch.Tensor, scale: torch.Tensor, gran, fn, dtype: torch.dtype
-            ) -> torch.Tensor:
+def by_rows(src: torch.Tensor, scale: torch.Tensor, gran, fn, dtype: torch.dtype, *,
+            whole: bool = False) -> torch.Tensor:
     """``fn(rows, their scale expanded to them)`` over the row chunks of the 2-D ``src``, into a
     new ``dtype`` tensor: elementwise work on a whole weight (decoding codes, re-encoding
     values) with chunk-sized temporaries (``BY_ROWS_ELEMENTS``) instead of float32 copies of
     the whole matrix (a 13824 x 5120 GEMM's were ~0.9 GB on top of its 141 MB of bf16). The
-    same values as the whole-matrix expression, element for element."""
+    same values as the whole-matrix expression, element for element. ``whole``: ``fn`` makes
+    no temporaries (a C kernel), so it runs once on all of ``src`` and its result is returned
+    as is."""
+    if whole:
+        return fn(src, gran.expand(scale, src))
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     for start, stop in row_chunks(*src.shape, gran, elements=BY_ROWS_ELEMENTS):
         part = src[start:stop]
