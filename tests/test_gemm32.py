@@ -5,12 +5,12 @@ quantize pipeline and sequential mode run their forwards under it, and its memor
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import IDS, STATIC_RECIPE, tiny
 
 from fp8ptq.model import gemm32
 from fp8ptq.model.gemm32 import float32_gemms, linear32
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe
+from tiny_models import IDS, STATIC_RECIPE, tiny
 
 
 def _operands(dtype, n=300, k=96, tokens=(3, 17), seed=0):

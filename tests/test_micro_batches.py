@@ -4,13 +4,13 @@ batches (``fp8ptq.usage.release_free_memory``)."""
 
 import pytest
 import torch
-from tiny_models import IDS, tiny
 
 from fp8ptq import pipeline, usage
 from fp8ptq.model import forward
 from fp8ptq.model.forward import micro_batches, token_batches
 from fp8ptq.pipeline import collect_stats, plan_targets
 from fp8ptq.recipe import Recipe
+from tiny_models import IDS, tiny
 
 
 def test_micro_batches_split_whole_sequences():
