@@ -13,6 +13,13 @@ machine's RAM, so it never fits the page cache either) is ONE shared folder, gen
     ~/.cache/fp8ptq-bench/llama-l44-h5120-i13824-v32000     (45 shards: embeddings + one per layer)
     python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --generate-only
 
+``--only sequential --max-memory 4GB`` quantizes it as ``quantize --sequential --max-memory
+4GB`` would (e4m3, channel weights, static per-tensor activations, 8 x 256 random tokens),
+logging each block's calibration pass with the RSS then and the peak so far (stderr):
+
+    python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --only sequential \
+        --max-memory 4GB
+
 ``--only model-free`` measures the model-free path against the read + write floor on it, and
 ``--only eval`` the peak RSS of ``fp8ptq eval`` on a 262,144-token-vocabulary model at context
 2048 (target: model bytes + 2 GB).

@@ -18,7 +18,10 @@ product - what a bf16 GEMM with float32 accumulation computes too, up to the sum
 order, so about 1 output in 5,000 differs by one bf16 unit in the last place (measured on that
 GEMM); it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
 sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
-each other. The extra memory (``extra_bytes``) is counted in ``fp8ptq.route``'s estimate.
+each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
+one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
+float32 activations of a calibration batch that ``fp8ptq.route``'s estimate counts (4 bytes x
+tokens x (6 hidden + 2 intermediate + vocabulary)).
 
 Where the CPU has native bf16 / fp16 GEMMs, or the tensors are on an accelerator, nothing
 changes. ``FP8PTQ_FLOAT32_GEMMS=0`` / ``1`` turns it off / forces it (tests force it).
