@@ -21,16 +21,20 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
   recipe's), against the same model's eval unquantized, same tokens. Target <= 1.15x.
 - quantize: a fresh ``fp8ptq quantize`` process (load to written checkpoint) against
   llm-compressor's ``oneshot`` + save of the same job on the same token windows in its venv
-  (``llmc_timing.py``; its time cached with its date and load). Target <= 0.5x.
+  (``llmc_timing.py``; its time cached with its date and load). Target <= 0.5x. Its own
+  number of windows (``--quantize-samples``: 16 with ``--quick``, the issue's 128 without):
+  both tools pay ~10 s of fixed costs here (interpreter, imports of torch / transformers,
+  load, write), which at 4 windows would be most of the comparison.
 
 Model dtype: bfloat16 by default, float32 with ``--quick``. On a CPU without native bf16 GEMMs
 (AVX2 only, like the 2-core development machine) a bf16 forward is ~7x slower than float32, so
 the bf16 rows take far too long for a quick check, and they are the easier ones: the model's
 GEMMs dominate and hide the quantization work. float32 is the harder denominator.
 
-``--quick`` (< 3 minutes on 2 quiet cores): 4 x 512 calibration tokens, a ~500-token WikiText
-slice, eval rows for e4m3 and hif8 (the slowest codec) only, one timing per codec. Report
-timings taken on a quiet machine.
+``--quick`` (< 3 minutes on 2 quiet cores): 4 x 512 calibration tokens (16 x 512 for the
+quantize-wall row), a ~500-token WikiText slice, eval rows for e4m3 and hif8 (the slowest
+codec) only, one eval timing each, the best of 5 per codec. Report timings taken on a quiet
+machine.
 """
 
 from __future__ import annotations
@@ -211,7 +215,12 @@ def model_rows(out: Rows, sections, dtype: str, samples: int, eval_tokens: int |
 
 
 def quantize_row(out: Rows, dtype: str, samples: int, remeasure: bool) -> None:
-    ours, theirs = llmc_timing.quantize_walls(SMOLLM2, CALIB, samples, 512, dtype, remeasure)
+    ours, stages, theirs = llmc_timing.quantize_walls(SMOLLM2, CALIB, samples, 512, dtype,
+                                                      remeasure)
+    staged = sum(v for k, v in stages.items() if k != "calibrate+quantize")
+    out.note("fp8ptq quantize stages: " + ", ".join(
+        f"{k} {v:.2f} s" for k, v in stages.items() if k != "calibrate+quantize" and v >= 0.01)
+        + f"; the rest (interpreter, imports, report) {ours - staged:.2f} s")
     when = "cached, " if theirs.get("cached") else ""
     load = theirs["load_before"][0]
     out.add(f"quantize wall ({dtype}, {samples}x512, fresh process)", ours, "s",
@@ -231,17 +240,20 @@ def main() -> None:
     ap.add_argument("--remeasure-llmc", action="store_true",
                     help="rerun llm-compressor instead of reading its cached time")
     ap.add_argument("--samples", type=int, help="calibration windows (override)")
+    ap.add_argument("--quantize-samples", type=int,
+                    help="calibration windows of the quantize-wall row (override)")
     ap.add_argument("--eval-tokens", type=int, help="WikiText slice length (override)")
     ap.add_argument("--formats", help="comma-separated eval formats (override)")
     args = ap.parse_args()
     sections = set(args.only.split(","))
     if args.quick:
-        dtype, samples, eval_tokens, articles, formats, repeat = (
-            args.dtype or "float32", 4, 500, 1, QUICK_EVAL_FORMATS, 1)
+        dtype, samples, q_samples, eval_tokens, articles, formats, repeat = (
+            args.dtype or "float32", 4, 16, 500, 1, QUICK_EVAL_FORMATS, 1)
     else:
-        dtype, samples, eval_tokens, articles, formats, repeat = (
-            args.dtype or "bfloat16", 32, None, 1, EVAL_FORMATS, 2)
+        dtype, samples, q_samples, eval_tokens, articles, formats, repeat = (
+            args.dtype or "bfloat16", 32, 128, None, 1, EVAL_FORMATS, 2)
     samples = args.samples or samples
+    q_samples = args.quantize_samples or q_samples
     eval_tokens = args.eval_tokens or eval_tokens
     formats = args.formats.split(",") if args.formats else formats
     out = Rows()
@@ -249,7 +261,7 @@ def main() -> None:
     out.note(f"{torch.get_num_threads()} threads, native kernels "
              f"{'on' if native.available() else 'OFF'}, load {load0[0]:.2f}, model {dtype}")
     if "codecs" in sections:
-        codec_rows(out, repeat)
+        codec_rows(out, max(repeat, 5))  # ~20 ms each: best of 5 costs nothing
     if "build" in sections:
         build_row(out)
     if not Path(SMOLLM2).is_file():
@@ -259,7 +271,7 @@ def main() -> None:
             model_rows(out, sections, dtype, samples, eval_tokens, articles, formats, repeat)
         if "quantize" in sections and not args.no_llmc:
             if llmc_timing.available():
-                quantize_row(out, dtype, samples, args.remeasure_llmc)
+                quantize_row(out, dtype, q_samples, args.remeasure_llmc)
             else:
                 out.note(f"no llm-compressor venv at {llmc_timing.LLMC_PY}: quantize row skipped")
     load1 = os.getloadavg()
