@@ -1,7 +1,8 @@
 """``fp8ptq quantize`` against llm-compressor's ``oneshot`` on the same job, as wall time of two
 fresh processes (the speed row of ``bench_all.py``).
 
-The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights, static
+The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
+nearest (``--weight-calib max``: llm-compressor's ``QuantizationModifier`` runs no GPTQ), static
 per-tensor input scales, lm_head kept, batch 8, the same ``N`` token windows of ``seq_len`` tokens
 for both tools. The windows are fp8ptq's own (``fp8ptq.data.build_calibration_set`` over
 calib/wiki-paragraphs.txt with the folder's tokenizer); llm-compressor gets them as a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -66,9 +68,13 @@ def available() -> bool:
 
 
 def llmc_version() -> str:
-    done = subprocess.run([str(LLMC_PY), "-c", "import llmcompressor; "
-                           "print(llmcompressor.__version__)"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    """The installed llmcompressor's version from its package metadata. Importing the package
+    instead would run its import-time logging (``No accelerator available`` on a CPU goes to
+    stdout) into the answer, and with it into the cache key."""
+    done = subprocess.run([str(LLMC_PY), "-c", "from importlib.metadata import version; "
+                           "print(version('llmcompressor'))"], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    return lines[-1].strip() if done.returncode == 0 and lines else "unknown"
 
 
 def hf_folder(gguf: str) -> Path:
@@ -80,13 +86,14 @@ def hf_folder(gguf: str) -> Path:
     return HF_DIR
 
 
-def _wall(cmd: list[str], env: dict | None = None) -> float:
+def _wall(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
+    """(wall seconds of the process, its stdout)."""
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed:\n{done.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, done.stdout
 
 
 def _cached(key: str) -> dict | None:
@@ -109,8 +116,9 @@ def _store(key: str, entry: dict) -> None:
 
 
 def quantize_walls(gguf: str, calib: str, samples: int, seq_len: int, dtype: str,
-                   remeasure: bool = False) -> tuple[float, dict]:
-    """(fp8ptq's wall seconds, llm-compressor's cache entry: seconds, measured_at, load)."""
+                   remeasure: bool = False) -> tuple[float, dict, dict]:
+    """(fp8ptq's wall seconds, its stages' seconds from its ``time:`` line, llm-compressor's
+    cache entry: seconds, measured_at, load)."""
     hf = hf_folder(gguf)
     tok = AutoTokenizer.from_pretrained(hf)
     windows = build_calibration_set(load_texts(calib), tok, num_samples=samples,
@@ -118,8 +126,9 @@ def quantize_walls(gguf: str, calib: str, samples: int, seq_len: int, dtype: str
     key = f"{dtype}/{samples}x{seq_len}/bs8/{SCHEME}/llmcompressor-{llmc_version()}"
     fp8ptq = Path(sys.executable).with_name("fp8ptq")
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-") as tmp:
-        ours = _wall([str(fp8ptq), "quantize", str(hf), "--format", "e4m3",
-                      "--weight-granularity", "channel", "--act-granularity", "tensor",
+        ours, report = _wall([str(fp8ptq), "quantize", str(hf), "--format", "e4m3",
+                      "--weight-granularity", "channel", "--weight-calib", "max",
+                      "--act-granularity", "tensor",
                       "--calib-data", calib, "--num-samples", str(samples), "--seq-len",
                       str(seq_len), "--batch-size", "8", "--dtype", dtype, "-o",
                       f"{tmp}/ours"])
@@ -127,10 +136,17 @@ def quantize_walls(gguf: str, calib: str, samples: int, seq_len: int, dtype: str
         if entry is None:
             torch.save(windows, f"{tmp}/windows.pt")
             before = os.getloadavg()
-            seconds = _wall([str(LLMC_PY), "-c", CHILD, str(hf), f"{tmp}/llmc",
+            seconds, _ = _wall([str(LLMC_PY), "-c", CHILD, str(hf), f"{tmp}/llmc",
                              f"{tmp}/windows.pt", dtype], env={"TOKENIZERS_PARALLELISM": "false"})
             entry = {"seconds": seconds, "load_before": before, "load_after": os.getloadavg(),
                      "measured_at": datetime.datetime.now().isoformat(timespec="minutes"),
                      "cached": False}
             _store(key, {**entry, "cached": True})
-    return ours, entry
+    return ours, stage_seconds(report), entry
+
+
+def stage_seconds(report: str) -> dict[str, float]:
+    """The stages of the ``time:`` line that ``fp8ptq quantize`` prints (wrapped or not)."""
+    line = " ".join(report.partition("time:")[2].partition("peak RSS")[0].split())
+    return {name: float(sec) for name, sec in re.findall(r"([a-z][a-z +]*?) (\d+(?:\.\d+)?)s",
+                                                          line)}

@@ -189,6 +189,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8ptq_weight_sweep.restype = ctypes.c_int
     lib.fp8ptq_row_absmax.argtypes = [p, i32, i64, i64, p, i32]
     lib.fp8ptq_row_absmax.restype = None
+    lib.fp8ptq_decode.argtypes = [p, p, i64, i64, p, i32, i32, p, i32, i32]
+    lib.fp8ptq_decode.restype = None
     lib.fp8ptq_advise_huge.argtypes = [p, i64]
     lib.fp8ptq_advise_huge.restype = None
 
@@ -277,6 +279,28 @@ def weight_sweep(tables: FormatTables, w2d: torch.Tensor, scale: torch.Tensor, p
     if rc != 0:
         return None
     return codes, signal, noise, amax, int(nonfinite.value)
+
+
+def decode(table: torch.Tensor, codes2d: torch.Tensor, scale: torch.Tensor | None,
+           per_row: bool, per_col: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    """``(table[codes2d] * scale).to(dtype)`` in one pass: ``table`` the format's 256 float32
+    values, ``codes2d`` contiguous uint8 [rows, cols] on the CPU, ``scale`` float32 (one value,
+    one per row or per column; None: no multiplication). None where the kernels do not apply
+    (the caller's torch path runs)."""
+    if _off or codes2d.device.type != "cpu" or codes2d.dtype != torch.uint8 or \
+            codes2d.dim() != 2 or not codes2d.is_contiguous() or dtype not in DTYPES:
+        return None
+    lib = library()
+    if lib is None or dtype == torch.float16 and not lib.fp8ptq_have_f16():
+        return None
+    table = table.to(torch.float32).contiguous()
+    if scale is not None:
+        scale = scale.detach().to(torch.float32).contiguous()
+    out = empty(codes2d.shape, dtype)
+    lib.fp8ptq_decode(table.data_ptr(), codes2d.data_ptr(), codes2d.shape[0], codes2d.shape[1],
+                      None if scale is None else scale.data_ptr(), int(per_row), int(per_col),
+                      out.data_ptr(), DTYPES[dtype], torch.get_num_threads())
+    return out
 
 
 def observe(x2d: torch.Tensor, channel_amax: torch.Tensor, histogram: torch.Tensor,

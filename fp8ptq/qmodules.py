@@ -12,11 +12,12 @@ import threading
 import torch
 from torch import nn
 
+from . import native
 from .formats import (
     FormatSpec,
     codes_as_torch_float8,
-    decode,
-    encode,
+    dequantize,
+    encode_scaled,
     fake_quantize,
     get_format,
     scaled_mm_pair,
@@ -103,16 +104,25 @@ class QuantGemm(nn.Module):
             self._fp8_cache = cached
         return cached
 
+    def _one_pass(self, t: torch.Tensor) -> bool:
+        """Whether the C kernels decode / re-encode this weight whole: tensor or channel scales
+        (one value, or one per row) and a tensor they read. They make no temporaries, so row
+        chunks (``by_rows``, which bound the torch path's float32 temporaries) would only add
+        a copy of the result."""
+        return self.weight_granularity.name in ("tensor", "channel") and native.supports(t)
+
     def _reencode(self) -> torch.Tensor:
-        fmt = self.weight_format
-        return by_rows(weight_2d(self.inner).detach(), self.weight_scale,
-                       self.weight_granularity, lambda w, s: encode(w.float() / s, fmt),
-                       torch.uint8)
+        fmt, w = self.weight_format, weight_2d(self.inner).detach()
+        return by_rows(w, self.weight_scale, self.weight_granularity,
+                       lambda w, s: encode_scaled(w, s, fmt), torch.uint8,
+                       whole=self._one_pass(w))
 
     def _values(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         fmt = self.weight_format
         return by_rows(codes, self.weight_scale, self.weight_granularity,
-                       lambda c, s: (decode(c, fmt) * s).to(dtype), dtype)
+                       lambda c, s: dequantize(c, s, fmt, dtype), dtype,
+                       whole=codes.device.type == "cpu" and
+                       self._one_pass(self.inner.weight.detach()))
 
     def dequantized_weight_2d(self) -> torch.Tensor:
         return self._values(self.weight_codes)

@@ -215,8 +215,42 @@ def encode_reference(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tenso
 
 def decode(codes: torch.Tensor, spec: FormatSpec, dtype=torch.float32) -> torch.Tensor:
     """Values of uint8 codes (any shape) as ``dtype``."""
-    table = spec.layout.values.to(device=codes.device, dtype=dtype)
-    return table[codes.long()]
+    return dequantize(codes, None, spec, dtype)
+
+
+def dequantize(codes: torch.Tensor, scale, spec: FormatSpec,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(decode(codes) * scale).to(dtype)``: the float32 value of each code times its scale
+    (``scale`` broadcasts against ``codes``; None: no scale), rounded once to ``dtype``. On CPU
+    one pass of the C kernel where the scale is one value, one per row or one per column (a
+    weight's tensor / channel scales): no int64 index copy of the codes, no float32 copy of the
+    result."""
+    rows = None if scale is None else _row_scales(codes, scale)
+    float32 = scale is None or not torch.is_tensor(scale) or scale.dtype == torch.float32 or \
+        scale.dim() == 0  # else torch multiplies in the scale's wider dtype
+    if (scale is None or rows is not None) and float32 and codes.dim() > 0 and codes.numel() \
+            and spec.layout.values.numel() == 256:  # narrower formats: torch checks the codes
+        out = native.decode(spec.layout.values, codes.reshape(-1, codes.shape[-1]), rows,
+                            rows is not None and rows.shape[0] > 1,
+                            rows is not None and rows.shape[0] == 1 and rows.shape[1] > 1, dtype)
+        if out is not None:
+            return out.reshape(codes.shape)
+    if scale is None:
+        return spec.layout.values.to(device=codes.device, dtype=dtype)[codes.long()]
+    values = spec.layout.values.to(device=codes.device, dtype=torch.float32)  # float64 table
+    return (values[codes.long()] * scale).to(dtype)
+
+
+def encode_scaled(x: torch.Tensor, scale, spec: FormatSpec) -> torch.Tensor:
+    """``encode(x.float() / scale, spec)``, on CPU in one pass of the C kernel (the division
+    included, from ``x``'s own dtype) where ``scale`` is one float32 value, one per row or one
+    per column: no float32 copy of ``x``."""
+    rows = _row_scales(x, scale)
+    if rows is not None and (not torch.is_tensor(scale) or scale.dtype == torch.float32):
+        out = _native(x, spec, native.OUT_CODES, {"rounding": spec.rounding}, rows)
+        if out is not None:
+            return out
+    return encode(x.float() / scale, spec)
 
 
 def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, **kwargs) -> torch.Tensor:
