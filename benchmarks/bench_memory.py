@@ -13,6 +13,13 @@ machine's RAM, so it never fits the page cache either) is ONE shared folder, gen
     ~/.cache/fp8ptq-bench/llama-l44-h5120-i13824-v32000     (45 shards: embeddings + one per layer)
     python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --generate-only
 
+``--only sequential --max-memory 4GB`` quantizes it as ``quantize --sequential --max-memory
+4GB`` would (e4m3, channel weights, static per-tensor activations, 8 x 256 random tokens),
+logging each block's calibration pass with the RSS then and the peak so far (stderr):
+
+    python benchmarks/bench_memory.py --layers 44 --hidden 5120 --inter 13824 --only sequential \
+        --max-memory 4GB
+
 ``--only model-free`` measures the model-free path against the read + write floor on it, and
 ``--only eval`` the peak RSS of ``fp8ptq eval`` on a 262,144-token-vocabulary model at context
 2048 (target: model bytes + 2 GB).
@@ -37,6 +44,9 @@ from transformers import LlamaConfig
 CACHE = Path.home() / ".cache" / "fp8ptq-bench"
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"  # --assets
 SMOLLM2 = "models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
+# e4m3 with static per-tensor activation scales and round-to-nearest channel weights: the
+# issue's job (the CLI default, FP8_DYNAMIC + GPTQ, would take the model-free path or GPTQ)
+STATIC = dict(act_granularity="tensor", weight_calib="max")
 WIKI = "wikitext-2-raw/wiki.test.raw"
 
 
@@ -89,26 +99,48 @@ def generate(layers: int, hidden: int, inter: int, vocab: int = 32000) -> Path:
     return folder
 
 
-def run_one(mode: str, folder: str, samples: int, seq: int) -> dict:
+def run_one(mode: str, folder: str, samples: int, seq: int, max_memory: str | None = None
+            ) -> dict:
+    """One quantize job in this process: e4m3, channel weights, static per-tensor activations
+    (``STATIC``), bf16, calibrated on ``samples`` x ``seq`` random tokens. ``sequential`` goes
+    through ``fp8ptq.route`` as ``quantize --sequential --max-memory SIZE`` does (activation
+    budget and output shard size from SIZE) and writes the checkpoint block by block; each
+    block's end is logged to stderr with the RSS then and the peak so far."""
     from fp8ptq.pipeline import quantize_model, token_batches
     from fp8ptq.recipe import Recipe
+    from fp8ptq.route import by_budget, parse_size
     from fp8ptq.sequential import write_sequential
 
-    recipe = Recipe(dtype="bfloat16", batch_size=4)
+    recipe = Recipe(dtype="bfloat16", num_samples=samples, seq_len=seq, **STATIC)
     ids = torch.randint(10, 30000, (samples, seq), generator=torch.Generator().manual_seed(1))
-    batches = list(token_batches(ids, 4))
+    batches = list(token_batches(ids, recipe.batch_size))
     t0 = time.perf_counter()
     extra = {}
     if mode == "sequential":  # each block written as quantized, then freed (write_sequential)
+        options = {}
+        if max_memory:
+            selection = by_budget(folder, recipe, parse_size(max_memory), forced_sequential=True)
+            options = selection.sequential_options()
+            extra = {"max_memory": max_memory, "route": selection.reason,
+                     "estimate_gb": round(selection.estimate.sequential_fixed / 1e9, 2)}
         out = CACHE / "bench-memory-out"
+        calls = [0]
+
+        def progress():
+            calls[0] += 1
+            print(f"[{time.perf_counter() - t0:7.1f}s] calibration pass {calls[0]}: rss "
+                  f"{_rss_mb('VmRSS'):.0f} MiB, peak {_rss_mb('VmHWM'):.0f} MiB",
+                  file=sys.stderr, flush=True)
+
         try:
-            _, sizes = write_sequential(folder, recipe, batches, out, force=True)
+            _, sizes = write_sequential(folder, recipe, batches, out, force=True,
+                                        progress=progress, **options)
         finally:
             shutil.rmtree(out, ignore_errors=True)
         source = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
         seconds = time.perf_counter() - t0
-        extra = {"checkpoint_gb": round(sizes["checkpoint_bytes"] / 1e9, 2),
-                 "source_gb_per_s": round(source / 1e9 / seconds, 3)}
+        extra.update(checkpoint_gb=round(sizes["checkpoint_bytes"] / 1e9, 2),
+                     source_gb_per_s=round(source / 1e9 / seconds, 3))
     else:
         from transformers import AutoModelForCausalLM
 
@@ -117,6 +149,14 @@ def run_one(mode: str, folder: str, samples: int, seq: int) -> dict:
     return {"mode": mode, "seconds": round(time.perf_counter() - t0, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             **extra}
+
+
+def _rss_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process, in MiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def copy_floor(folder: Path, out: Path) -> dict:
@@ -232,6 +272,8 @@ def main():
     ap.add_argument("--inter", type=int, default=2816)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--max-memory", default=None,
+                    help="sequential: plan as quantize --sequential --max-memory SIZE (4GB)")
     ap.add_argument("--only", choices=["sequential", "memory", "model-free", "eval"],
                     default=None)
     ap.add_argument("--limit", type=int, default=3, help="eval: WikiText articles")
@@ -251,7 +293,7 @@ def main():
         elif mode == "model-free":
             print(json.dumps(model_free(Path(folder), Path(a.out), a.act, a.workers)))
         else:
-            print(json.dumps(run_one(mode, folder, a.samples, a.seq)))
+            print(json.dumps(run_one(mode, folder, a.samples, a.seq, a.max_memory)))
         return
     if a.only == "eval":
         print(json.dumps(bench_eval(a.limit, a.batch_size, a.assets)))
@@ -266,8 +308,9 @@ def main():
         return
     for mode in ([a.only] if a.only else ["sequential", "memory"]):
         out = subprocess.run([sys.executable, __file__, "--child", f"{mode}:{folder}",
-                              "--samples", str(a.samples), "--seq", str(a.seq)],
-                             capture_output=True, text=True)
+                              "--samples", str(a.samples), "--seq", str(a.seq)]
+                             + (["--max-memory", a.max_memory] if a.max_memory else []),
+                             stdout=subprocess.PIPE, text=True)  # stderr: the block log
         print(out.stdout.strip().splitlines()[-1] if out.returncode == 0 else
               f"{mode}: failed: {out.stderr.strip().splitlines()[-1:]}")
 

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .model.gemm32 import float32_gemms
+
 
 class ActivationStore:
     """Tensors by index, in memory up to ``budget_bytes`` then in memory-mapped files under
@@ -87,7 +89,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), float32_gemms():
             for i in (range(len(batches)) if indices is None else sorted(indices)):
                 current[0], batch = i, batches[i]
                 try:
@@ -104,7 +106,7 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
     """Every captured batch through ``block`` into ``out``; True when the block returns a
     tuple (transformers' older layer convention), which stand-ins must mimic."""
     tupled = False
-    with torch.inference_mode():
+    with torch.inference_mode(), float32_gemms():
         for i, kw in enumerate(kwargs_list):
             if kw is None:
                 continue

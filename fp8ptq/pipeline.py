@@ -25,8 +25,14 @@ from .fused import (
 )
 from .gptq_sequential import outside_blocks, quantize_in_order
 from .hessian import HessianCollector
-from .model.forward import head_observed, run_batch, token_batches  # noqa: F401 - re-exported
+from .model.forward import (  # noqa: F401 - run_batch, token_batches re-exported
+    head_observed,
+    micro_batches,
+    run_batch,
+    token_batches,
+)
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
+from .model.gemm32 import float32_gemms
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
 from .plan import (  # noqa: F401
@@ -46,6 +52,7 @@ from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from .smoothquant import apply_smoothquant
 from .taps import ActivationTaps
+from .usage import release_free_memory
 from .weight_quant import choose_scale, quantize_weight
 
 # The plan's module entries (``fp8ptq.plan``) are what the pipeline quantizes; the old names stay.
@@ -97,13 +104,19 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     collector = StatsCollector(modules, dims, sample_batches=sample_batches)
     logits = head_observed(model, modules.values())  # else the head runs on one position
     error = None
+    # micro-batches where every statistic adds exactly (GPTQ's X^T X sums would not)
+    split = hessians is None or not hessians.modules
     with collector.observing(), experts.observing() if experts else nullcontext(), \
-            hessians.observing() if hessians else nullcontext(), torch.inference_mode():
+            hessians.observing() if hessians else nullcontext(), torch.inference_mode(), \
+            float32_gemms():
         try:
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
                 collector.batch_index = index
-                run_batch(model, batch, logits=logits)
+                stride = collector.row_stride if index < sample_batches else 1
+                for part in micro_batches(batch, multiple=stride) if split else [batch]:
+                    run_batch(model, part, logits=logits)
+                release_free_memory()
                 if progress is not None:
                     progress()
         except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
@@ -128,7 +141,14 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
                    progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
-    (``build_plan(model, recipe)``)."""
+    (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
+    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``)."""
+    with float32_gemms():
+        return _quantize_model(model, recipe, batches, progress, plan)
+
+
+def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
+                    progress, plan: QuantPlan | None) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     rotation = None

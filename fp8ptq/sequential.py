@@ -43,6 +43,7 @@ from .pipeline import QuantizeResult, high_precision_report, quantize_model, tok
 from .plan import SAMPLE_BATCHES, QuantPlan, build_plan
 from .recipe import Recipe
 from .source import SafetensorsSource
+from .usage import release_free_memory
 from .weights import WeightLoader, build_empty
 
 
@@ -137,6 +138,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
             _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
             block.to("meta")  # written (by rank 0): its tensors are freed
         loader.release_block(i)
+        release_free_memory()
     if outside:
         run.quantize_outside(model, list_name, blocks, store, batches, tupled)
     store.close()

@@ -11,6 +11,8 @@ size"; it includes everything the process mapped and touched (torch, the model, 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 import time
@@ -21,6 +23,30 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
+
+
+def _libc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _libc_trim()
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim(0)``; a no-op
+    elsewhere). Tensors of a few MB come from glibc's heap, not from mmap, once its dynamic
+    mmap threshold has grown, and a freed tensor in the middle of the heap stays resident:
+    over a calibration pass the peak RSS grew batch after batch (SmolLM2: 1.23 -> 1.52 GB
+    over 16 batches). Called between calibration batches and sequential blocks: a few ms."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def usage(seconds: dict[str, float]) -> dict:
@@ -46,4 +72,4 @@ def timed(seconds: dict[str, float], key: str):
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
-__all__ = ["peak_rss_mb", "time_line", "timed", "usage"]
+__all__ = ["peak_rss_mb", "release_free_memory", "time_line", "timed", "usage"]

@@ -27,6 +27,12 @@ from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
 CHUNK_ELEMENTS = 1 << 17
+# Elements per chunk of ``by_rows`` (decoding / re-encoding a ``QuantGemm``'s whole weight):
+# each chunk runs several torch ops, and on a busy machine every op's fork-join over the
+# intra-op threads costs milliseconds whatever its size. With 2^17-element chunks (553 per
+# 13824 x 5120 weight) building that ``QuantGemm`` took 24-69 s at load 9 on 2 cores; with
+# 2^22 (17 chunks), 2.6 s. Temporaries: ~70 MB (int64 indices, two float32 copies of a chunk).
+BY_ROWS_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -106,12 +112,13 @@ def _native_sweep(w2d, scale, fmt, gran, rounding, name) -> QuantizedWeight | No
     return QuantizedWeight(codes, scale, top, _sqnr(float(signal.sum()), float(noise.sum())))
 
 
-def row_chunks(rows: int, cols: int, gran, *, whole: bool = False) -> list[tuple[int, int]]:
-    """``(start, stop)`` row ranges of cache-sized chunks of a ``[rows, cols]`` weight, each
-    starting at a multiple of the granularity's ``row_step`` (so ``gran.rows`` gives its
-    scales); one range with ``whole``."""
+def row_chunks(rows: int, cols: int, gran, *, whole: bool = False,
+               elements: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of chunks of about ``elements`` (default: cache-sized) of a
+    ``[rows, cols]`` weight, each starting at a multiple of the granularity's ``row_step`` (so
+    ``gran.rows`` gives its scales); one range with ``whole``."""
     step = gran.row_step
-    chunk = max(rows, 1) if whole else max(step, (CHUNK_ELEMENTS // max(cols, 1)) // step * step)
+    chunk = max(rows, 1) if whole else max(step, (elements // max(cols, 1)) // step * step)
     return [(start, min(rows, start + chunk)) for start in range(0, rows, chunk)]
 
 
@@ -119,14 +126,15 @@ def by_rows(src: torch.Tensor, scale: torch.Tensor, gran, fn, dtype: torch.dtype
             whole: bool = False) -> torch.Tensor:
     """``fn(rows, their scale expanded to them)`` over the row chunks of the 2-D ``src``, into a
     new ``dtype`` tensor: elementwise work on a whole weight (decoding codes, re-encoding
-    values) with cache-sized temporaries instead of float32 copies of the whole matrix
-    (a 13824 x 5120 GEMM's were ~0.9 GB on top of its 141 MB of bf16). The same values as
-    the whole-matrix expression, element for element. ``whole``: ``fn`` makes no temporaries
-    (a C kernel), so it runs once on all of ``src`` and its result is returned as is."""
+    values) with chunk-sized temporaries (``BY_ROWS_ELEMENTS``) instead of float32 copies of
+    the whole matrix (a 13824 x 5120 GEMM's were ~0.9 GB on top of its 141 MB of bf16). The
+    same values as the whole-matrix expression, element for element. ``whole``: ``fn`` makes
+    no temporaries (a C kernel), so it runs once on all of ``src`` and its result is returned
+    as is."""
     if whole:
         return fn(src, gran.expand(scale, src))
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    for start, stop in row_chunks(*src.shape, gran):
+    for start, stop in row_chunks(*src.shape, gran, elements=BY_ROWS_ELEMENTS):
         part = src[start:stop]
         out[start:stop] = fn(part, gran.expand(gran.rows(scale, start, stop), part))
     return out
@@ -188,4 +196,4 @@ def _sum_squares(x: torch.Tensor) -> float:
 
 
 __all__ = ["QuantizedWeight", "by_rows", "choose_scale", "half_layout", "quantize_weight",
-           "row_chunks", "CHUNK_ELEMENTS"]
+           "row_chunks", "BY_ROWS_ELEMENTS", "CHUNK_ELEMENTS"]

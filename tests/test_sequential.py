@@ -121,15 +121,19 @@ def test_quantgemm_holds_the_weight_once(fmt, dtype):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
-def test_quantgemm_makes_no_whole_weight_float32_temporary(granularity):
+def test_quantgemm_makes_no_whole_weight_float32_temporary(granularity, monkeypatch):
     """Building a ``QuantGemm`` (codes -> dequantized bf16 weight, and the check that the codes
     come back) and reading its codes work on row chunks: no op allocates a float32 copy of the
     whole weight (on a 13824 x 5120 GEMM those made the peak of a sequential block, ~0.9 GB
-    over its 141 MB of bf16), and the values are the whole-matrix expression's bit for bit."""
+    over its 141 MB of bf16), and the values are the whole-matrix expression's bit for bit.
+    The chunk is made 16x smaller than this weight (the real one is 2^22 elements)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from fp8ptq import weight_quant
     from fp8ptq.formats import decode, encode, get_format
     from fp8ptq.granularity import weight_granularity
+
+    monkeypatch.setattr(weight_quant, "BY_ROWS_ELEMENTS", 1 << 15)
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 1024).to(torch.bfloat16)

@@ -1,0 +1,135 @@
+"""bf16 / fp16 GEMMs of calibration forwards computed in float32, on CPUs without native
+low-precision matrix instructions.
+
+Calibration runs the model in its ``--dtype`` (bf16 by default) so that every observer sees the
+activations the deployed model produces. On a CPU without AVX-512 BF16 / AMX (oneDNN's
+``_is_mkldnn_bf16_supported()`` is False: AVX2-only machines such as this project's 2-core
+AMD EPYC), torch's bf16 GEMM has no fast kernel: measured 6.4 GFLOP/s against 57.8 GFLOP/s in
+float32 for one 2048 x 5120 @ 5120 x 13824 GEMM (a 5120-wide Llama's gate projection), 9x. A
+calibration forward is almost all GEMM, so the whole statistics pass (and sequential mode's
+carrying of activations from block to block) runs several times slower than it needs to.
+
+``float32_gemms()`` is a ``TorchFunctionMode`` that computes each bf16 / fp16 ``F.linear`` in
+float32 instead and rounds the result back to the input's dtype: the input is upcast once,
+the weight in row chunks of at most ``CHUNK_BYTES`` (so no whole-weight float32 copy is ever
+resident: a 13824 x 5120 weight is 283 MB in float32), and each output chunk is rounded into
+the bf16 output. The result is a correctly rounded bf16 value of a float32-accumulated dot
+product - what a bf16 GEMM with float32 accumulation computes too, up to the summation
+order, so about 1 output in 5,000 differs by one bf16 unit in the last place (measured on that
+GEMM); it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
+sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
+each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
+one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
+float32 activations of a calibration batch that ``fp8ptq.route``'s estimate counts (4 bytes x
+tokens x (6 hidden + 2 intermediate + vocabulary)).
+
+Where the CPU has native bf16 / fp16 GEMMs, or the tensors are on an accelerator, nothing
+changes. ``FP8PTQ_FLOAT32_GEMMS=0`` / ``1`` turns it off / forces it (tests force it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+CHUNK_BYTES = 32 * 2**20  # float32 bytes of one weight chunk, and of one output chunk
+_LOW = (torch.bfloat16, torch.float16)
+_active = threading.local()
+
+
+def cpu_lacks_fast_lowp(dtype: torch.dtype) -> bool:
+    """True when this CPU has no fast ``dtype`` GEMM (oneDNN's own capability check)."""
+    try:
+        if dtype == torch.bfloat16:
+            return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    except (AttributeError, RuntimeError):  # no oneDNN in this build: no fast kernel either
+        return True
+
+
+def wanted(dtype: torch.dtype, force: bool | None = None) -> bool:
+    """Whether ``dtype`` GEMMs on the CPU run in float32 (``force`` or the environment
+    decide first)."""
+    if dtype not in _LOW:
+        return False
+    env = os.environ.get("FP8PTQ_FLOAT32_GEMMS")
+    if force is None and env in ("0", "1"):
+        force = env == "1"
+    return cpu_lacks_fast_lowp(dtype) if force is None else force
+
+
+def rows_per_chunk(tokens: int, in_features: int, out_features: int) -> int:
+    """Weight rows per chunk: its float32 copy and its float32 output both within
+    ``CHUNK_BYTES``."""
+    rows = min(CHUNK_BYTES // (4 * max(1, in_features)), CHUNK_BYTES // (4 * max(1, tokens)))
+    return max(1, min(out_features, rows))
+
+
+def linear32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed in float32, rounded to ``x.dtype``."""
+    x32 = x.float()
+    tokens = x32.numel() // max(1, x32.shape[-1])
+    n = weight.shape[0]
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    step = rows_per_chunk(tokens, weight.shape[1], n)
+    for i in range(0, n, step):
+        b = None if bias is None else bias[i:i + step].float()
+        out[..., i:i + step] = F.linear(x32, weight[i:i + step].float(), b)
+    return out
+
+
+def extra_bytes(tokens: int, in_features: int, out_features: int) -> int:
+    """Memory ``linear32`` holds beyond the bf16 output: the float32 input, one float32 weight
+    chunk and one float32 output chunk."""
+    rows = rows_per_chunk(tokens, in_features, out_features)
+    return 4 * (tokens * in_features + rows * in_features + tokens * rows)
+
+
+class _Float32Linear(TorchFunctionMode):
+    def __init__(self, force: bool | None):
+        super().__init__()
+        self.force = force
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x = args[0] if args else kwargs.get("input")
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _applies(x, w, b) and wanted(x.dtype, self.force):
+                return linear32(x, w, b)
+        return func(*args, **kwargs)
+
+
+def _applies(x, w, b) -> bool:
+    return (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dtype in _LOW
+            and w.dtype == x.dtype and x.device.type == "cpu" and w.device.type == "cpu"
+            and w.dim() == 2 and (b is None or (isinstance(b, torch.Tensor)
+                                                and b.dtype == x.dtype))
+            and not torch.is_grad_enabled() and x.numel() > 0)  # no autograd through it
+
+
+@contextmanager
+def float32_gemms(force: bool | None = None):
+    """Within the block, bf16 / fp16 ``F.linear`` on the CPU runs in float32 where the CPU lacks
+    a fast kernel for it (``force``: True / False overrides the check). Re-entrant: an inner
+    use inside an outer one adds nothing."""
+    if getattr(_active, "on", False):
+        yield
+        return
+    _active.on = True
+    try:
+        with _Float32Linear(force):
+            yield
+    finally:
+        _active.on = False
+
+
+__all__ = ["CHUNK_BYTES", "extra_bytes", "float32_gemms", "linear32", "rows_per_chunk",
+           "wanted"]
