@@ -312,7 +312,7 @@ def main():
                              + (["--max-memory", a.max_memory] if a.max_memory else []),
                              stdout=subprocess.PIPE, text=True)  # stderr: the block log
         print(out.stdout.strip().splitlines()[-1] if out.returncode == 0 else
-              f"{mode}: failed: {out.stderr.strip().splitlines()[-1:]}")
+              f"{mode}: failed (exit {out.returncode}; its log is above)")
 
 
 if __name__ == "__main__":
