@@ -168,5 +168,5 @@ def float32_gemms(force: bool | None = None):
         _active.on = False
 
 
-__all__ = ["CHUNK_BYTES", "attention32", "extra_bytes", "float32_gemms", "linear32", "rows_per_chunk",
-           "wanted"]
+__all__ = ["CHUNK_BYTES", "attention32", "extra_bytes", "float32_gemms", "linear32",
+           "rows_per_chunk", "wanted"]
