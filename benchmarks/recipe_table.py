@@ -51,9 +51,17 @@ ROWS = {
                              "row-wise scaled_mm"),
     "fp8-block": ("`--scheme fp8-block`: 128x128 W + dynamic 1x128 A", "block-scaled GEMM"),
     "fp8-block-gptq": ("`fp8-block` + GPTQ", "block-scaled GEMM"),
+    # the default recipe with --target-delta 1%: a checkpoint written by `fp8ptq quantize`
+    # (its --json report cached as target-1pct-quantize.json); mixed precision
+    "target-1pct": ("the default + `--target-delta 1%` (mixed: some GEMMs kept bf16)",
+                    "row-wise scaled_mm + bf16 GEMMs"),
     "hif8-dynamic-gptq": ("HiF8, channel W + dynamic token A + GPTQ", "- (no HiF8 kernels)"),
     "hfp8-dynamic-gptq": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A + GPTQ",
                           "- (fp8ptq-native)"),
+    "hif8-dynamic-gptq-seq-ao": ("HiF8, the default recipe (`--format hif8`)",
+                                 "- (no HiF8 kernels)"),
+    "hfp8-dynamic-gptq-seq-ao": ("HFP8 (E4M3 W / E5M2 A), the default recipe (`--format hfp8`)",
+                                 "- (fp8ptq-native)"),
     "llmc-FP8": ("llm-compressor `FP8`: tensor W + static tensor A, fp8ptq's windows",
                  "per-tensor scaled_mm"),
     "llmc-FP8_DYNAMIC": ("llm-compressor `FP8_DYNAMIC`: channel W + dynamic token A",
@@ -120,10 +128,34 @@ def table(folder: Path) -> str:
         tool = "llm-compressor" if row["name"].startswith("llmc-") else "fp8ptq"
         seconds, rss = _quantize_facts(folder, row["name"], row)
         lines.append(f"| {what} | {tool} | {value:.3f} | {cell} | {seconds} | {rss} | {vllm} |")
-    return "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
+    text = "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
+    target = target_line(folder)
+    return text + ("\n\n" + target if target else "")
+
+
+def target_line(folder: Path) -> str:
+    """What ``quantize --target-delta 1%`` decided and predicted, from its cached ``--json``
+    report (``target-1pct-quantize.json``): modules per rung, the GEMMs kept in high precision,
+    predicted against measured delta on its own held-out slice."""
+    path = folder / "target-1pct-quantize.json"
+    if not path.exists() or not path.stat().st_size:
+        return ""
+    t = json.loads(path.read_text())["target_delta"]
+    kept = sorted(m for u in t["units"] if u["rung"] == "fallback" for m in u["modules"])
+    per_rung = ", ".join(f"{k} {v}" for k, v in t["modules_per_rung"].items())
+    ev = t["eval"]
+    measured = "not measured" if t["measured_delta_pct"] is None else \
+        f"{t['measured_delta_pct']:+.2f}%"
+    return (f"`--target-delta {t['target']}` (row `target-1pct`): GEMMs per rung {per_rung}; "
+            f"on its held-out slice ({ev['tokens']:,} tokens of every 10th calibration "
+            f"document, {ev['windows']} x {ev['seq_len']}) predicted "
+            f"{t['predicted_pct']:+.2f}% (all on the base rung: "
+            f"{100 * t['predicted_base'] / t['baseline']:+.2f}%), measured {measured}. "
+            f"Kept in high precision: {', '.join(f'`{m}`' for m in kept) or 'none'}.")
 
 
 W8A16 = ("w-only", "w-only-gptq", "w-only-gptq-seq-ao")
+MIXED = ("target-1pct",)  # some GEMMs stay in high precision: not an all-FP8 recipe
 
 
 def head_to_head(rows: list[dict], key: str, mode: str) -> str:
@@ -136,7 +168,7 @@ def head_to_head(rows: list[dict], key: str, mode: str) -> str:
         return (max if higher else min)(rows_, key=lambda r: r["metrics"][key], default=None)
 
     ours = best([r for r in rows[1:] if not r["name"].startswith(("llmc-", "hif8", "hfp8"))
-                 and r["name"] not in W8A16])
+                 and r["name"] not in W8A16 + MIXED])
     theirs = best([r for r in rows[1:] if r["name"].startswith("llmc-")])
     if ours is None or theirs is None:
         return ""

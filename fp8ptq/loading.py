@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import struct
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -17,10 +16,10 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoTokenizer
 
-from .atomic import atomic_dir
 from .checkpoint import load_quantized
 from .errors import DataError, UsageError, first_line
 from .files import read_json
+from .gguf_convert import convert_gguf
 from .model.auto import (  # noqa: F401 - re-exported
     TASK_CLASSES,
     LoadedModel,
@@ -276,12 +275,12 @@ def _load_gguf(source, gguf_path: Path, *, task, **load_kwargs) -> LoadedModel:
 
 def gguf_folder(gguf_path: Path, task: str | None = None) -> Path:
     """The safetensors folder fp8ptq keeps for ``gguf_path`` (dequantized once, then cached):
-    what every path that loads a GGUF model reads."""
+    what every path that loads a GGUF model reads (in memory, sequential, ``--max-memory``
+    routing). The conversion holds one block at a time, so a GGUF larger than memory
+    converts."""
     cached = gguf_cache_dir(gguf_path)
     if not (cached / "config.json").is_file():
-        model, tokenizer = _dequantize_gguf(gguf_path, task)
-        _save_atomically(model, tokenizer, cached)
-        del model
+        convert_gguf(gguf_path, cached, task)  # block by block (fp8ptq.gguf_convert)
     return cached
 
 
@@ -318,36 +317,3 @@ def _hub_snapshot(repo_id: str) -> tuple[Path, str] | str:
     if not is_safetensors_folder(folder):
         return f"the snapshot of {repo_id} has no safetensors weights"
     return folder, "hub"
-
-
-def _check_gguf(gguf_path: Path) -> None:
-    """Parse the GGUF header and tensor index first: a truncated or foreign file fails here,
-    with its name, instead of deep inside transformers' converter."""
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(str(gguf_path))
-    except (ValueError, KeyError, IndexError, EOFError, OSError, struct.error) as e:
-        raise DataError(f"not a valid GGUF file ({gguf_path}): {first_line(e)}") from None
-
-
-def _dequantize_gguf(gguf_path: Path, task: str | None):
-    from transformers import GgufConfig
-
-    _check_gguf(gguf_path)
-    folder, name = str(gguf_path.parent), gguf_path.name
-    # Without dequantize=True transformers may keep the weights packed in GGUF blocks
-    # (GgufLinear) when it finds a kernel; quantizing needs plain nn.Linear weights.
-    model = model_class(None, task or "causal-lm").from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model, tokenizer
-
-
-def _save_atomically(model, tokenizer, target: Path) -> None:
-    """Write the cache entry next to ``target`` and rename it into place, so a reader never
-    sees half of one; another process that finished the same conversion first keeps its own."""
-    with atomic_dir(target, if_exists="keep") as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)

@@ -176,7 +176,8 @@ def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: b
         if model_free:
             raise UsageError("--model-free and --sequential are two different paths; use one")
         if max_memory is None:
-            return Selection("sequential", "--sequential")
+            folder, kind = _sequential_source(spec, task)
+            return Selection("sequential", "--sequential", folder, kind)
         return by_budget(spec, recipe, max_memory, task, forced_sequential=True)
     if trust_remote_code:
         if model_free:
@@ -228,10 +229,9 @@ def by_budget(spec: str, recipe: Recipe, budget: int, task: str | None = None, *
     """In-memory when its estimate fits ``budget`` bytes, else (or with ``forced_sequential``)
     sequential with the activation budget the rest of ``budget`` leaves (the source must be a
     safetensors checkpoint)."""
-    found = resolve_safetensors(spec, task=task)
+    found = _sequential_source(spec, task) if forced_sequential else resolve_safetensors(
+        spec, task=task)
     if isinstance(found, str):
-        if forced_sequential:
-            return Selection("sequential", "--sequential", budget=budget)
         return Selection("in-memory", f"--max-memory {gb(budget)} cannot be planned: {found}; "
                          "loaded whole", budget=budget)
     folder, kind = found
@@ -250,6 +250,16 @@ def by_budget(spec: str, recipe: Recipe, budget: int, task: str | None = None, *
         why += f", calibration activations beyond {gb(left)} spilled to disk"
     return Selection("sequential", why, folder, kind, activation_budget=max(0, left),
                      budget=budget, estimate=est)
+
+
+def _sequential_source(spec: str, task: str | None) -> tuple[Path, str]:
+    """The safetensors folder sequential mode streams blocks from: MODEL's own, its hub
+    snapshot, or a ``.gguf``'s converted copy (converted once, block by block, into the cache
+    the in-memory loader reads too); a ``UsageError`` saying why when there is none."""
+    found = resolve_safetensors(spec, task=task)
+    if isinstance(found, str):
+        raise UsageError(f"--sequential reads a safetensors checkpoint or a .gguf file: {found}")
+    return found
 
 
 def process_budget(text: str | None) -> int | None:

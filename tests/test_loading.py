@@ -18,6 +18,7 @@ from transformers import (
 from fp8ptq import loading
 from fp8ptq.errors import UsageError
 from fp8ptq.loading import LoadedModel, gguf_cache_dir, load_model, model_class
+from tiny_gguf import tiny_llama_gguf
 from tiny_models import tiny
 
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
@@ -142,19 +143,19 @@ def test_missing_tokenizer(tmp_path, word_tokenizer):
         load_model(str(tmp_path))
 
 
-def test_gguf_cache_roundtrip(tmp_path, monkeypatch, word_tokenizer):
-    """The cache logic, with the (slow) dequantization stubbed by a tiny model."""
+def test_gguf_cache_roundtrip(tmp_path, monkeypatch):
+    """A real (tiny) GGUF converted once into the cache, loaded from it every time after."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("FP8PTQ_CACHE", str(cache))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"not really gguf")
+    gguf = tiny_llama_gguf(tmp_path / "tiny.gguf")
     conversions = []
+    real = loading.convert_gguf
 
-    def fake_dequantize(path, task):
+    def counted(path, target, task=None):
         conversions.append(path)
-        return tiny_llama(word_tokenizer), word_tokenizer
+        return real(path, target, task)
 
-    monkeypatch.setattr(loading, "_dequantize_gguf", fake_dequantize)
+    monkeypatch.setattr(loading, "convert_gguf", counted)
     first = load_model(str(gguf))
     second = load_model(str(gguf))
     assert conversions == [gguf.resolve()]
@@ -166,9 +167,10 @@ def test_gguf_cache_roundtrip(tmp_path, monkeypatch, word_tokenizer):
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temp dirs left behind
     for a, b in zip(first.model.state_dict().values(), second.model.state_dict().values()):
         assert torch.equal(a, b)
+    assert first.tokenizer("the cat").input_ids == second.tokenizer("the cat").input_ids
 
     # A changed file is a new cache entry.
-    gguf.write_bytes(b"a different file")
+    tiny_llama_gguf(gguf, seed=1)
     load_model(str(gguf))
     assert len(conversions) == 2
 

@@ -20,6 +20,7 @@ from fp8ptq.source import SafetensorsSource
 from fp8ptq.weight_map import SourceMap
 from fp8ptq.weight_quant import _decoder, half_layout, quantize_weight
 from fp8ptq.weights import build_empty
+from tiny_gguf import tiny_llama_gguf
 from tiny_models import tiny
 
 
@@ -88,20 +89,10 @@ def test_hub_id_resolves_to_its_local_snapshot(tmp_path, monkeypatch):
 
 
 def test_gguf_resolves_to_its_converted_cache(tmp_path, monkeypatch):
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"not really gguf")
+    gguf = tiny_llama_gguf(tmp_path / "tiny.gguf")
     made = []
-
-    def fake_dequantize(path, task):
-        made.append(path)
-        return tiny("llama"), None
-
-    class _Tok:
-        def save_pretrained(self, folder):
-            pass
-
-    monkeypatch.setattr(loading, "_dequantize_gguf", lambda p, t: (fake_dequantize(p, t)[0],
-                                                                   _Tok()))
+    real = loading.convert_gguf
+    monkeypatch.setattr(loading, "convert_gguf", lambda p, t, task: made.append(p) or real(p, t))
     folder, kind = resolve_safetensors(str(gguf))
     assert kind == "gguf" and folder == loading.gguf_cache_dir(gguf.resolve())
     assert SafetensorsSource(folder).names() and made == [gguf.resolve()]

@@ -1,0 +1,102 @@
+"""GGUF sources: the streaming conversion equals transformers' GGUF loader tensor for tensor and
+holds about one block, and ``--sequential`` quantizes a ``.gguf`` from its converted copy
+bit-identically to the in-memory pipeline (``--propagate fp``)."""
+
+import json
+import tracemalloc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fp8ptq import gguf_convert, loading, route
+from fp8ptq.gguf_convert import convert_gguf
+from fp8ptq.recipe import Recipe
+from fp8ptq.source import SafetensorsSource
+from test_sequential import checkpoint_tensors
+from tiny_gguf import tiny_llama_gguf
+from tiny_models import STATIC, invoke
+
+
+@pytest.fixture
+def gguf_file(tmp_path):
+    (tmp_path / "src").mkdir()
+    return tiny_llama_gguf(tmp_path / "src" / "tiny.gguf")
+
+
+def test_conversion_equals_transformers_gguf_loader(gguf_file, tmp_path):
+    out = convert_gguf(gguf_file, tmp_path / "conv", max_shard_bytes=40_000)  # sharded
+    want = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                dtype=torch.float32).state_dict()
+    src = SafetensorsSource(out)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert set(src.names()) == set(want)
+    for name in src.names():
+        got = src.read_one(name)
+        assert got.dtype == torch.float32 and torch.equal(got, want[name]), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 3
+    text = "the cat sat, 3.5 km away"
+    ref = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids
+
+
+def test_conversion_holds_about_one_block(tmp_path):
+    """Peak traced allocation (numpy arrays the dequantizer makes, which the written tensors
+    share) while converting a 6-block model with one-tensor shards: under two blocks' float32
+    weights, whereas holding the model would take all six."""
+    hidden, inter, layers = 256, 512, 6
+    gguf_file = tiny_llama_gguf(tmp_path / "big.gguf", layers=layers, hidden_size=hidden,
+                                intermediate_size=inter)
+    block = 4 * (2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter)
+    tracemalloc.start()
+    try:
+        convert_gguf(gguf_file, tmp_path / "conv", max_shard_bytes=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * block, (peak, block)
+    assert SafetensorsSource(tmp_path / "conv").total_bytes > layers * block  # it all arrived
+
+
+def test_incomplete_gguf_is_refused(gguf_file, tmp_path, monkeypatch):
+    real = gguf_convert._stream_tensors
+
+    def drop_norm(reader, processor, key_map, writer):
+        return real(reader, processor, key_map, writer) - {"model.norm.weight"}
+
+    monkeypatch.setattr(gguf_convert, "_stream_tensors", drop_norm)
+    with pytest.raises(Exception, match="no tensor for model.norm.weight"):
+        convert_gguf(gguf_file, tmp_path / "conv")
+    assert not (tmp_path / "conv").exists() and list(tmp_path.iterdir()) == [tmp_path / "src"]
+
+
+def test_sequential_gguf_equals_in_memory(gguf_file, tmp_path):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog, then sleeps.\n" * 40)
+    args = ["--calib-data", str(calib), "--num-samples", "4", "--seq-len", "32", "--json",
+            "--dtype", "float32", *STATIC]
+    runs = {}
+    for mode, extra in (("memory", ["--no-model-free"]),
+                        ("sequential", ["--sequential", "--propagate", "fp"])):
+        res = invoke(["quantize", str(gguf_file), "-o", str(tmp_path / mode), *args, *extra])
+        assert res.exit_code == 0, (res.output, res.exception)
+        runs[mode] = json.loads(res.stdout)
+    assert runs["sequential"]["path"] == "sequential"
+    assert runs["memory"]["path"] == "in-memory"
+    a, b = checkpoint_tensors(tmp_path / "memory"), checkpoint_tensors(tmp_path / "sequential")
+    assert set(a) == set(b) and any(k.endswith("input_scale") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    cache = loading.gguf_cache_dir(gguf_file.resolve())
+    for mode in runs:
+        source = json.loads((tmp_path / mode / "fp8ptq.json").read_text())["source"]
+        assert source["kind"] == "gguf" and source["path"] == str(cache)
+
+
+def test_sequential_needs_a_safetensors_or_gguf_source(tmp_path):
+    pt = tmp_path / "m.pt"
+    pt.write_bytes(b"")
+    with pytest.raises(Exception, match="--sequential reads a safetensors checkpoint or a "
+                                        ".gguf file"):
+        route.choose(str(pt), Recipe(), sequential=True)
