@@ -65,6 +65,19 @@ VINLINE v8i vstep_log2(const fmt_t *f, v8u field, int kind) {
     return visel(e < f->lin_lo, vsplat(f->lin_slo), vmin(e, vsplat(f->lin_hi)) - f->mbits);
 }
 
+/* 1.0 where a magnitude of ``whole`` steps and ``frac`` of a step rounds up, else 0.0
+ * (codec._round_up for half-even and half-away) */
+VINLINE v8f vround_up(v8f whole, v8f frac, int rounding) {
+    v8i up;
+    if (rounding == R_NEAREST_EVEN) {
+        v8f odd = whole - 2.0f * vfloor_pos(whole * 0.5f);
+        up = (frac > 0.5f) | ((frac == 0.5f) & (odd == 1.0f));
+    } else {
+        up = frac >= 0.5f;
+    }
+    return (v8f)(up & (v8i)vsplatf(1.0f));
+}
+
 /* Sign, overflow, NaN and -0 of a rounded magnitude ``q`` (bits) of the source lane ``yb`` */
 VINLINE v8f vfinish(const fmt_t *f, v8i q, v8u yb, v8u ab) {
     q = visel(q > (int32_t)f2u(f->max), vsplat((int32_t)f2u(f->overflow)), q);
@@ -124,16 +137,8 @@ VINLINE v8f vquantize_tapered(const fmt_t *f, v8f y, int rounding) {
     /* below the lowest binade: a fixed spacing 2^slo, slo = the lowest binade's step */
     const int32_t slo = f->step_log2[0];
     v8f t = (v8f)ab * pow2(-slo);
-    v8f whole = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
-    v8f frac = t - whole;
-    v8i up;
-    if (rounding == R_NEAREST_EVEN) {
-        v8f odd = whole - 2.0f * vfloor_pos(whole * 0.5f);
-        up = (frac > 0.5f) | ((frac == 0.5f) & (odd == 1.0f));
-    } else {
-        up = frac >= 0.5f;
-    }
-    v8i sub = (v8i)((whole + (v8f)(up & (v8i)vsplatf(1.0f))) * pow2(slo));
+    v8f whole = vfloor_pos(t);
+    v8i sub = (v8i)((whole + vround_up(whole, t - whole, rounding)) * pow2(slo));
     return vfinish(f, visel(e < f->taper_lo, sub, (v8i)r), yb, ab);
 }
 
@@ -153,15 +158,7 @@ VINLINE v8f vquantize(const fmt_t *f, v8f y, int kind, int rounding) {
     v8i sl = vstep_log2(f, ab >> 23, kind);
     v8f t = (v8f)ab * vpow2(-sl);
     v8f whole = vfloor_pos(t);
-    v8f frac = t - whole;
-    v8i up;
-    if (rounding == R_NEAREST_EVEN) {
-        v8f odd = whole - 2.0f * vfloor_pos(whole * 0.5f);
-        up = (frac > 0.5f) | ((frac == 0.5f) & (odd == 1.0f));
-    } else {
-        up = frac >= 0.5f;
-    }
-    v8f q = (whole + (v8f)(up & (v8i)vsplatf(1.0f))) * vpow2(sl);
+    v8f q = (whole + vround_up(whole, t - whole, rounding)) * vpow2(sl);
     q = vsel(q > f->max, vsplatf(f->overflow), q);
     q = (v8f)(((v8u)q & 0x7fffffffu) | (yb & 0x80000000u));
     if (!f->negzero) q = vsel(q == 0.0f, (v8f){0}, q);
