@@ -26,17 +26,24 @@ BLOCK = 128
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) * I)^-1`` (float64 for stability),
-    with more dampening if the matrix is still not positive definite."""
+    """Upper Cholesky factor ``U`` of ``(H + damp * mean(diag H) * I)^-1`` (``U^T U`` is that
+    inverse; float64 for stability), with more dampening if the matrix is still not positive
+    definite.
+
+    Computed without forming the inverse: with ``P`` the order-reversing permutation and
+    ``P A P = L L^T``, ``A^-1 = (P L^-T P)(P L^-1 P)`` and ``P L^-1 P`` is upper triangular with a
+    positive diagonal, so it IS the Cholesky factor (unique). One Cholesky and one triangular
+    solve, against the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky:
+    LAPACK's ``potri`` behind ``cholesky_inverse`` took 15 s on a 1536 x 1536 matrix on a loaded
+    2-core CPU (0.6 s on one thread), this path 0.7 s."""
     H = H.double()
     mean = float(torch.diag(H).mean()) or 1.0
     eye = torch.eye(H.shape[0], dtype=torch.float64)
     for factor in (damp, damp * 10, damp * 100, 1.0):
-        L, info = torch.linalg.cholesky_ex(H + factor * mean * eye)
+        L, info = torch.linalg.cholesky_ex((H + factor * mean * eye).flip(0, 1))
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info) == 0:
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(U).all()):
                 return U
     raise ValueError("the Hessian is not positive definite even with heavy dampening")
 
@@ -63,33 +70,38 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # per-column ops are tiny: threads only add sync cost (15x on a
     try:                      # loaded 2-core box, measured), so the sweep runs on one
-        codes = _sweep(W, S, U, fmt, block, {"rounding": rounding} if rounding else {})
+        # plain tensor math: a torch-function mode around the caller (the quantize stage's
+        # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
+        # sweep's ~10 small ops per column cost ~20% of the sweep (measured)
+        with torch._C.DisableTorchFunction():
+            codes = _sweep(W, S, U, fmt, block, {"rounding": rounding} if rounding else {})
     finally:
         torch.set_num_threads(threads)
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return codes
+    return codes.contiguous()
 
 
 def _sweep(W, S, U, fmt, block, kw) -> torch.Tensor:
-    """The column loop of Algorithm 1 with lazy block updates; ``W`` is updated in place."""
-    rows, cols = W.shape
-    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight: a
+    column of ``W`` [out, in] is a contiguous row of ``W^T``, so each step reads, encodes and
+    updates contiguous memory (3x faster on this CPU than strided columns)."""
+    Wt, St = W.T.contiguous(), S.T.contiguous()  # [in, out]
+    cols, rows = Wt.shape
+    codes = torch.empty(cols, rows, dtype=torch.uint8)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1 = W[:, i1:i2].clone()
-        err = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
+        err = torch.empty(i2 - i1, rows, dtype=torch.float64)
         for i in range(i2 - i1):
-            w, s = W1[:, i], S[:, i1 + i]
+            w, s, e = W1[i], St[i1 + i], err[i]
             c = encode((w / s).float(), fmt, **kw)
-            q = decode(c, fmt).double() * s
-            codes[:, i1 + i] = c
-            e = (w - q) / U1[i, i]
-            W1[:, i:] -= e.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            err[:, i] = e
-        W[:, i2:] -= err @ U[i1:i2, i2:]
-    return codes
+            codes[i1 + i] = c
+            torch.sub(w, decode(c, fmt).double() * s, out=e)
+            e.div_(U1[i, i])
+            W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e.unsqueeze(0)
+        Wt[i2:] -= U[i1:i2, i2:].T @ err
+    return codes.T
 
 
 def output_error(W: torch.Tensor, Wq: torch.Tensor, X: torch.Tensor) -> float:
