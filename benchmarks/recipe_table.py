@@ -55,6 +55,10 @@ ROWS = {
     # (its --json report cached as target-1pct-quantize.json); mixed precision
     "target-1pct": ("the default + `--target-delta 1%` (mixed: some GEMMs kept bf16)",
                     "row-wise scaled_mm + bf16 GEMMs"),
+    "hif8-dynamic": ("HiF8, channel W + dynamic token A (`fp8-dynamic`'s rule)",
+                     "- (no HiF8 kernels)"),
+    "hfp8-dynamic": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A",
+                     "- (fp8ptq-native)"),
     "hif8-dynamic-gptq": ("HiF8, channel W + dynamic token A + GPTQ", "- (no HiF8 kernels)"),
     "hfp8-dynamic-gptq": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A + GPTQ",
                           "- (fp8ptq-native)"),
@@ -102,6 +106,12 @@ def _quantize_facts(folder: Path, name: str, row: dict) -> tuple[str, str]:
     if run.exists():
         facts = json.loads(run.read_text())
         return f"{facts['wall_seconds']:.0f}", f"{facts['peak_rss_mb']:.0f}"
+    quantize = folder / f"{name}-quantize.json"  # an `fp8ptq quantize --json` report
+    if quantize.exists() and quantize.stat().st_size:
+        facts = json.loads(quantize.read_text())
+        seconds = sum(v for k, v in facts["seconds"].items()
+                      if k in ("target: sensitivity", "calibrate+quantize", "target: verify"))
+        return f"({seconds:.0f})", f"{facts['peak_rss_mb']:.0f}"
     seconds = (row.get("timings") or {}).get("calibrate+quantize")
     return ("-" if seconds is None else f"({seconds:.0f})"), "-"
 
@@ -141,7 +151,7 @@ def target_line(folder: Path) -> str:
     if not path.exists() or not path.stat().st_size:
         return ""
     t = json.loads(path.read_text())["target_delta"]
-    kept = sorted(m for u in t["units"] if u["rung"] == "fallback" for m in u["modules"])
+    kept = [u["unit"] for u in t["units"] if u["rung"] == "fallback"]
     per_rung = ", ".join(f"{k} {v}" for k, v in t["modules_per_rung"].items())
     ev = t["eval"]
     measured = "not measured" if t["measured_delta_pct"] is None else \

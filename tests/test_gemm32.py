@@ -158,3 +158,26 @@ def test_sensitivity_probes_run_float32_gemms(probe, monkeypatch):
             want = model(input_ids=IDS).logits.float()
         assert torch.equal(p.ref, want)
     assert seen
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_runs_in_float32_under_the_mode(masked, monkeypatch):
+    """bf16 ``scaled_dot_product_attention`` under the mode (forced on) is the float32
+    attention of the same inputs (a float mask upcast too) rounded once to bf16; off, or with
+    autograd, torch's own bf16 kernel runs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    kw = {"attn_mask": torch.randn(33, 33, generator=g).to(torch.bfloat16)} if masked else \
+        {"is_causal": True}
+    want = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(),
+        **{n: t.float() if torch.is_tensor(t) else t for n, t in kw.items()}).to(torch.bfloat16)
+    bf16 = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert not torch.equal(want, bf16)  # the two kernels round differently
+    with torch.no_grad():
+        with float32_gemms(force=True):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), want)
+        with float32_gemms(force=False):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)
+    with float32_gemms(force=True):  # autograd: torch's kernel
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)
