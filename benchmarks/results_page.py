@@ -301,7 +301,9 @@ Timing numbers live in `benchmarks/` scripts (`bench_all.py`, `bench_quantize.py
 `bench_eval.py`, `bench_formats.py`): rerun them on your machine. The `eval s` columns above are the
 evaluation wall time of each variant in the same process (simulated FP8 on CPU).
 
-**Measured (issue 16's targets; `bench_all.py --quick --remeasure-llmc --formats` all nine, float32
+**Measured before the session-7 changes (float32 eval GEMMs and attention, `out=` codec rows,
+HiF8 integer rounding, the ~2000-token eval slice; not re-measured here) (issue 16's targets;
+`bench_all.py --quick --remeasure-llmc --formats` all nine, float32
 SmolLM2-135M, 2 threads, under `cpu-quiet` on the 2-core development machine, 2026-11-24
 07:33-07:36, load average 5.9 at the start (the 1-minute average still counting the jobs that
 had just stopped) and 2.2 at the end; a first such run at 07:07 gave the second figure in a

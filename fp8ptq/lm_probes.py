@@ -5,6 +5,11 @@ When a change is confined to decoder layers >= k, the layers before k are replay
 cached in the baseline pass instead of being run again (checked once: replaying every layer but
 the last must reproduce the baseline loss, else every evaluation runs the whole model).
 ``LogitsProbe``: SQNR of the logits against the high-precision logits.
+
+Both run bf16 / fp16 GEMMs in float32 on CPUs without a fast kernel for them
+(``fp8ptq.model.gemm32``, as every forward of ``quantize`` does): a bf16 model's probe pass
+is several times faster there, and a unit's measured delta is then the one ``quantize``'s own
+calibration forwards would see.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from .errors import DataError, UsageError
+from .model.gemm32 import float32_gemms
 from .scales import sqnr_db
 
 REPLAY_CACHE_BYTES = 4 * 2**30
@@ -73,7 +79,7 @@ class PerplexityProbe:
 
     def _run(self) -> float:
         total, count = 0.0, 0
-        with torch.inference_mode():
+        with torch.inference_mode(), float32_gemms():
             for b, ids in enumerate(self.batches):
                 self._batch = b
                 try:
@@ -148,7 +154,7 @@ class LogitsProbe:
         self.ref = None
 
     def _logits(self):
-        with torch.inference_mode():
+        with torch.inference_mode(), float32_gemms():
             out = self.model(input_ids=self.ids)
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits.float()

@@ -1,8 +1,9 @@
-"""The CPU kernels of ``native.c``: built on first use with the system C compiler, loaded with
-ctypes, and optional -- every caller keeps its pure-torch path and takes it when this module
-says no (no compiler, a non-CPU tensor, an unusual dtype or layout, ``FP8PTQ_NATIVE=0``).
+"""The CPU kernels of ``csrc/`` (C files compiled into one library): built on first use with
+the system C compiler, loaded with ctypes, and optional -- every caller keeps its pure-torch
+path and takes it when this module says no (no compiler, a non-CPU tensor, an unusual dtype or
+layout, ``FP8PTQ_NATIVE=0``).
 
-Why a small C file and not ``torch.compile`` or a torch C++ extension: it compiles in about
+Why a few small C files and not ``torch.compile`` or a torch C++ extension: it compiles in about
 3.5 s of CPU (once per machine) with plain ``cc`` (no torch headers, no ninja, nothing
 downloaded), is never compiled at import time (the first codec or observer call builds it),
 needs nothing at install time (``pip install -e .`` stays the one command), and fuses each
@@ -10,7 +11,10 @@ codec and the calibration observer into one pass over memory. The results are bi
 to the torch path (same IEEE operations in the same order; ``tests/test_native.py``).
 
 The shared library is cached under ``$FP8PTQ_CACHE`` (default ``~/.cache/fp8ptq``), named by a
-hash of the source, the flags and the CPU, so an edited source or another machine rebuilds it.
+hash of every source and header, the flags and the CPU, so an edited file or another machine
+rebuilds it. The sources, one file per kernel family (``csrc/codec.c``, ``observe.c``,
+``sweep.c``, ``decode.c``, ``threads.c``; shared definitions in ``common.h``, ``scalar.h``,
+``vec.h``), are compiled in one ``cc`` call.
 """
 
 from __future__ import annotations
@@ -33,12 +37,17 @@ import torch
 
 log = logging.getLogger("fp8ptq.native")
 
-SOURCE = Path(__file__).with_name("native.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")
+
+
+def sources() -> list[Path]:
+    """The C files compiled into the library (headers are included by them)."""
+    return sorted(SOURCE_DIR.glob("*.c"))
 FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared",
          "-pthread")
 ARCH_FLAGS = ("-march=native",)
 
-# Codes of native.c's enums.
+# Codes of csrc/common.h's enums.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ROUNDING = {"nearest_even": 0, "half_away": 1, "stochastic": 2, "hybrid": 3}
 OUT_VALUES, OUT_SAME, OUT_CODES = 0, 1, 2
@@ -47,7 +56,7 @@ _i32x256 = ctypes.c_int32 * 256
 
 
 class FormatTables(ctypes.Structure):
-    """native.c's ``fmt_t``: a format flattened to per-exponent-field integer tables."""
+    """csrc/common.h's ``fmt_t``: a format flattened to per-exponent-field integer tables."""
 
     _fields_ = [("step_log2", _i32x256), ("first_bits", _i32x256), ("first_rank", _i32x256),
                 ("codes", _i32x256), ("max", ctypes.c_float), ("overflow", ctypes.c_float),
@@ -104,7 +113,7 @@ def _cpu_identity() -> str:
 
 
 def build(cc: str, out: Path, flags: tuple[str, ...]) -> bool:
-    """Compile ``native.c`` to ``out``: into a private temporary beside it, then one atomic
+    """Compile ``csrc/*.c`` to ``out``: into a private temporary beside it, then one atomic
     rename, so processes building at once (torchrun ranks, parallel test workers) each install a
     complete library and a reader never sees a half-written one. False when the build fails."""
     try:
@@ -116,7 +125,7 @@ def build(cc: str, out: Path, flags: tuple[str, ...]) -> bool:
         return False
     tmp = Path(name)
     try:
-        r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"],
+        r = subprocess.run([cc, *flags, *map(str, sources()), "-o", str(tmp), "-lm"],
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             log.debug("native build failed (%s): %s", " ".join(flags), r.stderr[-2000:])
@@ -131,8 +140,10 @@ def build(cc: str, out: Path, flags: tuple[str, ...]) -> bool:
 
 
 def library_path(cc: str, flags: tuple[str, ...]) -> Path:
-    """Where the library built by ``cc`` with ``flags`` from the current source is cached."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), cc.encode(),
+    """Where the library built by ``cc`` with ``flags`` from the current sources is cached."""
+    files = sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
+    parts = [part for p in files for part in (p.name.encode(), p.read_bytes())]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), cc.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:20]
     return cache_dir() / f"fp8ptq_native_{key}.so"
 
@@ -150,7 +161,7 @@ def library() -> ctypes.CDLL | None:
 
 def _load() -> ctypes.CDLL | None:
     global build_seconds
-    if not enabled() or not SOURCE.is_file():
+    if not enabled() or not sources():
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which(
         "clang")
@@ -225,13 +236,17 @@ def supports(x: torch.Tensor) -> bool:
 
 def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
              scale: torch.Tensor | None = None, per_row: bool = False, per_col: bool = False,
-             rand: torch.Tensor | None = None) -> torch.Tensor:
+             rand: torch.Tensor | None = None, into: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """Run the codec kernel over contiguous ``x`` (``supports(x)`` must hold): float32 grid
     values, fake-quantized values in ``x``'s dtype, or uint8 codes. ``scale``: float32,
-    contiguous, one value or one per row / column of ``x`` seen as [-1, x.shape[-1]]."""
+    contiguous, one value or one per row / column of ``x`` seen as [-1, x.shape[-1]].
+    ``into``: a tensor of ``x``'s shape and the result's dtype to write into and return
+    (written directly where contiguous)."""
     x = x.detach().contiguous()
     dtype = {OUT_VALUES: torch.float32, OUT_SAME: x.dtype, OUT_CODES: torch.uint8}[out_kind]
-    out = empty(x.shape, dtype)
+    direct = into is not None and into.is_contiguous()
+    out = into if direct else empty(x.shape, dtype)
     if scale is not None:
         scale = scale.detach().to(torch.float32).contiguous()
     if rand is not None:
@@ -242,7 +257,7 @@ def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
                               None if scale is None else scale.data_ptr(), int(per_row),
                               int(per_col), None if rand is None else rand.data_ptr(),
                               x.numel(), cols, torch.get_num_threads())
-    return out
+    return out if into is None or direct else into.copy_(out)
 
 
 def row_absmax(w2d: torch.Tensor) -> torch.Tensor | None:

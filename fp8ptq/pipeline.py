@@ -187,15 +187,14 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     collector = None
     observer = ExpertObserver({e.name: (e.module, e.info) for e in experts},
                               all_experts=recipe.calibrate_all_experts) if experts else None
-    in_order = facts.gptq and recipe.gptq_sequential and batches is not None
+    in_order = facts.gptq_in_order and batches is not None
     one_pass = set(outside_blocks(model, targets)) if in_order else None  # the rest: in order
     hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)
                                  and (one_pass is None or t.name in one_pass)}) \
         if facts.gptq else None
-    # the statistics pass, unless nothing reads it (dynamic inputs, sequential GPTQ alone)
-    if batches is not None and (facts.static_inputs or facts.layer_aware or taps or observer
-                                or (hessians is not None and hessians.modules)
-                                or not in_order):
+    # the statistics pass, unless nothing reads it (dynamic inputs with in-order GPTQ alone)
+    if batches is not None and (facts.needs_statistics_pass or observer is not None
+                                or (hessians is not None and hessians.modules)):
         with taps.observing() if taps else nullcontext():
             collector = collect_stats(model, targets, batches, progress,
                                       sample_batches=SAMPLE_BATCHES if facts.layer_aware else 0,
@@ -371,11 +370,11 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         if stats is not None and stats.seen:
             input_sqnr = histogram_sqnr_db(stats, float(input_scale), t.act_format)
 
+    act = {} if t.input is None else dict(act_granularity=t.input.granularity,
+                                          act_group_size=t.input.group_size)
     q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
                   weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
-                  input_scale=input_scale,
-                  act_granularity=t.input.granularity if t.input else "tensor",  # unused
-                  act_group_size=t.input.group_size if t.input else None)
+                  input_scale=input_scale, **act)
     set_submodule(model, t.name, q)
     return ModuleReport(
         name=t.name, kind=kind(t.module), weight_format=t.weight_format.name,

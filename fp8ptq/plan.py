@@ -95,6 +95,18 @@ class RunFacts:
     taps: bool  # attention / residual activations are quantized (they need statistics)
     bn_retune: bool
     gptq: bool = False  # the weight calibrator reads calibration inputs (GPTQ's Hessians)
+    # GPTQ's Hessians gathered group by group from the model quantized so far
+    # (``fp8ptq.gptq_sequential``), not in the statistics pass
+    gptq_in_order: bool = False
+
+    @property
+    def needs_statistics_pass(self) -> bool:
+        """Whether the run's one statistics pass is needed whatever the model: static input
+        scales, a layer-aware calibrator's rows and the taps read it, and every recipe but
+        in-order GPTQ gathers its Hessians in it (and reports input amax / SQNR from it). Only
+        MoE experts' observers and the one-pass Hessians of GEMMs outside the blocks add to this,
+        facts of the modules a call quantizes (``pipeline``)."""
+        return self.static_inputs or self.layer_aware or self.taps or not self.gptq_in_order
 
     @property
     def needs_calibration(self) -> bool:
@@ -150,13 +162,14 @@ def run_facts(recipe: Recipe, static_inputs: bool | None = None,
         act = base_formats(recipe)[1]
         static_inputs = (recipe.act_granularity == "tensor" and act is not None
                          and act.mx_block is None)
+    if gptq is None:
+        gptq = calibrators.weight_entry(recipe.weight_calib).reads_data
     return RunFacts(static_inputs=static_inputs,
                     layer_aware=calibrators.activation_entry(recipe.act_calib).layer_aware,
                     smoothquant=recipe.smoothquant is not None,
                     taps=recipe.quantize_attention or recipe.quantize_residual,
-                    bn_retune=recipe.bn_retune,
-                    gptq=calibrators.weight_entry(recipe.weight_calib).reads_data
-                    if gptq is None else gptq)
+                    bn_retune=recipe.bn_retune, gptq=gptq,
+                    gptq_in_order=gptq and recipe.gptq_sequential)
 
 
 def taps_plan(recipe: Recipe, always: bool = False) -> TensorPlan | None:

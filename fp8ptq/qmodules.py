@@ -54,14 +54,16 @@ class QuantGemm(nn.Module):
         self.weight_format = get_format(weight_format)
         self.weight_granularity = weight_granularity
         self.act_format = get_format(act_format) if act_format is not None else None
-        self.act_granularity = act_granularity
+        # weight-only: no activation granularity at all (None), whatever was passed
+        act_granularity = None if self.act_format is None else act_granularity
         # dynamic activations: per token, or per ``act_group_size`` features (FP8_BLOCK's 1x128
         # groups; MX formats: their 32-value blocks along K)
         if self.act_format is not None and self.act_format.mx_block is not None:
             act_granularity, act_group_size = "group", self.act_format.mx_block
-            self.act_granularity = "group"
+        self.act_granularity = act_granularity
         self.act_group_size = act_group_size if act_granularity == "group" else None
-        self._act_gran = act_granularity_of(act_granularity, act_group_size or 128)
+        self._act_gran = None if act_granularity is None else act_granularity_of(
+            act_granularity, act_group_size or 128)
         # clone: scales chosen under torch.inference_mode must not stay inference tensors
         self.register_buffer("weight_scale", weight_scale.float().clone())
         self.register_buffer("input_scale", None if input_scale is None else

@@ -18,13 +18,19 @@ model that does not fit runs sequential with an activation budget of what SIZE l
 sequential path's own fixed memory; else in-memory. The ``Selection`` says which path and why;
 the CLI prints it, puts it in ``--json`` and in fp8ptq.json's ``extras`` (``record``).
 
-The estimates are deliberately simple and conservative (documented in README "Memory
-budget"): they count the weights in ``--dtype``, temporaries of the largest quantized module
-while it is quantized, one calibration batch's activations and float32 logits, and a fixed runtime
-(Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on this machine). The
-largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5 bytes
-an element while quantized: a float32 copy some calibrators make, and its uint8 codes. The
-sequential path also counts the output shard its writer holds until it is full (``shard_bytes``).
+The estimates are deliberately simple and err high (documented in README "Memory budget"):
+they count the weights in ``--dtype``, temporaries of the largest quantized module while it is
+quantized, one calibration batch's activations and float32 logits, GPTQ's float32 Hessians,
+and a fixed runtime (Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on
+this machine). The largest planned module's weights (a GEMM, or a layer's fused experts) are
+counted again at 5 bytes an element while quantized: a float32 copy some calibrators make, and
+its uint8 codes. The sequential path counts what it holds, as measured on the 44-layer
+synthetic Llama (peak 3.13 GB at ``--max-memory 4GB``, static e4m3, 8 x 256 tokens, against
+3.45 GB estimated): the modules outside the blocks, ONE block (the next is loaded after the
+last is written and freed), one micro-batch's block forward (logits only when a GEMM outside
+the blocks is quantized, since the head runs on the calibration batches only then), one
+group's Hessian (in-order GPTQ; a block's otherwise), and the output shard its writer holds
+until it is full (``shard_bytes``).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from . import distributed
 from .checkpoint.shards import SHARD_BYTES
 from .errors import UsageError
 from .loading import resolve_safetensors
-from .model.blocks import find_blocks
+from .model.blocks import block_prefix, find_blocks
+from .model.forward import MICRO_TOKENS
+from .model.gemm import weight_2d
 from .model_free import ModelFreeJob, NotModelFree, refusal
-from .plan import build_plan, run_facts
+from .plan import build_plan, reads_data, run_facts
 from .recipe import Recipe
 from .weights import build_empty
 
@@ -101,7 +109,8 @@ def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Est
     inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 1)
-    calib = run_facts(recipe).needs_calibration
+    facts = run_facts(recipe)
+    calib = facts.needs_calibration
     tokens = recipe.batch_size * recipe.seq_len if calib else 0
     batch = 4 * (tokens * (6 * hidden + 2 * inter + vocab)
                  + recipe.batch_size * heads * recipe.seq_len ** 2 * int(calib))
@@ -109,25 +118,56 @@ def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Est
     found = find_blocks(model)
     block = outside = weights
     coded = sum(p.numel() for p in model.parameters())  # the quantized blocks: 1 byte a weight
+    head_runs = True
     if found is not None:
         name, blocks = found
         coded = sum(p.numel() for p in blocks.parameters())
         block = max(sum(p.numel() for p in b.parameters()) for b in blocks) * size
         outside = sum(p.numel() for n, p in model.named_parameters()
                       if not n.startswith(f"{name}.")) * size
+        head_runs = any(not m.name.startswith(f"{name}.") for m in plan.modules)
     # sequential writes each block as it is done, but the writer keeps the open shard's
     # tensors (the blocks' codes) until the shard is full (measured: 0.3 GB more per block of
     # a 5120-wide Llama until the shard is written); in memory the shard holds the model's
     # own tensors
     shard = min(shard_bytes(budget) or SHARD_BYTES, coded)
+    block_batch = _block_forward_bytes(recipe, facts.gptq, hidden, inter, heads, size,
+                                       vocab if head_runs else 0) if calib else 0
+    # GPTQ's float32 X^T X: in run order one group's at a time (the largest input's),
+    # otherwise every GEMM's of the model (in memory) or of a block (sequential)
+    hessians = {m.name: 4 * weight_2d(m.module).shape[1] ** 2 for m in plan.gemms
+                if reads_data(m)}
+    if facts.gptq_in_order:
+        whole = per_block = max(hessians.values(), default=0)
+    else:
+        whole = per_block = sum(hessians.values())
+        if found is not None:
+            per_block = max(sum(v for n, v in hessians.items()
+                                if n.startswith(block_prefix(found[0], i)))
+                            for i in range(len(found[1])))
     return Estimate(
         weights=weights,
-        in_memory=RUNTIME_BYTES + weights + temporaries + batch + activations,
-        sequential_fixed=RUNTIME_BYTES + outside + 2 * block + temporaries + batch + shard,
+        in_memory=RUNTIME_BYTES + weights + temporaries + batch + activations + whole,
+        sequential_fixed=(RUNTIME_BYTES + outside + block + temporaries + block_batch + shard
+                          + per_block),
         activations=2 * activations,  # a block's inputs and its outputs
         parts={"quantize_temporaries_bytes": temporaries, "calibration_batch_bytes": batch,
-               "block_bytes": block, "outside_blocks_bytes": outside,
-               "open_shard_bytes": shard})
+               "block_forward_bytes": block_batch, "block_bytes": block,
+               "outside_blocks_bytes": outside, "open_shard_bytes": shard,
+               "hessian_bytes": whole, "block_hessian_bytes": per_block})
+
+
+def _block_forward_bytes(recipe: Recipe, gptq: bool, hidden: int, inter: int, heads: int,
+                         size: int, vocab: int) -> int:
+    """Sequential mode's working memory for one calibration batch through one block: the
+    float32 intermediates of one micro-batch (``MICRO_TOKENS`` tokens of whole sequences; the
+    whole batch while GPTQ's Hessians are collected), plus the batch's output hidden states
+    as they are stored, plus float32 logits only when a GEMM outside the blocks is quantized
+    (the head then runs on the calibration batches; otherwise it never runs)."""
+    seq, tokens = recipe.seq_len, recipe.batch_size * recipe.seq_len
+    rows = recipe.batch_size if gptq else min(recipe.batch_size, max(1, MICRO_TOKENS // seq))
+    return (4 * (rows * seq * (6 * hidden + 2 * inter) + rows * heads * seq ** 2)
+            + tokens * hidden * size + 4 * tokens * vocab)
 
 
 @dataclass

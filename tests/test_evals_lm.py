@@ -1,5 +1,6 @@
 """fp8ptq.evals on a tiny random Llama: WikiText perplexity, generative SQuAD, run_tasks checks."""
 
+import copy
 import json
 import math
 import os
@@ -207,9 +208,7 @@ def test_run_tasks_passes_other_names_to_lm_eval(model, tokenizer, tmp_path):
     assert result.protocol["tiny_rolling"]["samples"] == {"tiny_rolling": 2}
 
 
-def test_bf16_models_are_scored_from_float32_logits(model, tokenizer, wiki_file):
-    import copy
-
+def test_bf16_models_are_scored_from_float32_logits(model, tokenizer, wiki_file, monkeypatch):
     from fp8ptq.evals.harness import float32_logits
 
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -228,6 +227,38 @@ def test_bf16_models_are_scored_from_float32_logits(model, tokenizer, wiki_file)
     upstream = HFLM(pretrained=bf16, tokenizer=tokenizer, max_length=512, batch_size=4)
     plain = [s["word_perplexity"][0] for s in evaluate_wikitext(upstream, wiki_file).samples]
     assert plain != pytest.approx(direct, rel=1e-5)
+    monkeypatch.setenv("FP8PTQ_FLOAT32_GEMMS", "0")  # torch's bf16 kernels, as above
     metrics = run_tasks(bf16, tokenizer, ["wikitext"], data={"wikitext": str(wiki_file)},
                         seq_len=512).metrics
     assert metrics["wikitext.word_perplexity"] == pytest.approx(outcome.metrics["word_perplexity"])
+
+
+def test_bf16_eval_runs_its_gemms_and_attention_in_float32(model, tokenizer, wiki_file,
+                                                            monkeypatch):
+    """``run_tasks`` runs a bf16 model's linear layers and attention in float32 (forced on:
+    ``fp8ptq.model.gemm32``), and its scores move only by bf16 rounding: each document's
+    log-likelihood within 0.01% of the pure-bf16 run's, and the sum no farther from the float32
+    model's than the pure-bf16 run's is."""
+    from fp8ptq.model import gemm32
+
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    calls = []
+    for name in ("linear32", "attention32"):
+        real = getattr(gemm32, name)
+        monkeypatch.setattr(gemm32, name, lambda *a, _r=real, _n=name, **k:
+                            calls.append(_n) or _r(*a, **k))
+
+    def loglikelihoods(m, force):
+        monkeypatch.setenv("FP8PTQ_FLOAT32_GEMMS", force)
+        result = run_tasks(m, tokenizer, ["wikitext"], data={"wikitext": str(wiki_file)},
+                           seq_len=512)
+        return [r["loglikelihood"] for r in result.samples["wikitext"]]
+
+    plain = loglikelihoods(bf16, "0")
+    assert calls == []
+    mode = loglikelihoods(bf16, "1")
+    assert {"linear32", "attention32"} <= set(calls)
+    assert mode != plain  # another rounding, not the same kernels
+    assert mode == pytest.approx(plain, rel=1e-4)
+    exact = loglikelihoods(model, "1")  # float32 model: the mode changes nothing
+    assert abs(sum(mode) - sum(exact)) <= abs(sum(plain) - sum(exact))

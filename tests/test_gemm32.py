@@ -2,10 +2,13 @@
 values (correctly rounded float32 results, in row chunks), where the mode applies, that the
 quantize pipeline and sequential mode run their forwards under it, and its memory."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fp8ptq.lm_probes import LogitsProbe, PerplexityProbe
 from fp8ptq.model import gemm32
 from fp8ptq.model.gemm32 import float32_gemms, linear32
 from fp8ptq.pipeline import quantize_model, token_batches
@@ -133,3 +136,48 @@ def test_quantize_model_calibrates_with_float32_gemms(monkeypatch):
     assert seen  # the forwards went through the float32 GEMM
     got = {r.name: r.input_amax for r in result.modules if r.name.endswith("down_proj")}
     assert got == pytest.approx(amax, rel=0, abs=0) and len(got) == 2
+
+
+@pytest.mark.parametrize("probe", ["ppl", "logits"])
+def test_sensitivity_probes_run_float32_gemms(probe, monkeypatch):
+    """``fp8ptq sensitivity`` / ``--target-delta``'s model passes (perplexity and logits
+    probes) run a bf16 model's GEMMs through ``linear32``, and measure what a forward under the
+    mode gives (bit for bit)."""
+    monkeypatch.setenv("FP8PTQ_FLOAT32_GEMMS", "1")
+    model = tiny("llama", dtype=torch.bfloat16).eval()
+    seen = _calls(monkeypatch)
+    if probe == "ppl":
+        value = PerplexityProbe(model, IDS, batch_size=len(IDS)).baseline()
+        with torch.inference_mode(), float32_gemms():
+            want = math.exp(float(model(input_ids=IDS, labels=IDS, use_cache=False).loss))
+        assert value == pytest.approx(want, rel=1e-12)
+    else:
+        p = LogitsProbe(model, IDS)
+        p.baseline()
+        with torch.inference_mode(), float32_gemms():
+            want = model(input_ids=IDS).logits.float()
+        assert torch.equal(p.ref, want)
+    assert seen
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_runs_in_float32_under_the_mode(masked, monkeypatch):
+    """bf16 ``scaled_dot_product_attention`` under the mode (forced on) is the float32
+    attention of the same inputs (a float mask upcast too) rounded once to bf16; off, or with
+    autograd, torch's own bf16 kernel runs."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    kw = {"attn_mask": torch.randn(33, 33, generator=g).to(torch.bfloat16)} if masked else \
+        {"is_causal": True}
+    want = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(),
+        **{n: t.float() if torch.is_tensor(t) else t for n, t in kw.items()}).to(torch.bfloat16)
+    bf16 = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert not torch.equal(want, bf16)  # the two kernels round differently
+    with torch.no_grad():
+        with float32_gemms(force=True):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), want)
+        with float32_gemms(force=False):
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)
+    with float32_gemms(force=True):  # autograd: torch's kernel
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fp8ptq import pipeline, usage
+from fp8ptq.activations import ActivationStore, capture_block_inputs, run_block
 from fp8ptq.model import forward
 from fp8ptq.model.forward import micro_batches, token_batches
 from fp8ptq.pipeline import collect_stats, plan_targets
@@ -30,7 +31,62 @@ def test_micro_batches_split_whole_sequences():
     ragged = {"input_ids": ids, "extra": torch.zeros(3)}
     assert micro_batches(ragged, tokens=6) == [ragged]
     with_none = {"input_ids": ids, "attention_mask": None}
-    assert micro_batches(with_none, tokens=6) == [with_none]
+    assert [p["attention_mask"] for p in micro_batches(with_none, tokens=6)] == [None] * 8
+
+
+def test_block_inputs_split_with_their_arguments():
+    """A block's recorded inputs (sequential mode): the hidden states and per-sequence masks
+    split, rotary tables of shared positions (first dimension 1) and flags kept whole."""
+    hidden = torch.randn(4, 6, 8)
+    cos, sin = torch.randn(1, 6, 2), torch.randn(1, 6, 2)
+    mask = torch.zeros(4, 1, 6, 6)
+    inputs = {"hidden_states": hidden, "attention_mask": mask,
+              "position_embeddings": (cos, sin), "use_cache": False}
+    parts = micro_batches(inputs, tokens=12)
+    assert [p["hidden_states"].shape[0] for p in parts] == [2, 2]
+    assert torch.equal(torch.cat([p["hidden_states"] for p in parts]), hidden)
+    assert all(p["attention_mask"].shape == (2, 1, 6, 6) for p in parts)
+    assert all(p["position_embeddings"][0] is cos and p["position_embeddings"][1] is sin
+               and p["use_cache"] is False for p in parts)
+    odd = dict(inputs, position_embeddings=(torch.randn(3, 6, 2), sin))  # neither 4 nor 1
+    assert micro_batches(odd, tokens=12) == [odd]
+
+
+def _block_run(model, batches, monkeypatch, tokens):
+    """Every batch through block 0 by ``run_block`` (``MICRO_TOKENS`` = ``tokens``): the
+    outputs, the rows of each block forward, and the largest single allocation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(forward, "MICRO_TOKENS", tokens)
+    block = model.model.layers[0]
+    store, out = ActivationStore(1 << 30), ActivationStore(1 << 30)
+    kwargs = capture_block_inputs(model, block, batches, store)
+    rows = []
+    handle = block.register_forward_pre_hook(
+        lambda _m, a, kw: rows.append((a[0] if a else kw["hidden_states"]).shape[0]),
+        with_kwargs=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_block(block, store, kwargs, out)
+    handle.remove()
+    largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]")
+    return [out.get(i) for i in range(len(batches))], rows, largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_forwards_in_micro_batches_equal_whole_batches(dtype, monkeypatch):
+    """Sequential mode carries each batch through a block in pieces of ~MICRO_TOKENS tokens:
+    the block's outputs equal the whole batch's bit for bit (bf16 with float32 GEMMs forced,
+    what this CPU runs), and its largest allocation (the MLP's intermediate activations) is a
+    piece's, not the batch's."""
+    monkeypatch.setenv("FP8PTQ_FLOAT32_GEMMS", "1")
+    model = tiny("llama", dtype=dtype, intermediate_size=1024).eval()
+    ids = torch.randint(2, 128, (8, 64), generator=torch.Generator().manual_seed(5))
+    batches = list(token_batches(ids, 8))
+    whole, whole_rows, whole_peak = _block_run(model, batches, monkeypatch, 4096)
+    split, split_rows, split_peak = _block_run(model, batches, monkeypatch, 64)
+    assert whole_rows == [8] and split_rows == [1] * 8
+    assert all(torch.equal(a, b) for a, b in zip(whole, split))
+    assert split_peak * 4 < whole_peak, (split_peak, whole_peak)
 
 
 def _stats(model, targets, batches, sample_batches=0):

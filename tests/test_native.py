@@ -2,6 +2,7 @@
 every format, rounding mode, source dtype, scale layout and the observer statistics; plus the
 build, the off switch and an end-to-end quantization that must not depend on which path ran."""
 
+import contextlib
 import ctypes
 import dataclasses
 import shutil
@@ -99,14 +100,17 @@ def test_fake_quantize_is_bit_identical_for_every_scale_layout(name):
 @needs_native
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "e3m4",
                                   "e2m5", "e5m2b10", "e4m3b5fn", "e6m1", "e1m6fn", "e3m0",
-                                  "e2m0b0", "e2m0b0-ftz", "hif8"])
+                                  "e2m0b0", "e2m0b0-ftz", "hif8", "hif8-rne"])
 def test_every_bfloat16_pattern_rounds_identically(name):
     """Every bfloat16 bit pattern (each binade, subnormals, ties, inf, NaN), as bfloat16, as
     float32 and as float32 with random low bits: the kernels' vector loops (integer rounding for
-    IEEE-like grids) against the torch path, saturating and not, fake-quantized and encoded."""
-    spec = get_format(name.removesuffix("-ftz"))
+    IEEE-like and tapered grids) against the torch path, saturating and not, fake-quantized and
+    encoded."""
+    spec = get_format(name.removesuffix("-ftz").removesuffix("-rne"))
     if name.endswith("-ftz"):  # no subnormals: no mantissa bits and the clamped lowest binade
         spec = dataclasses.replace(spec, name=name, subnormals=False)
+    if name.endswith("-rne"):  # HiF8's tapered grid rounded half to even, not half away
+        spec = dataclasses.replace(spec, rounding="nearest_even")
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     low = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(5),
                         dtype=torch.int32)
@@ -136,6 +140,30 @@ def test_big_tensors_split_across_threads_identically(name):
             assert _same(got, want)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["e4m3", "hif8", "int8"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_out_buffers_hold_the_same_bits(name, kernels):
+    """``encode(..., out=)`` / ``fake_quantize(..., out=)`` write the allocating call's bits into
+    the given tensor and return it, on the kernels' path and the torch path, into a contiguous
+    or a strided buffer; a buffer of the wrong shape or dtype is refused."""
+    spec = get_format(name)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(2)) * 40
+    scale = torch.rand(64, 1, generator=torch.Generator().manual_seed(3)) + 0.05
+    with contextlib.nullcontext() if kernels else native.disabled():
+        for t in (x, x.bfloat16()):
+            want_fq, want_codes = codec.fake_quantize(t, scale, spec), codec.encode(x / 3, spec)
+            for buf in (torch.full_like(t, 7.0), torch.full((96, 64), 7.0, dtype=t.dtype).t()):
+                got = codec.fake_quantize(t, scale, spec, out=buf)
+                assert got is buf and _same(buf, want_fq)
+            codes = torch.zeros(x.shape, dtype=torch.uint8)
+            assert codec.encode(x / 3, spec, out=codes) is codes and torch.equal(codes,
+                                                                                  want_codes)
+    with pytest.raises(ValueError, match="out="):
+        codec.fake_quantize(x, scale, spec, out=torch.empty(64, 95))
+    with pytest.raises(ValueError, match="out="):
+        codec.encode(x, spec, out=torch.empty(x.shape))
 
 
 @needs_native

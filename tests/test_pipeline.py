@@ -67,6 +67,9 @@ def test_weight_only_and_dynamic_tokens_need_no_calibration_data():
         result = quantize_model(model, recipe, None)
         assert all(m.input_scale is None for m in result.modules)
         assert torch.isfinite(run(model, IDS)).all()
+        q = model.model.layers[0].self_attn.q_proj
+        # weight-only GEMMs have no activation granularity (not a placeholder "tensor")
+        assert q.act_granularity == (None if recipe.act_format == "none" else "token")
     with pytest.raises(UsageError, match="calibration data"):
         quantize_model(tiny("llama"), Recipe(act_granularity="tensor"), None)
 

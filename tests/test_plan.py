@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fp8ptq import job
+from fp8ptq import job, pipeline
 from fp8ptq.calibrators import registry
 from fp8ptq.calibrators.layerwise import choose_layerwise
 from fp8ptq.checkpoint import save_quantized
@@ -38,6 +38,26 @@ def test_dynamic_or_weight_only_alone_need_no_data_and_pass_counts():
     assert run_facts(Recipe(act_granularity="tensor", smoothquant=0.5, bn_retune=True)).passes == 3
     assert run_facts(Recipe(act_granularity="tensor", act_calib="best")).sample_batches == 2
     assert run_facts(Recipe(act_calib="best", act_granularity="token")).sample_batches == 0
+
+
+@pytest.mark.parametrize("flags, needed", [
+    ({"act_granularity": "token", "weight_calib": "gptq"}, False),  # Hessians in order, alone
+    ({"act_granularity": "token", "weight_calib": "gptq", "gptq_sequential": False}, True),
+    ({"act_granularity": "tensor", "weight_calib": "gptq"}, True),  # static input scales
+    ({"act_granularity": "token", "weight_calib": "gptq", "quantize_attention": True}, True),
+    ({"act_granularity": "token", "weight_calib": "max"}, True),  # input amax / SQNR reported
+])
+def test_the_statistics_pass_runs_exactly_when_the_plan_says(flags, needed, monkeypatch):
+    recipe = Recipe(dtype="float32", **flags)
+    model = tiny("llama")
+    plan = build_plan(model, recipe)
+    assert plan.facts.needs_statistics_pass is needed
+    calls = []
+    real = pipeline.collect_stats
+    monkeypatch.setattr(pipeline, "collect_stats",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    quantize_model(model, recipe, list(token_batches(IDS, 4)), plan=plan)
+    assert bool(calls) is needed
 
 
 def test_plan_gives_each_module_its_weight_and_input_plan():

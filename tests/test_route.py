@@ -58,13 +58,37 @@ def test_estimate_counts_the_weights_blocks_and_calibration(src):
     assert est.parts["outside_blocks_bytes"] == 2 * (numel - 8 * layer)
     # the sequential writer's open shard: the blocks' codes (1 byte a weight), at most a shard
     assert est.parts["open_shard_bytes"] == 8 * layer
+    # one block resident (the next loads after the last is written and freed)
     assert est.sequential_fixed == (route.RUNTIME_BYTES + est.parts["outside_blocks_bytes"]
-                                    + 2 * est.parts["block_bytes"] + 5 * 128 * 64
-                                    + est.parts["calibration_batch_bytes"] + 8 * layer)
+                                    + est.parts["block_bytes"] + 5 * 128 * 64
+                                    + est.parts["block_forward_bytes"] + 8 * layer)
     assert est.parts["quantize_temporaries_bytes"] == 5 * 128 * 64  # an MLP GEMM: 128 x 64
     # one batch: 2 x 16 tokens x (6 hidden + 2 intermediate + vocab) + 2 x 4 heads x 16^2
     assert est.parts["calibration_batch_bytes"] == 4 * (32 * (6 * 64 + 2 * 128 + 128)
                                                         + 2 * 4 * 16 * 16)
+    # a block forward of the whole (small) batch, no logits (the head is not quantized, so it
+    # never runs on the calibration batches), and the batch's bf16 output as stored
+    assert est.parts["block_forward_bytes"] == (4 * (32 * (6 * 64 + 2 * 128) + 2 * 4 * 16 * 16)
+                                                + 32 * 64 * 2)
+    assert est.parts["hessian_bytes"] == est.parts["block_hessian_bytes"] == 0  # max weights
+    with_head = route.estimate(model, Recipe(act_granularity="tensor", num_samples=4,
+                                             seq_len=16, batch_size=2, quantize_lm_head=True))
+    assert with_head.parts["block_forward_bytes"] == (est.parts["block_forward_bytes"]
+                                                      + 4 * 32 * 128)  # float32 logits
+    long = route.estimate(model, Recipe(act_granularity="tensor", num_samples=8, seq_len=512,
+                                        batch_size=8))
+    # a batch of 8 x 512 runs through a block in micro-batches of 2 x 512 tokens
+    assert long.parts["block_forward_bytes"] == (4 * (1024 * (6 * 64 + 2 * 128)
+                                                      + 2 * 4 * 512 ** 2) + 4096 * 64 * 2)
+    # GPTQ: in run order one group's Hessian (the MLP's down_proj reads 128 features), else a
+    # block's (q, k, v, o, gate, up read 64; down 128) and the whole model's in memory
+    gptq = route.estimate(model, Recipe(act_granularity="tensor", weight_calib="gptq"))
+    assert gptq.parts["hessian_bytes"] == gptq.parts["block_hessian_bytes"] == 4 * 128 ** 2
+    one_pass = route.estimate(model, Recipe(act_granularity="tensor", weight_calib="gptq",
+                                            gptq_sequential=False))
+    block_h = 4 * (6 * 64 ** 2 + 128 ** 2)
+    assert one_pass.parts["block_hessian_bytes"] == block_h
+    assert one_pass.parts["hessian_bytes"] == 8 * block_h
     assert est.activations == 2 * 4 * 16 * 64 * 2
     assert est.in_memory > est.sequential_fixed > route.RUNTIME_BYTES
     weight_only = route.estimate(model, Recipe(act_granularity="tensor", act_format="none"))

@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from fp8ptq import activations
+from fp8ptq.model import forward
 from fp8ptq.model.blocks import find_blocks
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
@@ -48,6 +50,30 @@ def test_sequential_fp_propagation_is_bit_identical(arch, tmp_path):
     assert result.extras["sequential"]["blocks"] == 3
     with torch.no_grad():
         assert torch.equal(ref(input_ids=IDS).logits, result.model(input_ids=IDS).logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_micro_batched_block_forwards_stay_bit_identical(arch, tmp_path, monkeypatch):
+    """Pieces of one sequence (MICRO_TOKENS = 24): the in-memory statistics pass and the
+    sequential blocks' statistics and carrying all run in pieces, and still agree bit for bit."""
+    monkeypatch.setattr(forward, "MICRO_TOKENS", 24)
+    rows = []
+    real = forward.micro_batches
+    monkeypatch.setattr(activations, "micro_batches",
+                        lambda b, *a, **k: rows.extend(
+                            p["hidden_states"].shape[0] for p in real(b, *a, **k))
+                        or real(b, *a, **k))
+    folder = _saved(arch, tmp_path)
+    recipe = Recipe(act_granularity="tensor", dtype="float32")
+    batches = list(token_batches(IDS, 3))
+    ref = type(_tiny(arch)).from_pretrained(folder, dtype=torch.float32).eval()
+    quantize_model(ref, recipe, batches)
+    result, _ = quantize_sequential(folder, recipe, batches, propagate="fp")
+    assert rows and set(rows) == {1}  # the blocks were carried one sequence at a time
+    want, got = _quant_state(ref), _quant_state(result.model)
+    assert want and set(want) == set(got)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
 
 
 def test_spill_under_tiny_budget_gives_the_same_result(tmp_path, monkeypatch):

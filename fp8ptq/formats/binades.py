@@ -107,7 +107,7 @@ def native_tables(spec, rounding: str, saturate: bool = True,
 
 
 def _taper_description(lay, t) -> None:
-    """Fill ``t``'s arithmetic description of a symmetric tapered grid (see native.c's
+    """Fill ``t``'s arithmetic description of a symmetric tapered grid (see csrc/common.h's
     ``fmt_t``) where it reproduces ``step_log2`` for every field: the mantissa width at
     exponent E (clamped to the layout's binades) is the width at 0 less one per threshold
     reached by |E|."""
@@ -132,7 +132,7 @@ def _taper_description(lay, t) -> None:
 
 
 def _packed_codes(lay, t) -> None:
-    """Fill ``t.code_pack`` (see native.c's ``fmt_t``) where codes run consecutively within
+    """Fill ``t.code_pack`` (see csrc/common.h's ``fmt_t``) where codes run consecutively within
     each binade: the code of a grid magnitude with float32 exponent field f and significand M
     (implicit bit included) is then ``base[f] + (M >> shift[f])``, with ``shift = 23 + step - e``
     (M >> shift counts grid steps from 0) and ``base = code of the binade's first magnitude -

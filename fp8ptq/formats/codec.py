@@ -46,9 +46,10 @@ def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None =
     return _elementwise_chunks(_quantize_dense, x, spec, torch.float32, kw)
 
 
-def _native(x, spec, out_kind, kw, scale=None) -> torch.Tensor | None:
+def _native(x, spec, out_kind, kw, scale=None, out=None) -> torch.Tensor | None:
     """The C kernel's result (same bits as the torch path), or None where it does not apply.
-    ``scale``: float32 [1, 1], [rows, 1] or [1, cols] (``_row_scales``)."""
+    ``scale``: float32 [1, 1], [rows, 1] or [1, cols] (``_row_scales``); ``out``: a checked
+    buffer to write it into (``_out_buffer``)."""
     if not native.supports(x):
         return None
     rounding = kw.get("rounding") or spec.rounding
@@ -62,7 +63,7 @@ def _native(x, spec, out_kind, kw, scale=None) -> torch.Tensor | None:
             return None
     per_row = scale is not None and scale.shape[0] > 1
     per_col = scale is not None and scale.shape[0] == 1 and scale.shape[1] > 1
-    return native.quantize(tables, x, out_kind, scale, per_row, per_col, rand)
+    return native.quantize(tables, x, out_kind, scale, per_row, per_col, rand, into=out)
 
 
 def _elementwise_chunks(fn, x, spec, out_dtype, kw):
@@ -152,14 +153,35 @@ def _quantize_int(x, spec, rounding, generator):
     return q.clamp_(-qmax, qmax).nan_to_num_(0.0)
 
 
-def encode(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
-    """Quantize ``x`` (already divided by its scale) and return the codes as uint8."""
+def encode(x: torch.Tensor, spec: FormatSpec, *, out: torch.Tensor | None = None,
+           **kwargs) -> torch.Tensor:
+    """Quantize ``x`` (already divided by its scale) and return the codes as uint8.
+
+    ``out``: a uint8 tensor of ``x``'s shape to write the codes into (and return), as torch's
+    ``out=``: repeated calls then reuse one buffer instead of faulting in fresh pages, which on
+    a CPU costs about as much as the codec itself for a 64 MB output."""
+    out = _out_buffer(out, x, torch.uint8)
     rounding = kwargs.get("rounding") or spec.rounding
     kw = dict(kwargs, rounding=rounding)
-    out = _native(x, spec, native.OUT_CODES, kw)
-    if out is not None:
-        return out
-    return _elementwise_chunks(_encode_dense, x, spec, torch.uint8, kw)
+    got = _native(x, spec, native.OUT_CODES, kw, out=out)
+    if got is not None:
+        return got
+    return _into(out, _elementwise_chunks(_encode_dense, x, spec, torch.uint8, kw))
+
+
+def _out_buffer(out: torch.Tensor | None, x: torch.Tensor, dtype: torch.dtype
+                ) -> torch.Tensor | None:
+    """``out`` checked against the result it must hold: ``x``'s shape and device, ``dtype``."""
+    if out is not None and (out.shape != x.shape or out.dtype != dtype or
+                            out.device != x.device):
+        raise ValueError(f"out= must be a {dtype} tensor of shape {tuple(x.shape)} on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """The torch path's ``result``, copied into ``out`` where one was given."""
+    return result if out is None else out.copy_(result)
 
 
 def _encode_dense(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
@@ -253,14 +275,22 @@ def encode_scaled(x: torch.Tensor, scale, spec: FormatSpec) -> torch.Tensor:
     return encode(x.float() / scale, spec)
 
 
-def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, **kwargs) -> torch.Tensor:
-    """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``."""
+def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, *,
+                  out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``.
+    ``out``: a tensor like ``x`` to write the result into (and return; see ``encode``)."""
+    out = _out_buffer(out, x, x.dtype)
     rows = _row_scales(x, scale)
     if rows is not None and (not torch.is_tensor(scale) or scale.dtype == torch.float32 or
                              scale.dim() == 0):  # else the torch path divides in float64
-        out = _native(x, spec, native.OUT_SAME, kwargs, rows)
-        if out is not None:
-            return out
+        got = _native(x, spec, native.OUT_SAME, kwargs, rows, out)
+        if got is not None:
+            return got
+    return _into(out, _fake_quantize_torch(x, scale, spec, rows, kwargs))
+
+
+def _fake_quantize_torch(x, scale, spec, rows, kwargs) -> torch.Tensor:
+    """``fake_quantize`` in torch operations (GPUs, autograd, what the kernels do not take)."""
     if _native_fast_path(spec, kwargs):
         def rounder(y):
             return _bitwise_round(y, spec)

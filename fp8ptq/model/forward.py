@@ -38,26 +38,50 @@ def micro_batches(batch, tokens: int | None = None, multiple: int = 1) -> list:
     """``batch`` split along its first (sequence) dimension into pieces of whole sequences of
     about ``tokens`` tokens, each holding a multiple of ``multiple`` tokens (so every
     ``multiple``-th row of the pieces is every ``multiple``-th row of the batch); ``[batch]``
-    when it is small enough or cannot be split: anything but a plain dict of tensors that share
-    their first dimension (images, a block's recorded inputs). A piece's forward computes each
-    sequence as the whole batch's does (each sequence attends to itself only); the statistics
-    that add exactly (amax, histograms) are then the same bit for bit (tested)."""
+    when it is small enough or cannot be split.
+
+    ``batch`` is a mapping of keyword inputs whose first tensor sets the batch (``input_ids``
+    of a token batch; ``hidden_states`` of a block's recorded inputs in sequential mode, whose
+    other arguments are masks, positions and rotary tables). Each value is split when its first
+    dimension is the batch's, kept whole when it is 1 (broadcast over the batch, e.g. rotary
+    tables of shared positions) or not a tensor (``None``, flags); tuples and lists are split
+    element by element. Anything else (images, a tensor with another first dimension) is not
+    split. A piece's forward computes each sequence as the whole batch's does (each sequence
+    attends to itself only); the statistics that add exactly (amax, histograms) and a block's
+    outputs are then the same bit for bit (tested)."""
     tokens = MICRO_TOKENS if tokens is None else tokens
-    if type(batch) is not dict or not batch:
+    if not isinstance(batch, Mapping) or not batch:
         return [batch]
-    values = list(batch.values())
-    if not all(torch.is_tensor(v) and v.dim() >= 1 for v in values):
+    items = list(batch.items())
+    first = next((v for _, v in items if torch.is_tensor(v)), None)
+    if first is None or first.dim() < 1:
         return [batch]
-    n = values[0].shape[0]
-    if any(v.shape[0] != n for v in values):
+    n = first.shape[0]
+    if not all(_splittable(v, n) for _, v in items):
         return [batch]
-    seq = values[0].shape[1] if values[0].dim() > 1 else 1
+    seq = first.shape[1] if first.dim() > 1 else 1
     rows = max(1, tokens // max(1, seq))
     while rows < n and (rows * seq) % multiple:
         rows += 1
     if rows >= n:
         return [batch]
-    return [{k: v[i:i + rows] for k, v in batch.items()} for i in range(0, n, rows)]
+    return [{k: _piece(v, n, i, rows) for k, v in items} for i in range(0, n, rows)]
+
+
+def _splittable(value, n: int) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_splittable(v, n) for v in value)
+    if torch.is_tensor(value):
+        return value.dim() >= 1 and value.shape[0] in (n, 1)
+    return True
+
+
+def _piece(value, n: int, start: int, rows: int):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_piece(v, n, start, rows) for v in value)
+    if torch.is_tensor(value) and value.shape[0] == n and n > 1:
+        return value[start:start + rows]
+    return value
 
 
 def head_observed(model: nn.Module, modules: Iterable[nn.Module]) -> bool:

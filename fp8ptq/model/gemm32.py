@@ -1,5 +1,5 @@
-"""bf16 / fp16 GEMMs of calibration forwards computed in float32, on CPUs without native
-low-precision matrix instructions.
+"""bf16 / fp16 GEMMs of calibration and evaluation forwards computed in float32, on CPUs
+without native low-precision matrix instructions.
 
 Calibration runs the model in its ``--dtype`` (bf16 by default) so that every observer sees the
 activations the deployed model produces. On a CPU without AVX-512 BF16 / AMX (oneDNN's
@@ -22,6 +22,16 @@ each other. The extra memory (``extra_bytes``: the float32 input, one float32 we
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
 float32 activations of a calibration batch that ``fp8ptq.route``'s estimate counts (4 bytes x
 tokens x (6 hidden + 2 intermediate + vocabulary)).
+
+The same mode runs ``F.scaled_dot_product_attention`` on bf16 / fp16 CPU tensors in float32
+(``attention32``: query, key, value and a floating mask upcast, the output rounded back once):
+torch's CPU flash-attention kernel is also several times slower in bf16 than in float32 here,
+and it was a fifth of a bf16 SmolLM2 forward at context 2048 once the linear layers ran in
+float32. Evaluation (``fp8ptq.evals.run_tasks``: every lm-eval forward, baseline or simulated
+quantized) runs under the mode as well as calibration; its log-likelihoods then differ from a
+pure-bf16 forward by the same rounding effect (a bf16 SmolLM2's word perplexity moved by
+0.04% on one WikiText article), never by more than that (``tests/test_gemm32.py`` bounds it on
+a tiny bf16 model).
 
 Where the CPU has native bf16 / fp16 GEMMs, or the tensors are on an accelerator, nothing
 changes. ``FP8PTQ_FLOAT32_GEMMS=0`` / ``1`` turns it off / forces it (tests force it).
@@ -84,6 +94,20 @@ def linear32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
+def attention32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` computed in float32, rounded to ``query.dtype``
+    (a floating ``attn_mask`` is upcast too; a boolean one is used as it is)."""
+    args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+    mask = kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        kwargs = {**kwargs, "attn_mask": mask.float()}
+    out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), *args,
+                                         **kwargs)
+    return out.to(query.dtype)
+
+
 def extra_bytes(tokens: int, in_features: int, out_features: int) -> int:
     """Memory ``linear32`` holds beyond the bf16 output: the float32 input, one float32 weight
     chunk and one float32 output chunk."""
@@ -104,6 +128,10 @@ class _Float32Linear(TorchFunctionMode):
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if _applies(x, w, b) and wanted(x.dtype, self.force):
                 return linear32(x, w, b)
+        elif func is F.scaled_dot_product_attention and len(args) >= 3:
+            q, k, v = args[:3]
+            if _attention_applies(q, k, v, args[3:], kwargs) and wanted(q.dtype, self.force):
+                return attention32(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -115,9 +143,18 @@ def _applies(x, w, b) -> bool:
             and not torch.is_grad_enabled() and x.numel() > 0)  # no autograd through it
 
 
+def _attention_applies(q, k, v, rest, kwargs) -> bool:
+    tensors = (q, k, v)
+    dropout = rest[1] if len(rest) > 1 else kwargs.get("dropout_p", 0.0)
+    return (all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors)
+            and q.dtype in _LOW and k.dtype == q.dtype and v.dtype == q.dtype
+            and not dropout and not torch.is_grad_enabled() and q.numel() > 0)
+
+
 @contextmanager
 def float32_gemms(force: bool | None = None):
-    """Within the block, bf16 / fp16 ``F.linear`` on the CPU runs in float32 where the CPU lacks
+    """Within the block, bf16 / fp16 ``F.linear`` and ``F.scaled_dot_product_attention`` on
+    the CPU run in float32 where the CPU lacks
     a fast kernel for it (``force``: True / False overrides the check). Re-entrant: an inner
     use inside an outer one adds nothing."""
     if getattr(_active, "on", False):
@@ -131,5 +168,5 @@ def float32_gemms(force: bool | None = None):
         _active.on = False
 
 
-__all__ = ["CHUNK_BYTES", "extra_bytes", "float32_gemms", "linear32", "rows_per_chunk",
-           "wanted"]
+__all__ = ["CHUNK_BYTES", "attention32", "extra_bytes", "float32_gemms", "linear32",
+           "rows_per_chunk", "wanted"]

@@ -1,0 +1,161 @@
+/* The codecs: quantize to a format's grid, encode to codes, fake-quantize, over a whole tensor
+ * (codec.quantize_values / encode / fake_quantize). */
+
+#include "common.h"
+#include "scalar.h"
+#include "vec.h"
+
+static void run_range(const job_t *j, int64_t lo, int64_t hi) {
+    const fmt_t *f = j->fmt;
+    int sr2 = j->src_dtype != DT_F32 && j->scale == NULL;
+    for (int64_t i = lo; i < hi; i++) {
+        float x = load(j->src, j->src_dtype, i);
+        float s = 1.0f;
+        if (j->scale) s = j->scale[j->scale_per_row ? i / j->cols : j->scale_per_col ? i % j->cols : 0];
+        float y = j->scale ? x / s : x;
+        float q;
+        if (f->is_int) {
+            q = quantize_int(f, y);
+        } else {
+            uint32_t low16 = sr2 ? ((const uint16_t *)j->src)[i] : 0u;
+            q = quantize_float(f, y, j->rand ? j->rand[i] : 0.0f, low16, sr2);
+        }
+        if (j->out_kind == OUT_CODES) {
+            ((uint8_t *)j->dst)[i] = code_of(f, q);
+        } else if (j->out_kind == OUT_VALUES) {
+            ((float *)j->dst)[i] = q;
+        } else {
+            float v = j->scale ? q * s : q;
+            if (j->src_dtype == DT_BF16) ((uint16_t *)j->dst)[i] = f2bf(v);
+            else if (j->src_dtype == DT_F16) ((uint16_t *)j->dst)[i] = f2h(v);
+            else ((float *)j->dst)[i] = v;
+        }
+    }
+}
+
+
+/* Elements [lo, hi) of one row (one scale ``s``; ``scaled`` = 0 means no scale). Always
+ * inlined into one function per (kind, source dtype, output, rounding) below, so that the
+ * branches on them are resolved at compile time and the loop body is straight vector code. */
+static inline __attribute__((always_inline)) void
+fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, const int kind,
+          const int dtype, const int out_kind, const int rounding) {
+    const fmt_t *f = j->fmt;
+    int64_t k = lo;
+    for (; k + 8 <= hi; k += 8) {
+        v8f x = vload(j->src, dtype, k);
+        v8f y = scaled ? x / s : x;
+        v8f q = vquantize(f, y, kind, rounding);
+        if (out_kind == OUT_CODES) {
+            v8b c = narrow8(vcode(f, q, kind));
+            memcpy((uint8_t *)j->dst + k, &c, sizeof c);
+        } else {
+            v8f v = scaled ? q * s : q;
+            if (dtype == DT_BF16) {
+                v8h h = narrow16(vbf16_bits(v));
+                memcpy((uint16_t *)j->dst + k, &h, sizeof h);
+            } else {
+                memcpy((float *)j->dst + k, &v, sizeof v);
+            }
+        }
+    }
+    for (; k < hi; k++) {  /* the tail, one element at a time (same operations) */
+        float y = load(j->src, dtype, k);
+        y = scaled ? y / s : y;
+        float q = kind == K_INT ? quantize_int(f, y) : quantize_float(f, y, 0.0f, 0u, 0);
+        if (out_kind == OUT_CODES) ((uint8_t *)j->dst)[k] = code_of(f, q);
+        else if (dtype == DT_BF16) ((uint16_t *)j->dst)[k] = f2bf(scaled ? q * s : q);
+        else ((float *)j->dst)[k] = scaled ? q * s : q;
+    }
+}
+
+static inline __attribute__((always_inline)) void
+fast_range(const job_t *jp, int64_t lo, int64_t hi, const int kind, const int dtype,
+           const int out_kind, const int rounding) {
+    /* Private copies of the job and the format: the output is written through a uint8_t /
+     * uint16_t pointer, which C lets alias anything, so with the caller's structs the compiler
+     * reloads every format field after each store; nothing can point into these locals. */
+    fmt_t fmt = *jp->fmt;
+    job_t job = *jp;
+    job.fmt = &fmt;
+    const job_t *j = &job;
+    if (!j->scale) {
+        fast_span(j, lo, hi, 1.0f, 0, kind, dtype, out_kind, rounding);
+        return;
+    }
+    if (!j->scale_per_row) {
+        fast_span(j, lo, hi, j->scale[0], 1, kind, dtype, out_kind, rounding);
+        return;
+    }
+    for (int64_t i = lo; i < hi;) {
+        int64_t r = i / j->cols, end = (r + 1) * j->cols < hi ? (r + 1) * j->cols : hi;
+        fast_span(j, i, end, j->scale[r], 1, kind, dtype, out_kind, rounding);
+        i = end;
+    }
+}
+
+typedef void (*range_fn)(const job_t *, int64_t, int64_t);
+
+#define FAST(K, DT, OUT, RND)                                                                  \
+    static void fast_##K##_##DT##_##OUT##_##RND(const job_t *j, int64_t lo, int64_t hi) {     \
+        fast_range(j, lo, hi, K, DT, OUT, RND);                                                \
+    }
+#define FAST_ROUNDINGS(K, DT, OUT) FAST(K, DT, OUT, R_NEAREST_EVEN) FAST(K, DT, OUT, R_HALF_AWAY)
+#define FAST_OUTS(K, DT) FAST_ROUNDINGS(K, DT, OUT_SAME) FAST_ROUNDINGS(K, DT, OUT_CODES)
+#define FAST_DTYPES(K) FAST_OUTS(K, DT_F32) FAST_OUTS(K, DT_BF16)
+FAST_DTYPES(K_LINEAR)
+FAST_DTYPES(K_TABLE)
+FAST_DTYPES(K_INT)
+
+#define ENTRY(K, DT, OUT, RND) fast_##K##_##DT##_##OUT##_##RND
+#define ENTRIES_R(K, DT, OUT) {ENTRY(K, DT, OUT, R_NEAREST_EVEN), ENTRY(K, DT, OUT, R_HALF_AWAY)}
+#define ENTRIES_O(K, DT) {ENTRIES_R(K, DT, OUT_SAME), ENTRIES_R(K, DT, OUT_CODES)}
+#define ENTRIES_D(K) {ENTRIES_O(K, DT_F32), ENTRIES_O(K, DT_BF16)}
+static const range_fn FAST_FNS[3][2][2][2] = {ENTRIES_D(K_LINEAR), ENTRIES_D(K_TABLE),
+                                              ENTRIES_D(K_INT)};
+
+static range_fn pick(const job_t *j) {
+    const fmt_t *f = j->fmt;
+    if (f->nan_to_zero || j->scale_per_col || j->out_kind == OUT_VALUES) return run_range;
+    if (f->rounding != R_NEAREST_EVEN && f->rounding != R_HALF_AWAY) return run_range;
+    if (j->src_dtype != DT_F32 && j->src_dtype != DT_BF16) return run_range;
+    if (j->out_kind == OUT_SAME && !j->scale) return run_range;
+    int kind = f->is_int ? K_INT : f->linear ? K_LINEAR : K_TABLE;
+    return FAST_FNS[kind][j->src_dtype == DT_BF16][j->out_kind == OUT_CODES]
+                   [f->rounding == R_HALF_AWAY];
+}
+
+typedef struct {
+    const job_t *job;
+    range_fn fn;
+    int64_t lo, hi;
+} part_t;
+
+static void *run_part(void *arg) {
+    part_t *p = (part_t *)arg;
+    p->fn(p->job, p->lo, p->hi);
+    return NULL;
+}
+
+/* Run ``fn`` over [0, n) on up to ``nthreads`` threads (split at multiples of ``align``). */
+static void parallel(const job_t *j, range_fn fn, int64_t n, int nthreads, int64_t align) {
+    int t = thread_count(n, nthreads);
+    part_t parts[MAX_THREADS];
+    int64_t per = (n + t - 1) / t;
+    per = (per + align - 1) / align * align;
+    for (int k = 0; k < t; k++) {
+        int64_t lo = k * per, hi = lo + per < n ? lo + per : n;
+        parts[k] = (part_t){j, fn, lo < n ? lo : n, hi};
+    }
+    fork_join(run_part, parts, sizeof parts[0], t);
+}
+
+/* Quantize ``n`` elements: out_kind 0 = float32 grid values (quantize_values), 1 = fake-quantized
+ * values in the source dtype (fake_quantize), 2 = uint8 codes (encode). */
+void fp8ptq_quantize(const fmt_t *fmt, const void *src, int32_t src_dtype, void *dst,
+                     int32_t out_kind, const float *scale, int32_t per_row, int32_t per_col,
+                     const float *rand, int64_t n, int64_t cols, int32_t nthreads) {
+    job_t j = {src, src_dtype, dst, out_kind, scale, per_row, per_col, rand, n,
+               cols > 0 ? cols : 1, fmt};
+    parallel(&j, pick(&j), n, nthreads, 16);
+}
