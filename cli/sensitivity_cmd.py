@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fp8ptq import job
+from fp8ptq import job, route
 from fp8ptq import sensitivity as sens
 from fp8ptq.atomic import check_writable, write_text
 from fp8ptq.data import FILE_SUFFIXES, load_texts
@@ -22,6 +22,8 @@ from fp8ptq.loading import check_model_spec
 from fp8ptq.numbers import fmt_num
 from fp8ptq.pipeline import token_batches
 from fp8ptq.placement import materialize_offloaded
+from fp8ptq.sensitivity.stream import analyze_streamed
+from fp8ptq.sequential import calibration_from_folder
 from fp8ptq.usage import time_line, timed, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
@@ -92,13 +94,22 @@ def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
               help="PNG: SQNR heatmap (module x format) and the sensitivity ranking.")
 @click.option("--no-verify", is_flag=True,
               help="Skip the two check runs (every unit quantized; suggestion applied).")
+@click.option("--sequential", is_flag=True,
+              help="Stream the model block by block (--metric sqnr): one block's weights in "
+                   "memory at a time; the check runs need the whole model and are skipped. "
+                   "A plain --max-memory SIZE streams when the model does not fit in it.")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
 @loading_options
 @recipe_options
 def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eval_seq_len,
-            eval_batch_size, target_delta, top, json_path, plot_path, no_verify, device,
-            **flags):
+            eval_batch_size, target_delta, top, json_path, plot_path, no_verify, sequential,
+            device, **flags):
     """Quantize one module (or block) of MODEL at a time and rank the modules by the damage."""
+    budget = None  # a plain --max-memory SIZE: the process's budget (as on quantize)
+    if flags.get("device_map") is None:
+        budget = route.process_budget(flags.get("max_memory"))
+        if budget is not None:
+            flags["max_memory"] = None
     load_options = loading_from(flags)
     check_model_spec(model)
     formats = _format_list(fmt, "--format")
@@ -106,6 +117,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     recipe = build_recipe(flags, format=formats[0])
     sens.check_recipe(recipe)
     sens.parse_target(target_delta)
+    streamed = _streamed(model, recipe, metric, sequential, budget)
     for name, value in (("--top", top), ("--eval-batch-size", eval_batch_size)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
@@ -120,6 +132,19 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
         console = Console(width=160)
 
     prep: dict[str, float] = {}
+    if streamed is not None:
+        with timed(prep, "tokenize"):
+            _, calib, batches = calibration_from_folder(streamed.folder, recipe,
+                                                        job.calibration_texts(recipe))
+        with progress_bars() as bars:
+            result, _ = analyze_streamed(
+                streamed.folder, recipe, batches, formats=formats, stat_formats=stat_formats,
+                level=level, target=target_delta,
+                activation_budget=streamed.activation_budget or 1 << 30,
+                progress=lambda description, total: bars.counter(description)(total))
+        result.warnings.insert(0, f"{streamed.path}: {streamed.reason}")
+        _finish(result, prep, None, recipe, model, calib, json_path, plot_path, console, top)
+        return
     with progress_bars() as bars:
         with bars.step(f"loading {model}"), timed(prep, "load"):
             loaded = job.load(model, recipe, device=device, **load_options)
@@ -136,9 +161,34 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
             level=level, metric=metric, eval_ids=None if windows is None else windows.input_ids,
             eval_batch_size=eval_batch_size, target=target_delta, verify=not no_verify,
             progress=lambda description, total: bars.counter(description)(total))
-    result.seconds = {**prep, **result.seconds}
-    if windows is not None:
-        result.eval.update(source=eval_spec, sha256=windows.sha256)
+    _finish(result, prep, windows and (eval_spec, windows.sha256), recipe, model, calib,
+            json_path, plot_path, console, top)
+
+
+def _streamed(model: str, recipe, metric: str, sequential: bool, budget: int | None):
+    """The route's selection when the analysis streams block by block (``--sequential``, or
+    a plain ``--max-memory SIZE`` the model does not fit in), else None; a ``UsageError``
+    when the metric needs the whole model."""
+    if not sequential and budget is None:
+        return None
+    if budget is None:
+        chosen = route.choose(model, recipe, sequential=True)
+    else:
+        chosen = route.by_budget(model, recipe, budget, forced_sequential=sequential)
+        if chosen.path == "in-memory":
+            return None
+    if metric == "ppl":
+        raise UsageError("--metric ppl runs the whole model once per unit and cannot stream "
+                         "block by block; use --metric sqnr (it streams: --sequential, or "
+                         "--max-memory SIZE), or --device-map to offload")
+    return chosen
+
+
+def _finish(result, prep, eval_source, recipe, model, calib, json_path, plot_path, console,
+            top) -> None:
+    result.seconds = {**(prep or {}), **result.seconds}
+    if eval_source is not None:
+        result.eval.update(source=eval_source[0], sha256=eval_source[1])
     flags_ = sens.quantize_flags(recipe, result.suggestion)
     command_line = shlex.join(["fp8ptq", "quantize", model, *flags_, "--output", "OUT"])
     if json_path:

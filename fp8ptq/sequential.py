@@ -328,6 +328,22 @@ def write_sequential(folder: str | Path, recipe: Recipe, batches: list | None, o
     return result, sizes
 
 
+def calibration_from_folder(folder: str | Path, recipe: Recipe, texts):
+    """(tokenizer, calibration windows, token batches) for the safetensors checkpoint in
+    ``folder`` without loading its weights: the streamed paths' data (None, None for
+    ``texts`` None)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
+    tokenizer = load_tokenizer(str(folder), folder)
+    if texts is None:
+        return tokenizer, None, None
+    calib = build_calibration_set(texts, tokenizer, num_samples=recipe.num_samples,
+                                  seq_len=recipe.seq_len, seed=recipe.seed,
+                                  source=resolve_calib_spec(recipe.calib_data))
+    return tokenizer, calib, list(token_batches(calib.input_ids, recipe.batch_size))
+
+
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
                     output=None, force: bool = False, close_kwargs=None,
@@ -337,15 +353,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
     LoadedModel stand-in, calib, sizes)."""
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"--sequential reads a local safetensors folder; {folder} is not one")
-    tokenizer = load_tokenizer(str(folder), folder)
-    calib = None
-    if texts is not None:
-        calib = build_calibration_set(texts, tokenizer, num_samples=recipe.num_samples,
-                                      seq_len=recipe.seq_len, seed=recipe.seed,
-                                      source=resolve_calib_spec(recipe.calib_data))
-    batches = list(token_batches(calib.input_ids, recipe.batch_size)) if calib else None
+    tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
                    spill_dir=spill_dir, progress=progress)
     if output is None:

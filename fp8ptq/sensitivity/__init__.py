@@ -25,7 +25,9 @@ width 1/32, so the moments are within about 0.1%):
 
 The package: ``units`` (grouping GEMMs into units), ``statistics`` (weight / input summaries,
 per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), ``suggest``
-(the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``report`` (the
+(the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
+(``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
+memory; imported from its module, since it builds on ``fp8ptq.sequential``), ``report`` (the
 result, its JSON and plot).
 """
 

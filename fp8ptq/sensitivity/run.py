@@ -18,7 +18,7 @@ from ..hessian import HessianCollector
 from ..lm_probes import LogitsProbe, PerplexityProbe
 from ..model.gemm import kind, weight_2d
 from ..pipeline import collect_stats, plan_targets
-from ..plan import SAMPLE_BATCHES
+from ..plan import SAMPLE_BATCHES, QuantPlan
 from ..recipe import Recipe
 from .report import Measure, SensitivityResult, UnitResult
 from .statistics import FormatStats, ModuleStats, _db, _nsr, summarize_input, summarize_weight
@@ -82,13 +82,15 @@ class Session:
                         for t in targets}
         self._plans: dict[str, FormatPlan] = {}
 
-    def plan(self, fmt: str, recipe: Recipe | None = None) -> FormatPlan:
+    def plan(self, fmt: str, recipe: Recipe | None = None,
+             part: QuantPlan | None = None) -> FormatPlan:
         """The plan of format ``fmt`` over the session's recipe, or (``recipe`` given) of that
-        recipe, cached under the name ``fmt``."""
+        recipe, cached under the name ``fmt``; ``part``: that plan made already (a streamed
+        analysis: one block's part of the whole model's plan)."""
         if fmt not in self._plans:
             self._plans[fmt] = format_plan(self.model, recipe or self.recipe,
                                            None if recipe is not None else fmt, self.collector,
-                                           self.batches)
+                                           self.batches, plan=part)
         return self._plans[fmt]
 
     @contextmanager
@@ -152,12 +154,7 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
         raise UsageError("metric ppl needs evaluation token windows (--eval-data)")
     if not batches:
         raise DataError("sensitivity needs calibration data")
-    check_recipe(recipe)
-    parse_target(target)  # a bad target fails before the long work
-    formats = list(dict.fromkeys(get_format(f).name for f in formats))
-    if not formats:
-        raise UsageError("no format to measure (--format)")
-    stat_formats = list(dict.fromkeys([*formats, *(get_format(f).name for f in stat_formats)]))
+    formats, stat_formats = check_request(recipe, target, formats, stat_formats)
     primary = formats[0]
     targets, _ = plan_targets(model, format_recipe(recipe, primary))
     if not targets:
@@ -186,7 +183,7 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
             results[name].results[fmt] = m
         times[f"format {fmt}"] = time.perf_counter() - t0
 
-    ranked = sorted(results.values(), key=lambda r: -_unnan(r.results[primary].delta))
+    ranked = rank(results.values(), primary)
     t0 = time.perf_counter()
     checks, scale = {}, 1.0
     if verify:
@@ -199,10 +196,7 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
         total = sum(_cost(r.results[primary].delta) for r in ranked)
         if metric == "sqnr" and total > 0:
             scale = checks["all_quantized"]["nsr"] / total
-    suggestion = suggest({r.name: {f: m.delta * scale for f, m in r.results.items()}
-                          for r in ranked}, {r.name: r.pattern for r in ranked}, primary,
-                         target, target_value(target, metric, baseline))
-    suggestion.delta_scale = scale
+    suggestion = suggest_for(ranked, primary, target, metric, baseline, scale)
     if verify:
         kept = {u.name: suggestion.overrides.get(u.pattern, primary) for u in ranked
                 if u.pattern not in suggestion.skip}
@@ -211,12 +205,44 @@ def analyze(model: nn.Module, recipe: Recipe, batches: list, *, formats=("e4m3",
     times["total"] = time.perf_counter() - t_start
     note = (f"proxy: perplexity of {eval_facts['tokens']} tokens ({eval_facts['windows']} x "
             f"{eval_facts['seq_len']}) via model(input_ids, labels=input_ids); rank with it, "
-            "report with `fp8ptq eval`" if metric == "ppl" else
-            "proxy: SQNR of each GEMM's output on sampled calibration rows; delta = output noise "
-            "/ signal power")
+            "report with `fp8ptq eval`" if metric == "ppl" else SQNR_NOTE)
     modules = list(session.modules.values())
-    warnings += [f"{m.name} ({fmt}): {w}" for m in modules for fmt, st in m.formats.items()
-                 for w in st.warnings]
     return SensitivityResult(level, metric, note, formats, stat_formats, baseline, ranked,
                              modules, suggestion, checks, eval_facts, times,
-                             list(dict.fromkeys(warnings)))
+                             with_module_warnings(warnings, modules))
+
+
+SQNR_NOTE = ("proxy: SQNR of each GEMM's output on sampled calibration rows; delta = output "
+             "noise / signal power")
+
+
+def check_request(recipe: Recipe, target: str, formats, stat_formats
+                  ) -> tuple[list[str], list[str]]:
+    """The recipe, target and formats checked before the long work: (measured formats, the
+    formats whose statistics are reported, the measured ones first)."""
+    check_recipe(recipe)
+    parse_target(target)
+    formats = list(dict.fromkeys(get_format(f).name for f in formats))
+    if not formats:
+        raise UsageError("no format to measure (--format)")
+    return formats, list(dict.fromkeys([*formats, *(get_format(f).name for f in stat_formats)]))
+
+
+def rank(results, primary: str) -> list[UnitResult]:
+    """Most sensitive unit first (the primary format's delta)."""
+    return sorted(results, key=lambda r: -_unnan(r.results[primary].delta))
+
+
+def suggest_for(ranked: list[UnitResult], primary: str, target: str, metric: str, baseline,
+                scale: float = 1.0):
+    suggestion = suggest({r.name: {f: m.delta * scale for f, m in r.results.items()}
+                          for r in ranked}, {r.name: r.pattern for r in ranked}, primary,
+                         target, target_value(target, metric, baseline))
+    suggestion.delta_scale = scale
+    return suggestion
+
+
+def with_module_warnings(warnings: list[str], modules: list[ModuleStats]) -> list[str]:
+    return list(dict.fromkeys([*warnings, *(f"{m.name} ({fmt}): {w}" for m in modules
+                                            for fmt, st in m.formats.items()
+                                            for w in st.warnings)]))

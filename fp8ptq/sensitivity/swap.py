@@ -14,7 +14,7 @@ from ..calibrators.layerwise import choose_layerwise
 from ..hessian import HessianCollector
 from ..model.gemm import set_submodule, weight_2d
 from ..pipeline import quantize_target, target_granularity
-from ..plan import SAMPLE_BATCHES, build_plan, reads_data
+from ..plan import SAMPLE_BATCHES, QuantPlan, build_plan, reads_data
 from ..recipe import Recipe
 from ..scales import sqnr_db
 from .statistics import FormatStats, _db, _nsr
@@ -38,10 +38,13 @@ def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
                           act_format="none" if recipe.act_format == "none" else None)
 
 
-def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches) -> FormatPlan:
+def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches,
+                plan: QuantPlan | None = None) -> FormatPlan:
     """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
-    with its calibrators built and any layer-aware choice made once."""
-    plan = build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
+    with its calibrators built and any layer-aware choice made once. ``plan``: that plan made
+    already (streamed analysis: one block's part of the whole model's plan)."""
+    if plan is None:
+        plan = build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
     gran, w_calib = plan.weight_granularity(), plan.weight_calibrator()
     chosen = {}
     if plan.facts.layer_aware and plan.facts.static_inputs:
