@@ -65,7 +65,7 @@ def run_tasks(
         try:
             # bf16 / fp16 GEMMs and attention in float32 on CPUs without fast kernels for them
             # (fp8ptq.model.gemm32): several times faster, same values up to one rounding
-            with float32_logits(model), float32_gemms():
+            with float32_logits(model), float32_gemms(model=model):
                 outcome = _run_one(task, model, tokenizer, lm, data, limit, batch_size, seq_len,
                                    task_manager)
         except ConnectionError as exc:  # a hub data set while offline

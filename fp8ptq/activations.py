@@ -90,7 +90,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
 
     handle = block.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with torch.inference_mode(), float32_gemms():
+        with torch.inference_mode(), float32_gemms(model=model):
             for i in (range(len(batches)) if indices is None else sorted(indices)):
                 current[0], batch = i, batches[i]
                 try:
@@ -110,7 +110,7 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
     batch's bit for bit); True when the block returns a tuple (transformers' older layer
     convention), which stand-ins must mimic."""
     tupled = False
-    with torch.inference_mode(), float32_gemms():
+    with torch.inference_mode(), float32_gemms(model=block):
         for i, kw in enumerate(kwargs_list):
             if kw is None:
                 continue

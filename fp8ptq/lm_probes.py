@@ -79,7 +79,7 @@ class PerplexityProbe:
 
     def _run(self) -> float:
         total, count = 0.0, 0
-        with torch.inference_mode(), float32_gemms():
+        with torch.inference_mode(), float32_gemms(model=self.model):
             for b, ids in enumerate(self.batches):
                 self._batch = b
                 try:
@@ -154,7 +154,7 @@ class LogitsProbe:
         self.ref = None
 
     def _logits(self):
-        with torch.inference_mode(), float32_gemms():
+        with torch.inference_mode(), float32_gemms(model=self.model):
             out = self.model(input_ids=self.ids)
         logits = out.logits if hasattr(out, "logits") else out[0]
         return logits.float()

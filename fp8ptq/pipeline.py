@@ -108,7 +108,7 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     split = hessians is None or not hessians.modules
     with collector.observing(), experts.observing() if experts else nullcontext(), \
             hessians.observing() if hessians else nullcontext(), torch.inference_mode(), \
-            float32_gemms():
+            float32_gemms(model=model):
         try:
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
@@ -143,7 +143,7 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
     (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
     float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``)."""
-    with float32_gemms():
+    with float32_gemms(model=model):
         return _quantize_model(model, recipe, batches, progress, plan)
 
 

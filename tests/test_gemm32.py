@@ -181,3 +181,17 @@ def test_attention_runs_in_float32_under_the_mode(masked, monkeypatch):
             assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)
     with float32_gemms(force=True):  # autograd: torch's kernel
         assert torch.equal(F.scaled_dot_product_attention(q, k, v, **kw), bf16)
+
+
+@pytest.mark.parametrize("dtype, entered", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_model_that_never_upcasts_enters_no_mode(dtype, entered, monkeypatch):
+    """``float32_gemms(model=...)`` on a float32 model pushes no torch-function mode (every
+    torch call would pay its Python dispatch for nothing); on a bf16 one it does."""
+    monkeypatch.setenv("FP8PTQ_FLOAT32_GEMMS", "1")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(dtype)
+    stack = torch.overrides._get_current_function_mode_stack
+    before = len(stack())
+    with float32_gemms(model=model):
+        assert len(stack()) - before == int(entered)
+    assert len(stack()) == before
+    assert gemm32.float_dtype(model) == dtype
