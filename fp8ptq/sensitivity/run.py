@@ -112,7 +112,7 @@ class Session:
             for s, st in zip(swaps, stats):
                 self.modules[s.name].formats[fmt] = st
             if metric is not None:
-                measures[u.name] = _measure(metric, value, baseline, stats)
+                measures[u.name] = unit_measure(metric, value, baseline, stats)
             tick()
         return measures
 
@@ -132,7 +132,7 @@ class Session:
         return {"logits_sqnr_db": value, "nsr": _nsr(value)}
 
 
-def _measure(metric: str, value, baseline, stats: list[FormatStats]) -> Measure:
+def unit_measure(metric: str, value, baseline, stats: list[FormatStats]) -> Measure:
     if metric == "ppl":
         if value is None:
             return Measure(baseline, 0.0)

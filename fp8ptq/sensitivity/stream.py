@@ -38,10 +38,10 @@ from .report import SensitivityResult, UnitResult
 from .run import (
     SQNR_NOTE,
     Session,
-    _measure,
     check_request,
     rank,
     suggest_for,
+    unit_measure,
     with_module_warnings,
 )
 from .swap import format_recipe
@@ -110,7 +110,7 @@ def analyze_streamed(folder: str | Path, recipe: Recipe, batches: list, *,
     for u in units:
         r = UnitResult(u.name, u.modules, u.pattern, u.layer)
         for fmt in formats:
-            r.results[fmt] = _measure("sqnr", None, None,
+            r.results[fmt] = unit_measure("sqnr", None, None,
                                       [modules[n].formats[fmt] for n in u.modules])
         results.append(r)
     ranked = rank(results, primary)
