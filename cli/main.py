@@ -20,6 +20,7 @@ import click
 
 from fp8ptq import __version__, distributed
 from fp8ptq.errors import Fp8ptqError, first_line
+from fp8ptq.usage import bound_heap
 
 # name -> (module of this package, attribute). A command's module is imported when that command
 # runs (click's documented "lazily loading subcommands" pattern), not all five at start-up:
@@ -158,5 +159,6 @@ def _fail(message: str, code: int):
               help="Show full tracebacks instead of one error line (also FP8PTQ_DEBUG=1).")
 def main(verbose, debug):
     """FP8 post-training quantization of PyTorch / Hugging Face models."""
+    bound_heap()  # large tensors mapped and unmapped: see fp8ptq.usage.bound_heap
     if not verbose:
         quiet_libraries()

@@ -52,7 +52,7 @@ from .rotation import rotate_model
 from .scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from .smoothquant import apply_smoothquant
 from .taps import ActivationTaps
-from .usage import release_free_memory
+from .usage import bound_heap, release_free_memory
 from .weight_quant import choose_scale, quantize_weight
 
 # The plan's module entries (``fp8ptq.plan``) are what the pipeline quantizes; the old names stay.
@@ -142,7 +142,9 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
     (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
-    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``)."""
+    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``), with large
+    tensors mapped and unmapped (``fp8ptq.usage.bound_heap``)."""
+    bound_heap()
     with float32_gemms(model=model):
         return _quantize_model(model, recipe, batches, progress, plan)
 

@@ -43,7 +43,7 @@ from .pipeline import QuantizeResult, high_precision_report, quantize_model, tok
 from .plan import SAMPLE_BATCHES, QuantPlan, build_plan
 from .recipe import Recipe
 from .source import SafetensorsSource
-from .usage import release_free_memory
+from .usage import bound_heap, release_free_memory
 from .weights import WeightLoader, build_empty
 
 
@@ -84,7 +84,9 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     Without it (or on a rank other than 0 under torchrun, which writes nothing) the quantized
     blocks stay in ``result.model``, or are freed when ``open_writer`` is given on another
     rank. Under torchrun every rank streams the same blocks, runs its share of the batches,
-    and the statistics are reduced per block (inside ``quantize_model``)."""
+    and the statistics are reduced per block (inside ``quantize_model``). Large tensors are
+    mapped and unmapped (``fp8ptq.usage.bound_heap``)."""
+    bound_heap()
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import resource
 import sys
 import time
@@ -37,6 +38,35 @@ def _libc_trim():
 
 
 _TRIM = _libc_trim()
+
+# glibc ``mallopt`` parameter number (malloc.h) and the value fp8ptq's commands use.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 20
+
+
+def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Serve every allocation of ``threshold`` bytes or more (1 MiB) from its own ``mmap``, so
+    that freeing it hands its pages straight back to the kernel; True when it took effect.
+
+    glibc starts with a 128 KiB mmap threshold and raises it, up to 32 MiB, each time a mapped
+    block is freed. After the first few freed activation tensors of a calibration forward, the
+    1-30 MB tensors every later forward allocates come from the heap arenas instead (one per
+    torch thread), where freed blocks interleave with live ones and stay resident:
+    ``malloc_trim`` between batches (``release_free_memory``) cannot reach the peak that
+    builds inside one forward. Fixing the threshold (which also switches glibc's dynamic
+    adjustment off) measured on SmolLM2-135M, e4m3 static, 16 x 512 calibration tokens: peak
+    RSS 1108-1265 MiB with glibc's default, 838 MiB at 1 MiB, 837 MiB at 256 KiB, 1077 MiB at
+    4 MiB. A user's own ``MALLOC_MMAP_THRESHOLD_`` wins (then nothing is changed); a no-op off
+    glibc. Called by the ``fp8ptq`` command at start-up and by ``quantize_model`` /
+    ``quantize_sequential`` (idempotent)."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def release_free_memory() -> None:
@@ -72,4 +102,4 @@ def timed(seconds: dict[str, float], key: str):
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
-__all__ = ["peak_rss_mb", "release_free_memory", "time_line", "timed", "usage"]
+__all__ = ["bound_heap", "peak_rss_mb", "release_free_memory", "time_line", "timed", "usage"]
