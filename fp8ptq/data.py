@@ -206,7 +206,8 @@ def build_calibration_set(
 
     ``windows="random"``: at seeded random offsets (any token may come first).
     ``windows="documents"``: each window opens a seeded random document, after the token that
-    opens every evaluated sequence (BOS, else EOS: lm-eval's rolling log-likelihood prefix).
+    opens every sequence the model sees (``_start_ids``: the BOS or [CLS] the tokenizer adds,
+    else BOS, else EOS: lm-eval's rolling log-likelihood prefix).
     That is how a model meets text in evaluation and in use, and close to how llm-compressor
     calibrates (one tokenized document per sample; without a BOS when the tokenizer adds
     none, as SmolLM2's does not). The first position is the attention sink where massive
@@ -276,9 +277,13 @@ def _document_windows(corpus: torch.Tensor, doc_starts: list[int], prefix: list[
 
 
 def _start_ids(tokenizer) -> list[int]:
-    """The token every evaluated sequence opens with: BOS if the tokenizer has one, else EOS
-    (lm-eval's prefix for rolling log-likelihood, which ``fp8ptq eval`` follows when the
-    tokenizer does not add a BOS itself), else nothing."""
+    """The token every sequence the model sees opens with: the one its tokenizer puts first
+    when it encodes text (a BOS, BERT's [CLS]); else BOS if the tokenizer has one, else EOS
+    (lm-eval's prefix for rolling log-likelihood, which ``fp8ptq eval`` follows); else none."""
+    marked = tokenizer("a", verbose=False)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False, verbose=False)["input_ids"]
+    if marked and marked[:1] != plain[:1]:
+        return marked[:1]
     for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return [token_id]

@@ -318,3 +318,13 @@ def test_unknown_window_kind(corpus, word_tokenizer):
         build_calibration_set(corpus, word_tokenizer, num_samples=2, seq_len=8, windows="chunks")
     with pytest.raises(UsageError, match="calib_windows"):
         Recipe(calib_windows="chunks")
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="shared assets not present")
+def test_document_windows_of_an_encoder_open_with_cls():
+    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    docs = ["the quick brown fox jumps over the lazy dog " * 3] * 4
+    calib = build_calibration_set(docs, tokenizer, num_samples=2, seq_len=8, windows="documents")
+    assert calib.input_ids[:, 0].tolist() == [tokenizer.cls_token_id] * 2
+    assert calib.input_ids[0, 1:].tolist() == tokenizer(docs[0], add_special_tokens=False)[
+        "input_ids"][:7]
