@@ -72,7 +72,9 @@ class FormatTables(ctypes.Structure):
                 ("packed", ctypes.c_int32), ("code_pack", _i32x256),
                 ("tapered", ctypes.c_int32), ("taper_lo", ctypes.c_int32),
                 ("taper_hi", ctypes.c_int32), ("taper_w0", ctypes.c_int32),
-                ("taper_t", ctypes.c_int32 * 4)]
+                ("taper_t", ctypes.c_int32 * 4), ("code_lut", ctypes.c_void_p),
+                ("lut_shift", ctypes.c_int32), ("lut_sticky", ctypes.c_int32),
+                ("lut_nan", ctypes.c_int32 * 2)]
 
 
 build_seconds: float | None = None  # how long the first build took in this process (None: cached)

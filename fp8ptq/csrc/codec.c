@@ -45,6 +45,11 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
     for (; k + 8 <= hi; k += 8) {
         v8f x = vload(j->src, dtype, k);
         v8f y = scaled ? x / s : x;
+        if (kind == K_LUT) {
+            v8b c = vlut_codes(f, (v8u)y);
+            memcpy((uint8_t *)j->dst + k, &c, sizeof c);
+            continue;
+        }
         v8f q = vquantize(f, y, kind, rounding);
         if (out_kind == OUT_CODES) {
             v8b c = narrow8(vcode(f, q, kind));
@@ -62,6 +67,10 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
     for (; k < hi; k++) {  /* the tail, one element at a time (same operations) */
         float y = load(j->src, dtype, k);
         y = scaled ? y / s : y;
+        if (kind == K_LUT) {
+            ((uint8_t *)j->dst)[k] = lut_code(f, y);
+            continue;
+        }
         float q = kind == K_INT ? quantize_int(f, y) : quantize_float(f, y, 0.0f, 0u, 0);
         if (out_kind == OUT_CODES) ((uint8_t *)j->dst)[k] = code_of(f, q);
         else if (dtype == DT_BF16) ((uint16_t *)j->dst)[k] = f2bf(scaled ? q * s : q);
@@ -113,6 +122,11 @@ FAST_DTYPES(K_INT)
 #define ENTRIES_D(K) {ENTRIES_O(K, DT_F32), ENTRIES_O(K, DT_BF16)}
 static const range_fn FAST_FNS[3][2][2][2] = {ENTRIES_D(K_LINEAR), ENTRIES_D(K_TABLE),
                                               ENTRIES_D(K_INT)};
+/* codes by lookup: the table holds the rounding mode */
+FAST(K_LUT, DT_F32, OUT_CODES, R_NEAREST_EVEN)
+FAST(K_LUT, DT_BF16, OUT_CODES, R_NEAREST_EVEN)
+static const range_fn LUT_FNS[2] = {ENTRY(K_LUT, DT_F32, OUT_CODES, R_NEAREST_EVEN),
+                                    ENTRY(K_LUT, DT_BF16, OUT_CODES, R_NEAREST_EVEN)};
 
 static range_fn pick(const job_t *j) {
     const fmt_t *f = j->fmt;
@@ -120,6 +134,7 @@ static range_fn pick(const job_t *j) {
     if (f->rounding != R_NEAREST_EVEN && f->rounding != R_HALF_AWAY) return run_range;
     if (j->src_dtype != DT_F32 && j->src_dtype != DT_BF16) return run_range;
     if (j->out_kind == OUT_SAME && !j->scale) return run_range;
+    if (j->out_kind == OUT_CODES && f->code_lut) return LUT_FNS[j->src_dtype == DT_BF16];
     int kind = f->is_int ? K_INT : f->linear ? K_LINEAR : K_TABLE;
     return FAST_FNS[kind][j->src_dtype == DT_BF16][j->out_kind == OUT_CODES]
                    [f->rounding == R_HALF_AWAY];

@@ -64,6 +64,15 @@ typedef struct {
      * thresholds are 1 << 20). native.py sets ``tapered`` only when this reproduces step_log2
      * for all 256 fields; the loops then need no lookup to round. */
     int32_t tapered, taper_lo, taper_hi, taper_w0, taper_t[4];
+    /* Encoding by lookup (formats not IEEE-like: HiFloat8), where the rounding to the nearest
+     * grid point (half even or half away, saturating or not) is decided by the float32's top
+     * bits: sign, exponent, the widest binade's kept mantissa bits and the first dropped bit
+     * (``u >> lut_shift``), plus for half-even whether any lower bit is set (``lut_sticky``:
+     * key = top << 1 | any). ``code_lut[key]`` is then the code of every value with that key
+     * but NaN, which takes ``lut_nan[sign]``. native.py fills it from this kernel's own
+     * arithmetic path and checks every key (NULL: no table). */
+    const uint8_t *code_lut;
+    int32_t lut_shift, lut_sticky, lut_nan[2];
 } fmt_t;
 
 typedef struct {
