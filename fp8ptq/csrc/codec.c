@@ -11,7 +11,7 @@ static void run_range(const job_t *j, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) {
         float x = load(j->src, j->src_dtype, i);
         float s = 1.0f;
-        if (j->scale) s = j->scale[j->scale_per_row ? i / j->cols : j->scale_per_col ? i % j->cols : 0];
+        if (j->scale) s = scale_of(j, i);
         float y = j->scale ? x / s : x;
         float q;
         if (f->is_int) {
@@ -96,9 +96,14 @@ fast_range(const job_t *jp, int64_t lo, int64_t hi, const int kind, const int dt
         fast_span(j, lo, hi, j->scale[0], 1, kind, dtype, out_kind, rounding);
         return;
     }
+    /* one scale per row, or per group of a row: spans that end where the scale changes */
+    const int64_t width = j->group > 0 && j->group < j->cols ? j->group : j->cols;
     for (int64_t i = lo; i < hi;) {
-        int64_t r = i / j->cols, end = (r + 1) * j->cols < hi ? (r + 1) * j->cols : hi;
-        fast_span(j, i, end, j->scale[r], 1, kind, dtype, out_kind, rounding);
+        int64_t r = i / j->cols, c = i - r * j->cols;
+        int64_t end = r * j->cols + (c / width + 1) * width;
+        end = end < (r + 1) * j->cols ? end : (r + 1) * j->cols;
+        end = end < hi ? end : hi;
+        fast_span(j, i, end, scale_of(j, i), 1, kind, dtype, out_kind, rounding);
         i = end;
     }
 }
@@ -166,11 +171,13 @@ static void parallel(const job_t *j, range_fn fn, int64_t n, int nthreads, int64
 }
 
 /* Quantize ``n`` elements: out_kind 0 = float32 grid values (quantize_values), 1 = fake-quantized
- * values in the source dtype (fake_quantize), 2 = uint8 codes (encode). */
+ * values in the source dtype (fake_quantize), 2 = uint8 codes (encode). ``group`` > 0 with
+ * ``per_row``: one scale per ``group`` values of a row (job_t). */
 void fp8ptq_quantize(const fmt_t *fmt, const void *src, int32_t src_dtype, void *dst,
                      int32_t out_kind, const float *scale, int32_t per_row, int32_t per_col,
-                     const float *rand, int64_t n, int64_t cols, int32_t nthreads) {
+                     const float *rand, int64_t n, int64_t cols, int64_t group,
+                     int32_t nthreads) {
     job_t j = {src, src_dtype, dst, out_kind, scale, per_row, per_col, rand, n,
-               cols > 0 ? cols : 1, fmt};
+               cols > 0 ? cols : 1, fmt, group};
     parallel(&j, pick(&j), n, nthreads, 16);
 }

@@ -85,7 +85,19 @@ typedef struct {
     const float *rand;   /* uniforms for stochastic rounding, one per element */
     int64_t n, cols;
     const fmt_t *fmt;
+    /* > 0 with scale_per_row: one scale per ``group`` consecutive values of each row (the last
+     * group may be partial), scale[row * ceil(cols / group) + col / group] */
+    int64_t group;
 } job_t;
+
+/* The scale of element ``i`` of a job that has one */
+static inline float scale_of(const job_t *j, int64_t i) {
+    if (j->scale_per_row && j->group > 0) {
+        int64_t r = i / j->cols, groups = (j->cols + j->group - 1) / j->group;
+        return j->scale[r * groups + (i - r * j->cols) / j->group];
+    }
+    return j->scale[j->scale_per_row ? i / j->cols : j->scale_per_col ? i % j->cols : 0];
+}
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
