@@ -59,6 +59,13 @@ E4M3 = {
                                  gptq_sequential=True),
     "fp8-dynamic-gptq-seq-ao": dict(scheme="fp8-dynamic", weight_calib="gptq",
                                     gptq_sequential=True, gptq_act_order=True),
+    # samples that open a document after the BOS (llm-compressor's and the evaluation's way)
+    "fp8-dynamic-gptq-seq-ao-docs": dict(scheme="fp8-dynamic", weight_calib="gptq",
+                                         gptq_sequential=True, gptq_act_order=True,
+                                         calib_windows="documents"),
+    "w-only-gptq-seq-ao-docs": dict(act_format="none", weight_calib="gptq",
+                                    gptq_sequential=True, gptq_act_order=True,
+                                    calib_windows="documents"),
     "fp8-dynamic-gptq-seq-ao-mse": dict(scheme="fp8-dynamic", weight_calib="gptq-mse",
                                         gptq_sequential=True, gptq_act_order=True),
     "fp8-dynamic-gptq-seq-ao-damp1": dict(scheme="fp8-dynamic", weight_calib="gptq",
@@ -174,7 +181,7 @@ def main(argv=None) -> None:
                   num_samples=8 if args.quick else args.num_samples, seq_len=512,
                   dtype=args.dtype, format="e4m3", weight_granularity="channel",
                   act_granularity="tensor", weight_calib="max", act_calib="max",
-                  gptq_sequential=False)
+                  gptq_sequential=False, calib_windows="random")
     eval_kwargs = {"data": {m["task"]: str(assets / m["data"])}, "limit": limit,
                    "seq_len": m["seq_len"], "batch_size": None}
     names = [n for n in args.only.split(",") if n] if args.only is not None else list(E4M3)

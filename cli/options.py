@@ -9,7 +9,7 @@ from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from fp8ptq.placement import parse_placement
-from fp8ptq.recipe import Recipe
+from fp8ptq.recipe import CALIB_WINDOWS, Recipe
 from fp8ptq.schemes import scheme_names
 
 
@@ -30,6 +30,10 @@ _SPECS = [
     _opt("--num-samples", type=int, help="Calibration sequences [128]."),
     _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
     _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
+    _opt("--calib-windows", type=click.Choice(CALIB_WINDOWS),
+         help="How calibration samples are cut: 'random' offsets into the concatenated "
+              "documents, or 'documents' (each sample opens a document after the BOS, as "
+              "in evaluation and in llm-compressor) [random]."),
     _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
     _opt("--weight-format", help="Weight format when it differs from --format."),
     _opt("--act-format", help="Activation format when it differs from --format; 'none' = "
@@ -201,7 +205,8 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         scheme=kwargs.pop("scheme"), calib_data=kwargs.pop("calib_data"),
         text_field=kwargs.pop("text_field"),
         num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
-        seed=kwargs.pop("seed"), batch_size=kwargs.pop("calib_batch_size"),
+        seed=kwargs.pop("seed"), calib_windows=kwargs.pop("calib_windows"),
+        batch_size=kwargs.pop("calib_batch_size"),
         weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
         weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
         act_granularity=kwargs.pop("act_granularity"),

@@ -75,10 +75,13 @@ _db = partial(fmt_num, spec="{:.1f}", nan="nan")  # SQNR columns
                    "calibrated on].")
 @click.option("--target-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
               help="Held-out tokens --target-delta measures on (windows of 512).")
+@click.option("--target-verify-tokens", type=click.IntRange(min=0), default=16384,
+              show_default=True, help="Held-out tokens the final model is checked on again "
+              "(windows of 2048; 0: not).")
 @recipe_options
 def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate,
             model_free, target_delta, fallback_format, target_level, target_data, target_tokens,
-            **flags):
+            target_verify_tokens, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     budget = None  # a plain --max-memory SIZE: the process's budget (accelerate's CPU budget
@@ -89,7 +92,7 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
-                             target_tokens, sequential)
+                             target_tokens, sequential, target_verify_tokens)
     # Everything that can be checked without the model fails here, before a long load.
     if distributed.launched_rank() == 0:  # the writer (torchrun stops the others if it fails);
         check_output(output, force)  # a late rank of a model-free run may find its output made
@@ -137,7 +140,7 @@ def _emit(report: dict, path: Selection, as_json: bool) -> None:
         print_report(report)
 
 
-def target_request(recipe, target, fallback, level, data, tokens, sequential):
+def target_request(recipe, target, fallback, level, data, tokens, sequential, verify_tokens):
     """The --target-delta request, checked before anything loads (None without the flag)."""
     if target is None:
         return None
@@ -149,7 +152,8 @@ def target_request(recipe, target, fallback, level, data, tokens, sequential):
         raise UsageError("--target-delta does not combine with --sequential")
     if distributed.active():
         raise UsageError("--target-delta runs in one process (not under torchrun)")
-    return job.TargetRequest(target, fallback, level, tokens, data=data)
+    return job.TargetRequest(target, fallback, level, tokens, data=data,
+                             verify_tokens=verify_tokens)
 
 
 def _run(model, output, force, device, load_options, as_json, recipe, runtime, propagate,
@@ -269,7 +273,8 @@ def calib_facts(calib) -> dict | None:
     if calib is None:
         return None
     return {"source": calib.source, "sha256": calib.sha256, "num_samples": calib.num_samples,
-            "seq_len": calib.seq_len, "seed": calib.seed, "num_tokens": calib.num_tokens}
+            "seq_len": calib.seq_len, "seed": calib.seed, "num_tokens": calib.num_tokens,
+            "windows": calib.windows}
 
 
 
@@ -351,6 +356,11 @@ def target_lines(t: dict) -> list[str]:
              f"modules per rung: {rungs}",
              f"  predicted {t['predicted']:+.3g} ({t['predicted_pct']:+.2f}%; all on the base "
              f"rung {t['predicted_base']:+.3g}), measured {measured}"]
+    if t.get("verify"):
+        v = t["verify"]
+        lines.append(f"  on {v['tokens']:,} more held-out tokens ({v['windows']} x "
+                     f"{v['seq_len']}): {v['baseline']:.4g} -> {v['measured']:.4g} "
+                     f"({v['delta_pct']:+.2f}%)")
     changed = [u for u in t["units"] if u["rung"] != "base"]
     for u in changed[:8]:
         lines.append(f"  {u['unit']}: {u['rung']} (alone: base {u['deltas']['base']:+.3g} -> "

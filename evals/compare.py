@@ -223,23 +223,30 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
                       notes: list[str], *, device: str, load_options=None,
                       prefix_token: str = "auto", progress=None, **eval_kwargs):
     """Load (and quantize) each variant, run the tasks, free it. Returns the report rows, the
-    protocol (the first variant's) and the calibration set shared by the quantized variants
-    (cut once from ``calib_texts``, what ``job.calibration_texts`` read), or None.
+    protocol (the first variant's) and the first quantized variant's calibration set, or None.
+    The sets are cut from ``calib_texts`` (what ``job.calibration_texts`` read) once per
+    distinct cut (samples, length, seed, ``calib_windows`` of the variant's recipe): variants
+    that cut alike share one.
     ``progress``: an object with ``step(description)`` (a context manager) and
     ``counter(description)`` (``start(total) -> tick``), e.g. the CLI's progress bars."""
-    rows, protocol, calib, tokenizer = [], None, None, None
+    rows, protocol, tokenizer = [], None, None
+    calibs: dict[tuple, object] = {}
     bars = progress if progress is not None else _NoProgress()
     for v in variants:
         timings = job.JobTimings()
         with bars.step(f"{v.name}: loading {v.spec}"), timings.timed("load"):
             loaded = job.load(v.spec, v.recipe, device=device, **(load_options or {}))
         if v.kind == "quantized":
-            use_calib = job.needs_calibration(v.recipe)
-            if use_calib and calib is None:
-                with bars.step("tokenizing calibration data"), \
-                        timings.timed("calibration data"):
-                    calib = job.calibration_set(loaded, recipe, calib_texts)
-            job.quantize_loaded(loaded, v.recipe, calib if use_calib else None,
+            calib = None
+            if job.needs_calibration(v.recipe):
+                r = v.recipe
+                key = (r.num_samples, r.seq_len, r.seed, r.calib_windows)
+                if key not in calibs:
+                    with bars.step("tokenizing calibration data"), \
+                            timings.timed("calibration data"):
+                        calibs[key] = job.calibration_set(loaded, r, calib_texts)
+                calib = calibs[key]
+            job.quantize_loaded(loaded, v.recipe, calib,
                                 timings=timings,
                                 progress=bars.counter(f"{v.name}: calibrating"))
         tokenizer = loaded.tokenizer or tokenizer
@@ -258,7 +265,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
             notes.append(f"{v.name} was measured differently from {rows[0]['name']}: "
                          f"{_protocol_diff(protocol, result.protocol)}")
         rows.append(_row(v, result, timings))
-    return rows, protocol, calib
+    return rows, protocol, next(iter(calibs.values()), None)
 
 
 def prefix_notes(model, tokenizer, prefix_token, eval_kwargs) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 
 from .errors import DataError, UsageError, first_line
 from .loading import hub_reachable
+from .recipe import CALIB_WINDOWS
 
 DEFAULT_CALIB = "wikitext:wikitext-2-raw-v1:train"
 DEFAULT_TEXT_FIELD = "text"
@@ -182,6 +183,7 @@ class CalibrationSet:
     seq_len: int
     seed: int
     num_tokens: int  # tokens in the whole corpus the windows were drawn from
+    windows: str = "random"  # how they were cut (CALIB_WINDOWS)
 
 
 def token_sha256(input_ids: torch.Tensor) -> str:
@@ -197,12 +199,30 @@ def build_calibration_set(
     seq_len: int = 512,
     seed: int = 0,
     source: str = "",
+    windows: str = "random",
 ) -> CalibrationSet:
-    """``num_samples`` windows of ``seq_len`` tokens at seeded random offsets into the
-    documents concatenated with the tokenizer's eos (or sep, or a blank line) between them."""
+    """``num_samples`` windows of ``seq_len`` tokens out of the documents concatenated with
+    the tokenizer's eos (or sep, or a blank line) between them.
+
+    ``windows="random"``: at seeded random offsets (any token may come first).
+    ``windows="documents"``: each window opens a seeded random document, after the token that
+    opens every sequence the model sees (``_start_ids``: the BOS or [CLS] the tokenizer adds,
+    else BOS, else EOS: lm-eval's rolling log-likelihood prefix).
+    That is how a model meets text in evaluation and in use, and close to how llm-compressor
+    calibrates (one tokenized document per sample; without a BOS when the tokenizer adds
+    none, as SmolLM2's does not). The first position is the attention sink where massive
+    activations sit (Sun et al., "Massive Activations in Large Language Models", 2024,
+    section 2), so GPTQ's Hessians then hold the sink the model really has at a sequence's
+    start. Unlike llm-compressor's samples, a short document does not end the window: the
+    text runs on into the following documents, so every sample has ``seq_len`` tokens (no
+    padding) and the Hessians see as many tokens as with random windows."""
     if num_samples < 1 or seq_len < 1:
         raise UsageError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
-    corpus = torch.tensor(_tokenize_corpus(texts, tokenizer), dtype=torch.long)
+    if windows not in CALIB_WINDOWS:
+        raise UsageError(f"calibration windows must be one of {', '.join(CALIB_WINDOWS)}, "
+                         f"got {windows!r}")
+    ids, doc_starts = _tokenize_corpus(texts, tokenizer)
+    corpus = torch.tensor(ids, dtype=torch.long)
     num_tokens = corpus.numel()
     if num_tokens < seq_len + 1:
         raise DataError(
@@ -217,8 +237,12 @@ def build_calibration_set(
             stacklevel=2,
         )
     generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, num_tokens - seq_len + 1, (num_samples,), generator=generator)
-    input_ids = torch.stack([corpus[s : s + seq_len] for s in starts.tolist()])
+    if windows == "documents":
+        input_ids = _document_windows(corpus, doc_starts, _start_ids(tokenizer), num_samples,
+                                      seq_len, generator)
+    else:
+        starts = torch.randint(0, num_tokens - seq_len + 1, (num_samples,), generator=generator)
+        input_ids = torch.stack([corpus[s : s + seq_len] for s in starts.tolist()])
     return CalibrationSet(
         input_ids=input_ids,
         source=source,
@@ -227,20 +251,64 @@ def build_calibration_set(
         seq_len=seq_len,
         seed=seed,
         num_tokens=num_tokens,
+        windows=windows,
     )
 
 
-def _tokenize_corpus(texts: list[str], tokenizer) -> list[int]:
+def _document_windows(corpus: torch.Tensor, doc_starts: list[int], prefix: list[int],
+                      num_samples: int, seq_len: int, generator: torch.Generator
+                      ) -> torch.Tensor:
+    """``prefix`` + ``seq_len - len(prefix)`` tokens from the start of each of
+    ``num_samples`` seeded random documents (without replacement while they last: with fewer
+    documents than samples, every document is used before any is used again)."""
+    body = seq_len - len(prefix)
+    if body < 1:
+        raise UsageError(f"seq_len {seq_len} leaves no room after the start token")
+    eligible = torch.tensor([s for s in doc_starts if s + body <= corpus.numel()],
+                            dtype=torch.long)
+    if eligible.numel() == 0:  # unreachable: the corpus holds > seq_len tokens from doc 0
+        raise DataError("no document starts a full calibration window")
+    rounds = -(-num_samples // eligible.numel())
+    order = torch.cat([torch.randperm(eligible.numel(), generator=generator)
+                       for _ in range(rounds)])[:num_samples]
+    head = torch.tensor(prefix, dtype=torch.long)
+    return torch.stack([torch.cat([head, corpus[s : s + body]])
+                        for s in eligible[order].tolist()])
+
+
+def _start_ids(tokenizer) -> list[int]:
+    """The token every sequence the model sees opens with: the one its tokenizer puts first
+    when it encodes text (a BOS, BERT's [CLS]); else BOS if the tokenizer has one, else EOS
+    (lm-eval's prefix for rolling log-likelihood, which ``fp8ptq eval`` follows); else none."""
+    marked = tokenizer("a", verbose=False)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False, verbose=False)["input_ids"]
+    if marked and marked[:1] != plain[:1]:
+        return marked[:1]
+    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return [token_id]
+    return []
+
+
+def corpus_tokens(texts: list[str], tokenizer) -> int:
+    """Tokens in the documents joined as ``build_calibration_set`` joins them."""
+    return len(_tokenize_corpus(texts, tokenizer)[0])
+
+
+def _tokenize_corpus(texts: list[str], tokenizer) -> tuple[list[int], list[int]]:
+    """The documents' token ids joined by the separator, and where each document starts."""
     # Per-document encoding in one batched call, without the model-max-length warning: the
     # windows are cut afterwards, so long documents are fine.
     encoded = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
     separator = _separator_ids(tokenizer)
     ids: list[int] = []
+    starts: list[int] = []
     for i, doc in enumerate(encoded):
         if i:
             ids.extend(separator)
+        starts.append(len(ids))
         ids.extend(doc)
-    return ids
+    return ids, starts
 
 
 def _separator_ids(tokenizer) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import distributed
-from .data import build_calibration_set, load_texts, resolve_calib_spec
+from .data import build_calibration_set, corpus_tokens, load_texts, resolve_calib_spec
 from .errors import DataError, UsageError
 from .loading import is_torch_module_file, load_model
 from .model.forward import token_batches
@@ -22,7 +22,8 @@ from .recipe import Recipe
 from .sensitivity import eval_windows
 from .target import choose as choose_target
 from .target import measure as measure_target
-from .target import split_heldout
+from .target import perplexity, split_heldout
+from .target import verify as verify_target
 from .usage import peak_rss_mb, timed
 from .vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
 
@@ -85,7 +86,8 @@ def calibration_set(loaded, recipe: Recipe, texts=None):
                         "text model")
     texts = calibration_texts(recipe) if texts is None else texts
     return build_calibration_set(texts, loaded.tokenizer, num_samples=recipe.num_samples,
-                                 seq_len=recipe.seq_len, seed=recipe.seed, source=spec)
+                                 seq_len=recipe.seq_len, seed=recipe.seed, source=spec,
+                                 windows=recipe.calib_windows)
 
 
 def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
@@ -115,6 +117,14 @@ class TargetRequest:
     seq_len: int = 512
     data: str | None = None  # held-out text; None: every 10th calibration document
     eval_batch_size: int = 4
+    # How the held-out windows are cut (``fp8ptq.data``): "documents" opens each at a held-out
+    # document after the BOS, where SmolLM2-like models keep their massive activations and
+    # where every evaluated article starts; random offsets miss that position.
+    windows: str = "documents"
+    # The final model is checked again on this many held-out tokens in windows of
+    # ``verify_seq_len`` (0: not): a slice the choices were not made on.
+    verify_tokens: int = 16384
+    verify_seq_len: int = 2048
 
 
 def target_texts(recipe: Recipe, request: TargetRequest, texts: list[str]
@@ -135,15 +145,20 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
     timings = timings or JobTimings()
     if not isinstance(loaded.model, PreTrainedModel) or calib is None:
         raise UsageError("--target-delta needs a causal language model and calibration text")
+    source = request.data or "held-out calibration documents"
     windows = eval_windows(heldout, loaded.tokenizer, tokens=request.tokens,
-                           seq_len=request.seq_len, seed=recipe.seed,
-                           source=request.data or "held-out calibration documents")
+                           seq_len=request.seq_len, seed=recipe.seed, source=source,
+                           windows=request.windows)
+    verify_ids = _verify_windows(heldout, loaded.tokenizer, recipe, request, source)
     batches = _batches(loaded.model, calib, recipe.batch_size)
     with timings.timed("target: sensitivity"):
         decision = choose_target(loaded.model, recipe, batches, windows.input_ids,
                                  target=request.target, fallback=request.fallback,
                                  level=request.level, eval_batch_size=request.eval_batch_size,
                                  progress=progress)
+    if verify_ids is not None:
+        with timings.timed("target: verify baseline"):
+            verify_baseline = perplexity(loaded.model, verify_ids, request.eval_batch_size)
     final = decision.recipe(recipe)
     with timings.timed("calibrate+quantize"):
         result = quantize_model(loaded.model, final, batches,
@@ -151,8 +166,25 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
     timings.seconds.update(result.seconds)
     with timings.timed("target: verify"):
         measure_target(loaded.model, windows.input_ids, decision, request.eval_batch_size)
+        if verify_ids is not None:
+            verify_target(loaded.model, verify_ids, verify_baseline, decision,
+                          request.eval_batch_size)
     result.extras["target_delta"] = decision.to_dict()
     return result
+
+
+def _verify_windows(heldout: list[str], tokenizer, recipe: Recipe, request: TargetRequest,
+                    source: str) -> torch.Tensor | None:
+    """The larger verification slice: ``request.verify_tokens`` in windows of
+    ``request.verify_seq_len``, both shrunk to what the held-out documents hold (no window
+    repeats tokens); None when not asked for."""
+    if not request.verify_tokens:
+        return None
+    total = corpus_tokens(heldout, tokenizer)
+    seq_len = max(min(request.verify_seq_len, total - 1), 2)
+    tokens = min(request.verify_tokens, max(total // seq_len, 1) * seq_len)
+    return eval_windows(heldout, tokenizer, tokens=tokens, seq_len=seq_len, seed=recipe.seed,
+                        source=source, windows=request.windows).input_ids
 
 
 def _image_set(recipe: Recipe) -> ImageCalibrationSet:

@@ -21,6 +21,11 @@ from .formats import ROUNDINGS, get_format
 from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from .schemes import expand_scheme
 
+# How calibration samples are cut from the documents (``fp8ptq.data.build_calibration_set``):
+# "random": seeded random offsets into the concatenated documents; "documents": each sample
+# opens a seeded random document after the token every sequence opens with.
+CALIB_WINDOWS = ("random", "documents")
+
 # Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
 # compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
 # form ``GLOB: FORMAT`` (``--override GLOB=FORMAT``) sets both formats; ``none`` skips.
@@ -81,6 +86,9 @@ class Recipe(BaseModel):
     text_field: str | None = None
     num_samples: int = 128
     seq_len: int = 512
+    # how the samples are cut (``fp8ptq.data.CALIB_WINDOWS``): "random" offsets into the
+    # concatenated documents, or "documents" (each opens a document after the BOS)
+    calib_windows: str = "random"
     batch_size: int = 8
     seed: int = 0
     dtype: str = "bfloat16"
@@ -155,6 +163,7 @@ class Recipe(BaseModel):
                         _choice(f"override {pattern} {key}", value[key], valid)
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
+        _choice("calib_windows", self.calib_windows, CALIB_WINDOWS)
         _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("act_calib", self.act_calib, calibrators.names("activation"))
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))

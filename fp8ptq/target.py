@@ -17,6 +17,9 @@ within a target, then the real loss measured.
    token}``, ``none``), the model is quantized with them by the normal pipeline, and the final
    model's delta is measured on the same held-out slice: predicted vs measured, both recorded in
    fp8ptq.json (``extras.target_delta``) and the report.
+6. The final model is also checked on a larger held-out slice the choices were not made on
+   (``verify``: 2048-token windows, each opening a held-out document after the BOS, like the
+   evaluation's articles), which says how far the prediction carries beyond its own slice.
 
 Summing per-unit deltas assumes they add up (first-order: small, independent perturbations);
 the measured number says how well that held (docs/results.md has the measurement).
@@ -138,6 +141,8 @@ class TargetResult:
     overrides: dict  # glob -> partial plan / "none": what quantize applies
     eval: dict  # the held-out slice
     measured: float | None = None  # held-out perplexity of the final quantized model
+    # the larger verification slice: windows, seq_len, tokens, baseline, measured, delta_pct
+    verify: dict | None = None
     seconds: dict = field(default_factory=dict)
 
     @property
@@ -228,8 +233,26 @@ def measure(model: nn.Module, eval_ids: torch.Tensor, result: TargetResult,
             eval_batch_size: int = 4) -> TargetResult:
     """The quantized ``model``'s perplexity on the held-out slice, into ``result``."""
     t0 = time.perf_counter()
-    result.measured = PerplexityProbe(model, eval_ids, eval_batch_size)()
+    result.measured = perplexity(model, eval_ids, eval_batch_size)
     result.seconds["verify"] = time.perf_counter() - t0
+    return result
+
+
+def perplexity(model: nn.Module, eval_ids: torch.Tensor, eval_batch_size: int = 4) -> float:
+    """Perplexity of ``model`` on the token windows ``eval_ids`` [windows, seq_len]."""
+    return PerplexityProbe(model, eval_ids, eval_batch_size)()
+
+
+def verify(model: nn.Module, verify_ids: torch.Tensor, baseline: float, result: TargetResult,
+           eval_batch_size: int = 4) -> TargetResult:
+    """The quantized ``model`` on the larger verification slice (``baseline``: the unquantized
+    model's perplexity there), into ``result.verify``."""
+    t0 = time.perf_counter()
+    measured = perplexity(model, verify_ids, eval_batch_size)
+    result.verify = {"windows": int(verify_ids.shape[0]), "seq_len": int(verify_ids.shape[1]),
+                     "tokens": int(verify_ids.numel()), "baseline": baseline,
+                     "measured": measured, "delta_pct": 100 * (measured - baseline) / baseline}
+    result.seconds["verify slice"] = time.perf_counter() - t0
     return result
 
 
@@ -244,5 +267,6 @@ def split_heldout(texts: list[str], every: int = HELDOUT_EVERY) -> tuple[list[st
     return [t for i, t in enumerate(texts) if i % every != every - 1], held
 
 
-__all__ = ["Rung", "ladder", "assign", "choose", "measure", "split_heldout", "TargetResult",
+__all__ = ["Rung", "ladder", "assign", "choose", "measure", "perplexity", "verify",
+           "split_heldout", "TargetResult",
            "UnitDecision", "HIGH_PRECISION"]

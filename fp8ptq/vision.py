@@ -125,6 +125,7 @@ class ImageCalibrationSet:
     seed: int
     seq_len: None = None
     num_tokens: None = None
+    windows: None = None
 
 
 def build_image_calibration_set(spec: str | None, *, num_samples: int,

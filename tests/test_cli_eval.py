@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from fp8ptq import job
+from fp8ptq.evals.compare import Variant, evaluate_variants
 from fp8ptq.recipe import Recipe
 from tiny_models import invoke, tiny
 
@@ -301,3 +302,27 @@ def test_python_m_fp8ptq_cli_eval(files, tmp_path):
     doc = json.loads(out.read_text())
     assert [v["name"] for v in doc["variants"]] == ["baseline", "e4m3"]
     assert "baseline" in proc.stdout and "e4m3" in proc.stdout
+
+
+def test_each_variant_calibrates_on_its_own_windows(files):
+    """``evaluate_variants`` cuts a variant's calibration set by its own recipe
+    (``calib_windows``), not by the shared one: a documents-window variant scores what it
+    scores alone, and not what the random-window variant scores."""
+    base = Recipe(calib_data=files.calib, num_samples=4, seq_len=16, dtype="float32",
+                  act_granularity="tensor", weight_calib="max")  # static: the data matter
+    docs = base.merged(calib_windows="documents")
+    texts = job.calibration_texts(base, files.llama)
+    kw = dict(device="cpu", data={"wikitext": files.wiki}, limit=None, seq_len=None,
+              batch_size=None)
+    rows, _, calib = evaluate_variants(
+        [Variant("random", "quantized", files.llama, base),
+         Variant("documents", "quantized", files.llama, docs)], base, texts, ["wikitext"], [],
+        **kw)
+    assert calib.windows == "random"
+    alone, _, calib_alone = evaluate_variants(
+        [Variant("documents", "quantized", files.llama, docs)], base, texts, ["wikitext"], [],
+        **kw)
+    assert calib_alone.windows == "documents"
+    ppl = {r["name"]: r["metrics"]["wikitext.word_perplexity"] for r in rows}
+    assert ppl["documents"] == alone[0]["metrics"]["wikitext.word_perplexity"]
+    assert ppl["documents"] != ppl["random"]

@@ -382,3 +382,20 @@ def test_the_default_recipe_is_fp8_dynamic_with_sequential_gptq(assets, tmp_path
     recipe = read_metadata(tmp_path / "b")["recipe"]
     assert (recipe["act_granularity"], recipe["weight_calib"]) == ("token", "max")
     assert no_data["path"] == "model-free" and no_data["calibration"] is None
+
+
+def test_calib_windows_documents(assets, tmp_path):
+    """``--calib-windows documents`` calibrates on windows that open documents (recorded), and
+    the checkpoint equals the library run with the same recipe field."""
+    out = tmp_path / "out"
+    report = quantize_json(assets, out, "--calib-windows", "documents")
+    recipe = Recipe(format="e4m3", calib_data=str(assets / "calib.txt"), num_samples=4,
+                    seq_len=16, calib_windows="documents", **STATIC_RECIPE)
+    expected_model, calib = in_memory(assets / "llama", recipe)
+    assert calib.windows == report["calibration"]["windows"] == "documents"
+    assert report["calibration"]["sha256"] == calib.sha256
+    assert read_metadata(out)["recipe"]["calib_windows"] == "documents"
+    assert torch.equal(logits(fp8ptq.load(out).model, IDS), logits(expected_model, IDS))
+    random = quantize_json(assets, tmp_path / "random")
+    assert random["calibration"]["windows"] == "random"
+    assert random["calibration"]["sha256"] != calib.sha256

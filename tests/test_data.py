@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fp8ptq.data import (
     DEFAULT_CALIB,
@@ -18,6 +19,7 @@ from fp8ptq.data import (
     token_sha256,
 )
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.recipe import Recipe
 
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
 MINILM = ASSETS / "models" / "minilm-squad"
@@ -239,3 +241,90 @@ def test_bert_tokenizer_uses_sep_and_no_length_warning(capfd):
     # Either window position covers the [SEP] between the two documents.
     assert tokenizer.sep_token_id in calib.input_ids[0].tolist()
     assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+# --- windows="documents" --------------------------------------------------------------------
+
+
+def _joined(docs, tokenizer):
+    """The eos-joined corpus and where each document starts in it."""
+    eos = tokenizer.eos_token_id
+    joined, starts = [], []
+    for i, doc in enumerate(docs):
+        joined += [eos] if i else []
+        starts.append(len(joined))
+        joined += tokenizer(doc, add_special_tokens=False)["input_ids"]
+    return joined, starts
+
+
+def test_document_windows_open_documents_after_the_start_token(word_tokenizer):
+    # document i opens with i + 1 "hello"s: every window start tells its document apart
+    docs = [" ".join(["hello"] * (i + 1)) + " world and the lazy dog" for i in range(8)]
+    calib = build_calibration_set(docs, word_tokenizer, num_samples=6, seq_len=10, seed=1,
+                                  windows="documents")
+    joined, starts = _joined(docs, word_tokenizer)
+    assert calib.windows == "documents" and calib.input_ids.shape == (6, 10)
+    eos = word_tokenizer.eos_token_id  # no BOS in this tokenizer: EOS opens every window
+    opened = []
+    for row in calib.input_ids.tolist():
+        assert row[0] == eos
+        matches = [s for s in starts if joined[s : s + 9] == row[1:]]
+        assert len(matches) == 1  # the rest of the window is the text from a document start
+        opened.append(matches[0])
+    assert len(set(opened)) == 6  # without replacement while documents last
+    again = build_calibration_set(docs, word_tokenizer, num_samples=6, seq_len=10, seed=1,
+                                  windows="documents")
+    assert torch.equal(again.input_ids, calib.input_ids)
+    other = build_calibration_set(docs, word_tokenizer, num_samples=6, seq_len=10, seed=2,
+                                  windows="documents")
+    assert not torch.equal(other.input_ids, calib.input_ids)
+    # the random windows of the same seed are different tokens (and a different hash)
+    assert build_calibration_set(docs, word_tokenizer, num_samples=6, seq_len=10,
+                                 seed=1).sha256 != calib.sha256
+
+
+def test_document_windows_run_on_past_short_documents_and_reuse_when_few(word_tokenizer):
+    docs = ["hello world", "the quick brown fox", "a small model reads"]  # 2-4 tokens each
+    with pytest.warns(UserWarning, match="windows will overlap"):
+        calib = build_calibration_set(docs, word_tokenizer, num_samples=5, seq_len=6, seed=0,
+                                      windows="documents")
+    joined, starts = _joined(docs, word_tokenizer)
+    # only documents with 5 tokens of text after their start can open a window: 0 and 1
+    eligible = [s for s in starts if s + 5 <= len(joined)]
+    assert eligible == starts[:2]
+    rows = [row[1:] for row in calib.input_ids.tolist()]
+    assert all(row in [joined[s : s + 5] for s in eligible] for row in rows)
+    # the window crosses the eos into the next document; both documents used before any twice
+    assert word_tokenizer.eos_token_id in rows[0]
+    assert {tuple(r) for r in rows[:2]} == {tuple(joined[s : s + 5]) for s in eligible}
+
+
+def test_document_windows_start_with_bos_when_the_tokenizer_has_one():
+    backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.train_from_iterator(["hello world and the quick brown fox"],
+                                trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>")
+    docs = ["hello world and the quick brown fox"] * 4
+    calib = build_calibration_set(docs, tokenizer, num_samples=3, seq_len=5, windows="documents")
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    assert calib.input_ids[:, 0].tolist() == [bos] * 3
+    assert calib.input_ids[0, 1:].tolist() == tokenizer("hello world and the")["input_ids"]
+
+
+def test_unknown_window_kind(corpus, word_tokenizer):
+    with pytest.raises(UsageError, match="calibration windows must be one of random, documents"):
+        build_calibration_set(corpus, word_tokenizer, num_samples=2, seq_len=8, windows="chunks")
+    with pytest.raises(UsageError, match="calib_windows"):
+        Recipe(calib_windows="chunks")
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="shared assets not present")
+def test_document_windows_of_an_encoder_open_with_cls():
+    tokenizer = AutoTokenizer.from_pretrained(MINILM)
+    docs = ["the quick brown fox jumps over the lazy dog " * 3] * 4
+    calib = build_calibration_set(docs, tokenizer, num_samples=2, seq_len=8, windows="documents")
+    assert calib.input_ids[:, 0].tolist() == [tokenizer.cls_token_id] * 2
+    assert calib.input_ids[0, 1:].tolist() == tokenizer(docs[0], add_special_tokens=False)[
+        "input_ids"][:7]

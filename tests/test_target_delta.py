@@ -18,7 +18,7 @@ from fp8ptq.errors import UsageError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
-from fp8ptq.target import Rung, assign, choose, ladder, measure, split_heldout
+from fp8ptq.target import Rung, assign, choose, ladder, measure, perplexity, split_heldout, verify
 from tiny_models import IDS, VOCAB, tiny
 
 SENSITIVE = "model.layers.0.mlp.down_proj"
@@ -124,10 +124,21 @@ def test_choose_moves_only_the_sensitive_module():
     assert result.overrides[SENSITIVE] == "none"
     assert not any(isinstance(m, QuantGemm) for m in model.modules())  # left unquantized
     final = result.recipe(recipe)
+    more_ids = windows(2, 64, 300)
+    more_baseline = perplexity(model, more_ids)
     quantize_model(model, final, batches)
     assert not isinstance(model.get_submodule(SENSITIVE), QuantGemm)
     assert isinstance(model.get_submodule("model.layers.0.mlp.up_proj"), QuantGemm)
     measure(model, eval_ids, result)
+    # the verification slice is measured like the held-out one: on the same windows and
+    # baseline it gives the same numbers; on other windows its own
+    same = verify(model, eval_ids, result.baseline, result).verify
+    assert same["measured"] == result.measured and same["tokens"] == eval_ids.numel()
+    assert same["delta_pct"] == pytest.approx(100 * result.measured_delta / result.baseline)
+    v = verify(model, more_ids, more_baseline, result).to_dict()["verify"]
+    assert (v["windows"], v["seq_len"], v["tokens"]) == (2, 64, 128)
+    assert v["baseline"] == more_baseline != result.baseline
+    assert v["delta_pct"] == pytest.approx(100 * (v["measured"] - more_baseline) / more_baseline)
     d = result.to_dict()
     assert math.isfinite(d["measured"]) and d["measured_delta"] == pytest.approx(
         d["measured"] - d["baseline"])
@@ -182,6 +193,9 @@ def test_cli_target_delta(llama_dir, tmp_path):
     report = json.loads(res.stdout)["target_delta"]
     # a zero budget moves every unit with a positive delta off the base rung
     assert report["predicted"] == 0 and report["measured"] is not None
+    # the default verification slice shrinks to the ~160 held-out tokens: one window of all
+    v = report["verify"]
+    assert v["windows"] == 1 and v["tokens"] == v["seq_len"] > 128 and v["measured"] > 0
     assert report["overrides"] == {u["pattern"]: "none" if u["rung"] == "fallback" else {
         "weight_calib": "gptq", **({"act_granularity": "token"} if u["rung"] == "finer" else {})}
         for u in report["units"] if u["rung"] != "base"}
@@ -199,6 +213,7 @@ def test_cli_target_delta(llama_dir, tmp_path):
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "target-delta 2%" in text and "predicted" in text and "measured" in text
+    assert "more held-out tokens (1 x" in text
 
 
 @pytest.mark.parametrize("args,message", [

@@ -36,14 +36,15 @@ UNSUPPORTED = {"smoothquant": "--smoothquant", "bn_retune": "--bn-retune",
 
 
 def eval_windows(texts: list[str], tokenizer, *, tokens: int, seq_len: int, seed: int = 0,
-                 source: str = ""):
-    """``tokens // seq_len`` seeded windows (a ``CalibrationSet``) for the perplexity proxy."""
+                 source: str = "", windows: str = "random"):
+    """``tokens // seq_len`` seeded windows (a ``CalibrationSet``) for the perplexity proxy;
+    ``windows`` as in ``build_calibration_set``."""
     if tokens < 2 or seq_len < 2:
         raise UsageError(f"--eval-tokens and --eval-seq-len must be >= 2 (got {tokens}, "
                          f"{seq_len})")
     seq_len = min(seq_len, tokens)
     return build_calibration_set(texts, tokenizer, num_samples=tokens // seq_len,
-                                 seq_len=seq_len, seed=seed, source=source)
+                                 seq_len=seq_len, seed=seed, source=source, windows=windows)
 
 
 def check_recipe(recipe: Recipe) -> None:
