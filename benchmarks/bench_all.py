@@ -19,7 +19,8 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
   <= 1.15x.
 - simulated eval: lm-eval WikiText perplexity of the quantized model (static per-tensor
   activations) for each format, and e4m3 with dynamic per-token activations (the default
-  recipe's), against the same model's eval unquantized, same tokens. Target <= 1.15x.
+  recipe's) and dynamic per-group-128 ones (FP8_BLOCK's), against the same model's eval
+  unquantized, same tokens. Target <= 1.15x.
 - quantize: a fresh ``fp8ptq quantize`` process (load to written checkpoint) against
   llm-compressor's ``oneshot`` + save of the same job on the same token windows in its venv
   (``llmc_timing.py``; its time cached with its date and load). Target <= 0.5x. Its own
@@ -219,6 +220,9 @@ def model_rows(out: Rows, sections, dtype: str, samples: int, eval_tokens: int |
         # the default recipe's activations (FP8_DYNAMIC): a per-token amax at every forward
         variants.append(("e4m3 (dynamic per-token A)",
                          small.merged(format="e4m3", act_granularity="token")))
+        # FP8_BLOCK's activations: a scale per 128 features of each token, at every forward
+        variants.append(("e4m3 (dynamic per-group-128 A)",
+                         small.merged(format="e4m3", act_granularity="group")))
         # The baseline is timed again before each variant and its fastest timing so far is the
         # denominator: a load change during the run then moves both sides (two single ~1.5 s
         # timings read 1.47x for a variant measured 1.0x in the run before).

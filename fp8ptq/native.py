@@ -72,7 +72,9 @@ class FormatTables(ctypes.Structure):
                 ("packed", ctypes.c_int32), ("code_pack", _i32x256),
                 ("tapered", ctypes.c_int32), ("taper_lo", ctypes.c_int32),
                 ("taper_hi", ctypes.c_int32), ("taper_w0", ctypes.c_int32),
-                ("taper_t", ctypes.c_int32 * 4)]
+                ("taper_t", ctypes.c_int32 * 4), ("code_lut", ctypes.c_void_p),
+                ("lut_shift", ctypes.c_int32), ("lut_sticky", ctypes.c_int32),
+                ("lut_nan", ctypes.c_int32 * 2)]
 
 
 build_seconds: float | None = None  # how long the first build took in this process (None: cached)
@@ -190,7 +192,7 @@ def _load() -> ctypes.CDLL | None:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     lib.fp8ptq_quantize.argtypes = [ctypes.POINTER(FormatTables), p, i32, p, i32, p, i32, i32, p,
-                                    i64, i64, i32]
+                                    i64, i64, i64, i32]
     lib.fp8ptq_quantize.restype = None
     lib.fp8ptq_observe.argtypes = [p, i32, i64, i64, p, p, p, i32, i32, i32, i32]
     lib.fp8ptq_observe.restype = ctypes.c_int
@@ -198,7 +200,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8ptq_weight_sweep.argtypes = [ctypes.POINTER(FormatTables), p, i32, p, p, i32, i64, i64,
                                         p, p, p, p, i32]
     lib.fp8ptq_weight_sweep.restype = ctypes.c_int
-    lib.fp8ptq_row_absmax.argtypes = [p, i32, i64, i64, p, i32]
+    lib.fp8ptq_row_absmax.argtypes = [p, i32, i64, i64, i64, p, i32]
     lib.fp8ptq_row_absmax.restype = None
     lib.fp8ptq_decode.argtypes = [p, p, i64, i64, p, i32, i32, p, i32, i32]
     lib.fp8ptq_decode.restype = None
@@ -236,13 +238,14 @@ def supports(x: torch.Tensor) -> bool:
 
 def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
              scale: torch.Tensor | None = None, per_row: bool = False, per_col: bool = False,
-             rand: torch.Tensor | None = None, into: torch.Tensor | None = None
-             ) -> torch.Tensor:
+             rand: torch.Tensor | None = None, into: torch.Tensor | None = None,
+             group: int = 0) -> torch.Tensor:
     """Run the codec kernel over contiguous ``x`` (``supports(x)`` must hold): float32 grid
     values, fake-quantized values in ``x``'s dtype, or uint8 codes. ``scale``: float32,
-    contiguous, one value or one per row / column of ``x`` seen as [-1, x.shape[-1]].
-    ``into``: a tensor of ``x``'s shape and the result's dtype to write into and return
-    (written directly where contiguous)."""
+    contiguous, one value or one per row / column of ``x`` seen as [-1, x.shape[-1]], or with
+    ``per_row`` and ``group`` > 0 one per ``group`` values of each row ([rows, ceil(C /
+    group)]). ``into``: a tensor of ``x``'s shape and the result's dtype to write into and
+    return (written directly where contiguous)."""
     x = x.detach().contiguous()
     dtype = {OUT_VALUES: torch.float32, OUT_SAME: x.dtype, OUT_CODES: torch.uint8}[out_kind]
     direct = into is not None and into.is_contiguous()
@@ -256,19 +259,22 @@ def quantize(tables: FormatTables, x: torch.Tensor, out_kind: int,
                               out.data_ptr(), out_kind,
                               None if scale is None else scale.data_ptr(), int(per_row),
                               int(per_col), None if rand is None else rand.data_ptr(),
-                              x.numel(), cols, torch.get_num_threads())
+                              x.numel(), cols, group, torch.get_num_threads())
     return out if into is None or direct else into.copy_(out)
 
 
-def row_absmax(w2d: torch.Tensor) -> torch.Tensor | None:
+def row_absmax(w2d: torch.Tensor, group: int = 0) -> torch.Tensor | None:
     """``w2d.abs().amax(dim=1).float()`` of a contiguous float32 / bfloat16 [rows, cols]
     matrix in one pass without a copy of it (NaN in a row gives NaN, as torch), or None where
-    the kernels do not apply."""
+    the kernels do not apply. ``group`` > 0: the max of each ``group`` consecutive values of
+    a row instead, [rows, ceil(cols / group)] (the last group may be partial)."""
     if w2d.dim() != 2 or w2d.dtype not in (torch.float32, torch.bfloat16) or \
             not w2d.is_contiguous() or not supports(w2d) or w2d.shape[1] == 0:
         return None
-    out = torch.empty(w2d.shape[0], dtype=torch.float32)
-    library().fp8ptq_row_absmax(w2d.data_ptr(), DTYPES[w2d.dtype], w2d.shape[0], w2d.shape[1],
+    rows, cols = w2d.shape
+    out = torch.empty(rows, -(-cols // group), dtype=torch.float32) if group > 0 else \
+        torch.empty(rows, dtype=torch.float32)
+    library().fp8ptq_row_absmax(w2d.data_ptr(), DTYPES[w2d.dtype], rows, cols, max(group, 0),
                                 out.data_ptr(), torch.get_num_threads())
     return out
 

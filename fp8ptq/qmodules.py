@@ -142,7 +142,12 @@ class QuantGemm(nn.Module):
         hit = _SHARED_INPUT.get(x, key)
         if hit is not None:
             return hit
-        return _SHARED_INPUT.put(x, key, fake_quantize(x, self._act_scale(x), self.act_format))
+        if self.act_granularity == "group":  # the kernels take one scale per group as it is
+            scale = dynamic_scale(self._act_gran.amax(x.detach()), self.act_format)
+            out = fake_quantize(x, scale, self.act_format, group_size=self._act_gran.size)
+        else:
+            out = fake_quantize(x, self._act_scale(x), self.act_format)
+        return _SHARED_INPUT.put(x, key, out)
 
     def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
         """The input's scale, broadcastable against ``x``: static, per token or per group."""

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fp8ptq.formats import encode, get_format
+from fp8ptq import native
+from fp8ptq.formats import encode, fake_quantize, get_format
 from fp8ptq.granularity import PerChannel, PerGroup
 from fp8ptq.mx import mx_fake_quantize
 from fp8ptq.pipeline import quantize_model, token_batches
@@ -183,3 +184,35 @@ def test_native_round_trip(recipe, tmp_path):
     assert q.act_group_size == 32 and q.weight_granularity.size == 32
     assert q.weight_format == model.get_submodule("model.layers.0.mlp.down_proj").weight_format
     assert torch.equal(run(back, IDS), ref)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hif8", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols,size", [(576, 128), (256, 128), (96, 32), (7, 2)])
+def test_group_scales_read_by_the_kernels_equal_the_expanded_scale(fmt, dtype, cols, size):
+    """``fake_quantize(..., group_size=)`` (the kernels read one scale per group, the last one
+    partial where ``cols`` is no multiple) and ``PerGroup.amax`` (one pass of the kernel) give
+    the bits of the torch path on the scale expanded to the input's shape: NaN, inf, zero
+    groups and tiny values included, 3-D input."""
+    spec, gran = get_format(fmt), PerGroup(size)
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(3, 5, cols, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (3, 5, cols), generator=g).float())
+    x[0, 0, 0], x[0, 1, -1], x[1, 0, :size] = torch.nan, torch.inf, 0.0
+    x = x.to(dtype)
+    amax = gran.amax(x)
+    with native.disabled():
+        want_amax = gran.amax(x)
+    assert amax.shape == want_amax.shape == (3, 5, -(-cols // size))
+    assert torch.equal(amax.nan_to_num(7.0), want_amax.nan_to_num(7.0))
+    scale = dynamic_scale(want_amax.nan_to_num(1.0), spec)
+    got = fake_quantize(x, scale, spec, group_size=size)
+    with native.disabled():
+        want = fake_quantize(x, gran.expand(scale, x), spec)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(3.0).float().view(torch.int32),
+                       want.nan_to_num(3.0).float().view(torch.int32))
+    with pytest.raises(ValueError, match="scale per"):
+        fake_quantize(x, scale[..., :-1] if scale.shape[-1] > 1 else scale[:1], spec,
+                      group_size=size)

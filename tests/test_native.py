@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8ptq import native
-from fp8ptq.formats import codec
+from fp8ptq.formats import binades, codec
 from fp8ptq.formats.registry import get_format, preset_names
 from fp8ptq.model.forward import token_batches
 from fp8ptq.observers import TensorStats
@@ -140,6 +140,33 @@ def test_big_tensors_split_across_threads_identically(name):
             assert _same(got, want)
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("rounding", ["half_away", "nearest_even"])
+@pytest.mark.parametrize("saturate", [True, False])
+def test_hif8_encodes_by_lookup_identically_at_every_key_edge(rounding, saturate):
+    """HiFloat8's codes come from one table lookup keyed by the float32's top bits (and, for
+    half-even, whether any lower bit is set). Every key's extreme members and their neighbours
+    across the key edge (low bits 0, 1, all but one, all; both signs; every exponent field,
+    inf and NaN payloads included), unscaled, scaled per tensor and per row, from float32 and
+    bfloat16: the same codes as the torch path."""
+    spec = dataclasses.replace(get_format("hif8"), rounding=rounding)
+    tables = binades.native_tables(spec, rounding, saturate)
+    assert tables.code_lut and tables.lut_shift == 19 and tables.lut_sticky == (
+        rounding == "nearest_even")  # the lookup path is the one under test
+    low = (1 << tables.lut_shift) - 1
+    top = torch.arange(1 << 13, dtype=torch.int64) << tables.lut_shift
+    bits = torch.stack([top, top + 1, top + low - 1, top + low, top - 1], 1).flatten() % (1 << 32)
+    x = binades._bits_as_float(bits)
+    got, want = _both(lambda: codec.encode(x, spec, saturate=saturate))
+    assert _same(got, want)
+    if saturate:  # the scaled encodes saturate
+        rows = x.reshape(-1, 40)
+        for scale in (torch.tensor(0.37), torch.rand(rows.shape[0], 1) + 0.01):
+            for t in (rows, rows.bfloat16()):
+                got, want = _both(lambda: codec.encode_scaled(t, scale, spec))
+                assert _same(got, want), (t.dtype, scale.shape)
 
 
 @pytest.mark.parametrize("name", ["e4m3", "hif8", "int8"])

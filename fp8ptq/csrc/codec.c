@@ -11,7 +11,7 @@ static void run_range(const job_t *j, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) {
         float x = load(j->src, j->src_dtype, i);
         float s = 1.0f;
-        if (j->scale) s = j->scale[j->scale_per_row ? i / j->cols : j->scale_per_col ? i % j->cols : 0];
+        if (j->scale) s = scale_of(j, i);
         float y = j->scale ? x / s : x;
         float q;
         if (f->is_int) {
@@ -45,6 +45,11 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
     for (; k + 8 <= hi; k += 8) {
         v8f x = vload(j->src, dtype, k);
         v8f y = scaled ? x / s : x;
+        if (kind == K_LUT) {
+            v8b c = vlut_codes(f, (v8u)y);
+            memcpy((uint8_t *)j->dst + k, &c, sizeof c);
+            continue;
+        }
         v8f q = vquantize(f, y, kind, rounding);
         if (out_kind == OUT_CODES) {
             v8b c = narrow8(vcode(f, q, kind));
@@ -62,6 +67,10 @@ fast_span(const job_t *j, int64_t lo, int64_t hi, float s, const int scaled, con
     for (; k < hi; k++) {  /* the tail, one element at a time (same operations) */
         float y = load(j->src, dtype, k);
         y = scaled ? y / s : y;
+        if (kind == K_LUT) {
+            ((uint8_t *)j->dst)[k] = lut_code(f, y);
+            continue;
+        }
         float q = kind == K_INT ? quantize_int(f, y) : quantize_float(f, y, 0.0f, 0u, 0);
         if (out_kind == OUT_CODES) ((uint8_t *)j->dst)[k] = code_of(f, q);
         else if (dtype == DT_BF16) ((uint16_t *)j->dst)[k] = f2bf(scaled ? q * s : q);
@@ -87,9 +96,14 @@ fast_range(const job_t *jp, int64_t lo, int64_t hi, const int kind, const int dt
         fast_span(j, lo, hi, j->scale[0], 1, kind, dtype, out_kind, rounding);
         return;
     }
+    /* one scale per row, or per group of a row: spans that end where the scale changes */
+    const int64_t width = j->group > 0 && j->group < j->cols ? j->group : j->cols;
     for (int64_t i = lo; i < hi;) {
-        int64_t r = i / j->cols, end = (r + 1) * j->cols < hi ? (r + 1) * j->cols : hi;
-        fast_span(j, i, end, j->scale[r], 1, kind, dtype, out_kind, rounding);
+        int64_t r = i / j->cols, c = i - r * j->cols;
+        int64_t end = r * j->cols + (c / width + 1) * width;
+        end = end < (r + 1) * j->cols ? end : (r + 1) * j->cols;
+        end = end < hi ? end : hi;
+        fast_span(j, i, end, scale_of(j, i), 1, kind, dtype, out_kind, rounding);
         i = end;
     }
 }
@@ -113,6 +127,11 @@ FAST_DTYPES(K_INT)
 #define ENTRIES_D(K) {ENTRIES_O(K, DT_F32), ENTRIES_O(K, DT_BF16)}
 static const range_fn FAST_FNS[3][2][2][2] = {ENTRIES_D(K_LINEAR), ENTRIES_D(K_TABLE),
                                               ENTRIES_D(K_INT)};
+/* codes by lookup: the table holds the rounding mode */
+FAST(K_LUT, DT_F32, OUT_CODES, R_NEAREST_EVEN)
+FAST(K_LUT, DT_BF16, OUT_CODES, R_NEAREST_EVEN)
+static const range_fn LUT_FNS[2] = {ENTRY(K_LUT, DT_F32, OUT_CODES, R_NEAREST_EVEN),
+                                    ENTRY(K_LUT, DT_BF16, OUT_CODES, R_NEAREST_EVEN)};
 
 static range_fn pick(const job_t *j) {
     const fmt_t *f = j->fmt;
@@ -120,6 +139,7 @@ static range_fn pick(const job_t *j) {
     if (f->rounding != R_NEAREST_EVEN && f->rounding != R_HALF_AWAY) return run_range;
     if (j->src_dtype != DT_F32 && j->src_dtype != DT_BF16) return run_range;
     if (j->out_kind == OUT_SAME && !j->scale) return run_range;
+    if (j->out_kind == OUT_CODES && f->code_lut) return LUT_FNS[j->src_dtype == DT_BF16];
     int kind = f->is_int ? K_INT : f->linear ? K_LINEAR : K_TABLE;
     return FAST_FNS[kind][j->src_dtype == DT_BF16][j->out_kind == OUT_CODES]
                    [f->rounding == R_HALF_AWAY];
@@ -151,11 +171,13 @@ static void parallel(const job_t *j, range_fn fn, int64_t n, int nthreads, int64
 }
 
 /* Quantize ``n`` elements: out_kind 0 = float32 grid values (quantize_values), 1 = fake-quantized
- * values in the source dtype (fake_quantize), 2 = uint8 codes (encode). */
+ * values in the source dtype (fake_quantize), 2 = uint8 codes (encode). ``group`` > 0 with
+ * ``per_row``: one scale per ``group`` values of a row (job_t). */
 void fp8ptq_quantize(const fmt_t *fmt, const void *src, int32_t src_dtype, void *dst,
                      int32_t out_kind, const float *scale, int32_t per_row, int32_t per_col,
-                     const float *rand, int64_t n, int64_t cols, int32_t nthreads) {
+                     const float *rand, int64_t n, int64_t cols, int64_t group,
+                     int32_t nthreads) {
     job_t j = {src, src_dtype, dst, out_kind, scale, per_row, per_col, rand, n,
-               cols > 0 ? cols : 1, fmt};
+               cols > 0 ? cols : 1, fmt, group};
     parallel(&j, pick(&j), n, nthreads, 16);
 }

@@ -64,6 +64,15 @@ typedef struct {
      * thresholds are 1 << 20). native.py sets ``tapered`` only when this reproduces step_log2
      * for all 256 fields; the loops then need no lookup to round. */
     int32_t tapered, taper_lo, taper_hi, taper_w0, taper_t[4];
+    /* Encoding by lookup (formats not IEEE-like: HiFloat8), where the rounding to the nearest
+     * grid point (half even or half away, saturating or not) is decided by the float32's top
+     * bits: sign, exponent, the widest binade's kept mantissa bits and the first dropped bit
+     * (``u >> lut_shift``), plus for half-even whether any lower bit is set (``lut_sticky``:
+     * key = top << 1 | any). ``code_lut[key]`` is then the code of every value with that key
+     * but NaN, which takes ``lut_nan[sign]``. native.py fills it from this kernel's own
+     * arithmetic path and checks every key (NULL: no table). */
+    const uint8_t *code_lut;
+    int32_t lut_shift, lut_sticky, lut_nan[2];
 } fmt_t;
 
 typedef struct {
@@ -76,7 +85,19 @@ typedef struct {
     const float *rand;   /* uniforms for stochastic rounding, one per element */
     int64_t n, cols;
     const fmt_t *fmt;
+    /* > 0 with scale_per_row: one scale per ``group`` consecutive values of each row (the last
+     * group may be partial), scale[row * ceil(cols / group) + col / group] */
+    int64_t group;
 } job_t;
+
+/* The scale of element ``i`` of a job that has one */
+static inline float scale_of(const job_t *j, int64_t i) {
+    if (j->scale_per_row && j->group > 0) {
+        int64_t r = i / j->cols, groups = (j->cols + j->group - 1) / j->group;
+        return j->scale[r * groups + (i - r * j->cols) / j->group];
+    }
+    return j->scale[j->scale_per_row ? i / j->cols : j->scale_per_col ? i % j->cols : 0];
+}
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }

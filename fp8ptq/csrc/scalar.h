@@ -96,6 +96,13 @@ static inline int32_t float_code(const int32_t *restrict step_log2,
     return code;
 }
 
+/* vec.h's vlut_codes for one value */
+static inline uint8_t lut_code(const fmt_t *f, float y) {
+    uint32_t u = f2u(y), key = u >> f->lut_shift;
+    if (f->lut_sticky) key = key << 1 | ((u & ((1u << f->lut_shift) - 1u)) != 0);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint8_t)f->lut_nan[u >> 31] : f->code_lut[key];
+}
+
 static inline uint8_t code_of(const fmt_t *f, float q) {
     if (f->is_int) return (uint8_t)((int32_t)q & f->code_mask);
     return (uint8_t)float_code(f->step_log2, f->first_bits, f->first_rank, f->codes, q,

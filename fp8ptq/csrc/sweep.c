@@ -139,41 +139,49 @@ int fp8ptq_weight_sweep(const fmt_t *fmt, const void *src, int32_t dtype, uint8_
 typedef struct {
     const void *src;
     int32_t dtype;
-    int64_t cols;
+    int64_t cols, group;
     float *out;
     int64_t r0, r1;
 } absmax_part_t;
 
 static void *absmax_part(void *arg) {
     const absmax_part_t *p = (const absmax_part_t *)arg;
+    float *out = p->out + p->r0 * ((p->cols + p->group - 1) / p->group);
     for (int64_t r = p->r0; r < p->r1; r++) {
-        uint32_t top = 0;
-        if (p->dtype == DT_BF16) {
-            const uint16_t *x = (const uint16_t *)p->src + r * p->cols;
-            uint16_t m = 0;
-            for (int64_t k = 0; k < p->cols; k++) {
-                uint16_t a = x[k] & 0x7fffu;
-                m = a > m ? a : m;
+        for (int64_t g = 0; g < p->cols; g += p->group) {
+            int64_t end = g + p->group < p->cols ? g + p->group : p->cols;
+            uint32_t top = 0;
+            if (p->dtype == DT_BF16) {
+                const uint16_t *x = (const uint16_t *)p->src + r * p->cols;
+                uint16_t m = 0;
+                for (int64_t k = g; k < end; k++) {
+                    uint16_t a = x[k] & 0x7fffu;
+                    m = a > m ? a : m;
+                }
+                top = (uint32_t)m << 16;
+            } else {
+                const uint32_t *x = (const uint32_t *)p->src + r * p->cols;
+                for (int64_t k = g; k < end; k++) {
+                    uint32_t a = x[k] & 0x7fffffffu;
+                    top = a > top ? a : top;
+                }
             }
-            top = (uint32_t)m << 16;
-        } else {
-            const uint32_t *x = (const uint32_t *)p->src + r * p->cols;
-            for (int64_t k = 0; k < p->cols; k++) {
-                uint32_t a = x[k] & 0x7fffffffu;
-                top = a > top ? a : top;
-            }
+            *out++ = u2f(top);
         }
-        p->out[r] = u2f(top);
     }
     return NULL;
 }
 
-void fp8ptq_row_absmax(const void *src, int32_t dtype, int64_t rows, int64_t cols, float *out,
-                       int32_t nthreads) {
+/* max |x| of each row, or of each ``group`` values of a row (the last group may be partial):
+ * out[row * ceil(cols / group) + g] */
+void fp8ptq_row_absmax(const void *src, int32_t dtype, int64_t rows, int64_t cols, int64_t group,
+                       float *out, int32_t nthreads) {
     int64_t at[MAX_THREADS + 1];
     int t = row_split(rows, cols, nthreads, at);
     absmax_part_t parts[MAX_THREADS];
+    if (rows <= 0 || cols <= 0) return;
+    group = group > 0 && group < cols ? group : cols;
     for (int k = 0; k < t; k++)
-        parts[k] = (absmax_part_t){src, dtype, cols, out, at[k], at[k + 1]};
+        parts[k] = (absmax_part_t){src, dtype, cols, group, out, at[k], at[k + 1]};
     fork_join(absmax_part, parts, sizeof parts[0], t);
 }

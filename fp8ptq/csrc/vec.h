@@ -17,7 +17,7 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
-enum { K_LINEAR = 0, K_TABLE = 1, K_INT = 2 };
+enum { K_LINEAR = 0, K_TABLE = 1, K_INT = 2, K_LUT = 3 };
 
 VINLINE v8f vsel(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
 VINLINE v8i visel(v8i m, v8i a, v8i b) { return (a & m) | (b & ~m); }
@@ -215,6 +215,25 @@ VINLINE v8b narrow8(v8i v) {
 VINLINE v8h narrow16(v8u v) {
     v16h h = (v16h)v;
     return __builtin_shufflevector(h, h, 0, 2, 4, 6, 8, 10, 12, 14);
+}
+
+/* Codes by lookup (``fmt_t.code_lut``) of 8 lanes of float32 bits ``u``: eight byte loads
+ * from the table (no arithmetic rounding, no code formula), NaN lanes blended in after. */
+VINLINE v8b vlut_codes(const fmt_t *f, v8u u) {
+    v8u key = u >> f->lut_shift;
+    if (f->lut_sticky)
+        key = (key << 1) | ((v8u)((u & ((1u << f->lut_shift) - 1u)) != 0) & 1u);
+    uint64_t c = 0;
+    for (int l = 0; l < 8; l++) c |= (uint64_t)f->code_lut[key[l]] << (8 * l);
+    v8b nan = narrow8((v8i)(u & 0x7fffffffu) > 0x7f800000);
+    v8b nan_code = narrow8(visel((v8i)u < 0, vsplat(f->lut_nan[1]), vsplat(f->lut_nan[0])));
+    uint64_t m, nc;
+    memcpy(&m, &nan, sizeof m);
+    memcpy(&nc, &nan_code, sizeof nc);
+    c = (c & ~m) | (nc & m);
+    v8b out;
+    memcpy(&out, &c, sizeof out);
+    return out;
 }
 
 #endif

@@ -12,6 +12,7 @@ exactly like the ``clamp`` of the frexp-based reference.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -103,7 +104,59 @@ def native_tables(spec, rounding: str, saturate: bool = True,
     t.has_inf, t.has_nan = int(lay.has_inf), int(lay.has_nan)
     t.inf_code = lay.inf_code if lay.has_inf else 0
     t.nan_code = lay.nan_code if lay.has_nan else 0
+    if not t.linear and not nan_to_zero and rounding in ("nearest_even", "half_away"):
+        _code_lut(lay, t, sticky=rounding == "nearest_even")
     return t
+
+
+LUT_MAX_ENTRIES = 1 << 14  # 16 KB: the table stays in the L1 cache beside the data streams
+
+
+def _bits_as_float(bits: torch.Tensor) -> torch.Tensor:
+    """int64 tensor of 32-bit patterns -> the float32 values with those bits."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(
+        torch.float32)
+
+
+def _code_lut(lay, t, sticky: bool) -> None:
+    """Fill ``t.code_lut`` (csrc/common.h's ``fmt_t``: encode by one byte load per value) for
+    a format whose codes the kernels otherwise compute with per-binade lookups (HiFloat8), when
+    the table fits ``LUT_MAX_ENTRIES``.
+
+    Rounding to the nearest grid point is decided by the bits down to the first one the widest
+    binade drops (half away), plus whether any lower bit is set (half even: the tie), so one
+    code per such key holds for every value with it. The table is filled from the kernels' own
+    arithmetic path, and for each key its smallest and largest member must get the same code:
+    the quantized magnitude is monotone in |x| and codes are one-to-one on magnitudes, so then
+    every member does (NaN, the one exception, is blended in by the kernel)."""
+    # the widest binade's kept mantissa bits (outside the binades: saturated, or coarser)
+    width = max(f - 127 - t.step_log2[f] for f in range(lay.e_lo + 127, lay.e_hi + 128))
+    shift = 22 - width  # keep sign, exponent, ``width`` mantissa bits and the first dropped
+    entries = 1 << (32 - shift + sticky)
+    if shift < 1 or entries > LUT_MAX_ENTRIES:
+        return
+    top = torch.arange(1 << (32 - shift), dtype=torch.int64) << shift
+    low = (1 << shift) - 1
+    if sticky:  # key = top << 1 | (any lower bit): [top, top] and [top + 1, top + low]
+        first = torch.stack([top, top + 1], 1).flatten()
+        last = torch.stack([top, top + low], 1).flatten()
+    else:
+        first, last = top, top + low
+    first, last = _bits_as_float(first), _bits_as_float(last)
+    lo = native.quantize(t, first, native.OUT_CODES)
+    hi = native.quantize(t, last, native.OUT_CODES)
+    # a key whose largest member is NaN holds +-inf (its only non-NaN member) or only NaNs
+    if not bool(((lo == hi) | torch.isnan(last)).all()):
+        return
+    nans = _bits_as_float(torch.tensor([0x7FC00000, 0x7F800001, 0x7FFFFFFF]))
+    nan_codes = native.quantize(t, torch.cat([nans, -nans]), native.OUT_CODES).tolist()
+    if len(set(nan_codes[:3])) != 1 or len(set(nan_codes[3:])) != 1:
+        return
+    table = (ctypes.c_uint8 * entries).from_buffer_copy(lo.numpy().tobytes())
+    t._code_lut_buffer = table  # alive as long as ``t`` (native_tables caches both)
+    t.code_lut = ctypes.addressof(table)
+    t.lut_shift, t.lut_sticky = shift, int(sticky)
+    t.lut_nan[0], t.lut_nan[1] = nan_codes[0], nan_codes[3]
 
 
 def _taper_description(lay, t) -> None:

@@ -46,10 +46,11 @@ def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None =
     return _elementwise_chunks(_quantize_dense, x, spec, torch.float32, kw)
 
 
-def _native(x, spec, out_kind, kw, scale=None, out=None) -> torch.Tensor | None:
+def _native(x, spec, out_kind, kw, scale=None, out=None, group=0) -> torch.Tensor | None:
     """The C kernel's result (same bits as the torch path), or None where it does not apply.
-    ``scale``: float32 [1, 1], [rows, 1] or [1, cols] (``_row_scales``); ``out``: a checked
-    buffer to write it into (``_out_buffer``)."""
+    ``scale``: float32 [1, 1], [rows, 1] or [1, cols] (``_row_scales``), or with ``group`` > 0
+    [rows, groups] (one per ``group`` values of a row); ``out``: a checked buffer to write it
+    into (``_out_buffer``)."""
     if not native.supports(x):
         return None
     rounding = kw.get("rounding") or spec.rounding
@@ -61,9 +62,10 @@ def _native(x, spec, out_kind, kw, scale=None, out=None) -> torch.Tensor | None:
         rand = torch.rand(x.shape, generator=kw.get("generator"), device=x.device)
         if rand.dtype != torch.float32:
             return None
-    per_row = scale is not None and scale.shape[0] > 1
-    per_col = scale is not None and scale.shape[0] == 1 and scale.shape[1] > 1
-    return native.quantize(tables, x, out_kind, scale, per_row, per_col, rand, into=out)
+    per_row = scale is not None and (scale.shape[0] > 1 or group > 0)
+    per_col = scale is not None and not per_row and scale.shape[1] > 1
+    return native.quantize(tables, x, out_kind, scale, per_row, per_col, rand, into=out,
+                           group=group)
 
 
 def _elementwise_chunks(fn, x, spec, out_dtype, kw):
@@ -276,10 +278,17 @@ def encode_scaled(x: torch.Tensor, scale, spec: FormatSpec) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, *,
-                  out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                  out: torch.Tensor | None = None, group_size: int | None = None,
+                  **kwargs) -> torch.Tensor:
     """``quantize(x / scale) * scale`` in ``x``'s dtype; ``scale`` broadcasts against ``x``.
-    ``out``: a tensor like ``x`` to write the result into (and return; see ``encode``)."""
+    ``out``: a tensor like ``x`` to write the result into (and return; see ``encode``).
+    ``group_size``: ``scale`` holds one value per ``group_size`` consecutive values along the
+    last dim instead ([..., ceil(C / group_size)]; the last group may be partial): the
+    kernels read it as it is, where expanding it to ``x``'s shape would cost a full-size
+    scale tensor and the torch path."""
     out = _out_buffer(out, x, x.dtype)
+    if group_size is not None:
+        return _fake_quantize_groups(x, scale, spec, group_size, out, kwargs)
     rows = _row_scales(x, scale)
     if rows is not None and (not torch.is_tensor(scale) or scale.dtype == torch.float32 or
                              scale.dim() == 0):  # else the torch path divides in float64
@@ -287,6 +296,20 @@ def fake_quantize(x: torch.Tensor, scale, spec: FormatSpec, *,
         if got is not None:
             return got
     return _into(out, _fake_quantize_torch(x, scale, spec, rows, kwargs))
+
+
+def _fake_quantize_groups(x, scale, spec, group_size, out, kwargs) -> torch.Tensor:
+    groups = -(-x.shape[-1] // group_size) if x.dim() else 0
+    if x.dim() and tuple(scale.shape) != (*x.shape[:-1], groups):
+        raise ValueError(f"a scale per {group_size} values of {tuple(x.shape)} has shape "
+                         f"{(*x.shape[:-1], groups)}, got {tuple(scale.shape)}")
+    if scale.dtype == torch.float32 and x.numel():
+        got = _native(x, spec, native.OUT_SAME, kwargs, scale.reshape(-1, groups), out,
+                      group_size)
+        if got is not None:
+            return got
+    full = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
+    return _into(out, _fake_quantize_torch(x, full, spec, None, kwargs))
 
 
 def _fake_quantize_torch(x, scale, spec, rows, kwargs) -> torch.Tensor:
