@@ -43,13 +43,13 @@ ROWS = {
     "fp8-dynamic-gptq": ("`fp8-dynamic` + GPTQ", "row-wise scaled_mm"),
     "fp8-dynamic-gptq-mse": ("`fp8-dynamic` + GPTQ with MSE scales", "row-wise scaled_mm"),
     "fp8-dynamic-gptq-ao": ("`fp8-dynamic` + GPTQ with `--gptq-act-order`", "row-wise scaled_mm"),
-    "fp8-dynamic-gptq-seq-ao": ("`fp8-dynamic` + sequential GPTQ act-order (the default)",
+    "fp8-dynamic-gptq-seq-ao": ("`fp8-dynamic` + sequential GPTQ act-order, random windows",
                                 "row-wise scaled_mm"),
     "w-only-gptq-seq-ao": ("e4m3 weight-only, channel W, sequential GPTQ act-order",
                            "FP8 Marlin (W8A16)"),
     # the same, calibrated on windows that open a document after the BOS (--calib-windows)
     "fp8-dynamic-gptq-seq-ao-docs": ("`fp8-dynamic` + sequential GPTQ act-order, "
-                                     "`--calib-windows documents`", "row-wise scaled_mm"),
+                                     "document windows (the default)", "row-wise scaled_mm"),
     "w-only-gptq-seq-ao-docs": ("e4m3 weight-only, sequential GPTQ act-order, "
                                 "`--calib-windows documents`", "FP8 Marlin (W8A16)"),
     "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ act-order (one pass)",

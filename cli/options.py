@@ -33,7 +33,7 @@ _SPECS = [
     _opt("--calib-windows", type=click.Choice(CALIB_WINDOWS),
          help="How calibration samples are cut: 'random' offsets into the concatenated "
               "documents, or 'documents' (each sample opens a document after the BOS, as "
-              "in evaluation and in llm-compressor) [random]."),
+              "in evaluation and in llm-compressor) [documents]."),
     _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
     _opt("--weight-format", help="Weight format when it differs from --format."),
     _opt("--act-format", help="Activation format when it differs from --format; 'none' = "

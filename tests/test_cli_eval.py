@@ -309,7 +309,8 @@ def test_each_variant_calibrates_on_its_own_windows(files):
     (``calib_windows``), not by the shared one: a documents-window variant scores what it
     scores alone, and not what the random-window variant scores."""
     base = Recipe(calib_data=files.calib, num_samples=4, seq_len=16, dtype="float32",
-                  act_granularity="tensor", weight_calib="max")  # static: the data matter
+                  act_granularity="tensor", weight_calib="max",  # static: the data matter
+                  calib_windows="random")
     docs = base.merged(calib_windows="documents")
     texts = job.calibration_texts(base, files.llama)
     kw = dict(device="cpu", data={"wikitext": files.wiki}, limit=None, seq_len=None,

@@ -396,6 +396,6 @@ def test_calib_windows_documents(assets, tmp_path):
     assert report["calibration"]["sha256"] == calib.sha256
     assert read_metadata(out)["recipe"]["calib_windows"] == "documents"
     assert torch.equal(logits(fp8ptq.load(out).model, IDS), logits(expected_model, IDS))
-    random = quantize_json(assets, tmp_path / "random")
+    random = quantize_json(assets, tmp_path / "random", "--calib-windows", "random")
     assert random["calibration"]["windows"] == "random"
     assert random["calibration"]["sha256"] != calib.sha256
