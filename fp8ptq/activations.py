@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .model.forward import micro_batches
+from .model.forward import micro_batch_spans
 from .model.gemm32 import float32_gemms
 
 
@@ -105,7 +105,7 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
 def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict | None],
               out: ActivationStore) -> bool:
     """Every captured batch through ``block`` into ``out``, in the statistics pass's
-    micro-batches of about ``MICRO_TOKENS`` tokens (``fp8ptq.model.forward.micro_batches``:
+    micro-batches of about ``MICRO_TOKENS`` tokens (``fp8ptq.model.forward.micro_batch_spans``:
     the block's intermediate activations are those of one piece, its outputs the whole
     batch's bit for bit); True when the block returns a tuple (transformers' older layer
     convention), which stand-ins must mimic."""
@@ -116,25 +116,21 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
                 continue
             hidden = store.get(i)
             result = None
-            pieces = micro_batches({"hidden_states": hidden, **kw})
-            for start, piece in zip(range(0, hidden.shape[0], _rows(pieces)), pieces):
+            spans = micro_batch_spans({"hidden_states": hidden, **kw})
+            for start, piece in spans:
                 y = block(**piece)
                 tupled = isinstance(y, tuple)
                 h = y[0] if tupled else y
-                if len(pieces) == 1:
+                if len(spans) == 1:
                     result = h
                     break
                 if result is None:  # the pieces' outputs written into one batch tensor
                     result = h.new_empty((hidden.shape[0], *h.shape[1:]))
                 result[start:start + h.shape[0]] = h
-            del hidden, pieces
+            del hidden, spans
             out.put(i, result)
             del result
     return tupled
-
-
-def _rows(pieces: list) -> int:
-    return pieces[0]["hidden_states"].shape[0]
 
 
 class BlockBatch(Mapping):

@@ -131,3 +131,33 @@ def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
         assert r.exit_code == 0, r.output
         doc = json.loads((out / "fp8ptq.json").read_text())
         assert doc["recipe"]["gptq_sequential"] is want
+
+
+def test_run_order_comes_from_one_sequence():
+    """The groups (GEMMs fed the same tensor, in call order) are found by a forward of the
+    first sequence alone, and equal those of the whole batch; a target that sequence leaves
+    unreached makes the whole batch run (and, unreached still, it comes last, alone)."""
+    from types import SimpleNamespace
+
+    from fp8ptq.gptq_sequential import _groups_in_run_order, _run_order
+
+    model = tiny("llama").float().eval()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    targets = [SimpleNamespace(name=n, module=m) for n, m in [
+        ("down", mlp.down_proj), ("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj),
+        ("o", attn.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj)]]
+    rows = []
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda _m, args: rows.append(args[0].shape[0]))
+    try:
+        groups = _groups_in_run_order(model, targets, BATCHES)
+        assert rows == [1]  # one sequence of the 4-sequence batch
+        whole, _ = _run_order(model, targets, BATCHES[0])
+        assert [[t.name for t in g] for g in groups] == [[t.name for t in g] for g in whole] \
+            == [["q", "k", "v"], ["o"], ["gate", "up"], ["down"]]
+        rows.clear()
+        lost = SimpleNamespace(name="lost", module=torch.nn.Linear(2, 2))
+        groups = _groups_in_run_order(model, [lost, *targets], BATCHES)
+        assert rows == [1, 4] and [t.name for t in groups[-1]] == ["lost"]
+    finally:
+        handle.remove()

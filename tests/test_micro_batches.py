@@ -8,7 +8,7 @@ import torch
 from fp8ptq import pipeline, usage
 from fp8ptq.activations import ActivationStore, capture_block_inputs, run_block
 from fp8ptq.model import forward
-from fp8ptq.model.forward import micro_batches, token_batches
+from fp8ptq.model.forward import micro_batch_spans, micro_batches, token_batches
 from fp8ptq.pipeline import collect_stats, plan_targets
 from fp8ptq.recipe import Recipe
 from tiny_models import IDS, tiny
@@ -52,6 +52,21 @@ def test_block_inputs_split_with_their_arguments():
     assert micro_batches(odd, tokens=12) == [odd]
 
 
+def test_spans_give_each_piece_its_first_row():
+    """``micro_batch_spans``: the pieces of ``micro_batches`` with their offsets in the batch,
+    a short last piece included; a batch kept whole is one span at row 0."""
+    batch = {"input_ids": torch.arange(48).reshape(8, 6), "attention_mask": None}
+    spans = micro_batch_spans(batch, tokens=18)
+    assert [start for start, _ in spans] == [0, 3, 6]
+    for start, piece in spans:
+        rows = piece["input_ids"].shape[0]
+        assert torch.equal(piece["input_ids"], batch["input_ids"][start:start + rows])
+    assert all(torch.equal(p["input_ids"], q["input_ids"])
+               for (_, p), q in zip(spans, micro_batches(batch, tokens=18)))
+    assert micro_batch_spans(batch, tokens=48) == [(0, batch)]
+    assert micro_batch_spans(torch.zeros(2, 3), tokens=1)[0][0] == 0
+
+
 def _block_run(model, batches, monkeypatch, tokens):
     """Every batch through block 0 by ``run_block`` (``MICRO_TOKENS`` = ``tokens``): the
     outputs, the rows of each block forward, and the largest single allocation."""
@@ -87,6 +102,9 @@ def test_block_forwards_in_micro_batches_equal_whole_batches(dtype, monkeypatch)
     assert whole_rows == [8] and split_rows == [1] * 8
     assert all(torch.equal(a, b) for a, b in zip(whole, split))
     assert split_peak * 4 < whole_peak, (split_peak, whole_peak)
+    uneven, uneven_rows, _ = _block_run(model, batches, monkeypatch, 3 * 64)
+    assert uneven_rows == [3, 3, 2]  # a short last piece lands at its own rows
+    assert all(torch.equal(a, b) for a, b in zip(whole, uneven))
 
 
 def _stats(model, targets, batches, sample_batches=0):

@@ -58,10 +58,10 @@ def test_micro_batched_block_forwards_stay_bit_identical(arch, tmp_path, monkeyp
     sequential blocks' statistics and carrying all run in pieces, and still agree bit for bit."""
     monkeypatch.setattr(forward, "MICRO_TOKENS", 24)
     rows = []
-    real = forward.micro_batches
-    monkeypatch.setattr(activations, "micro_batches",
+    real = forward.micro_batch_spans
+    monkeypatch.setattr(activations, "micro_batch_spans",
                         lambda b, *a, **k: rows.extend(
-                            p["hidden_states"].shape[0] for p in real(b, *a, **k))
+                            p["hidden_states"].shape[0] for _, p in real(b, *a, **k))
                         or real(b, *a, **k))
     folder = _saved(arch, tmp_path)
     recipe = Recipe(act_granularity="tensor", dtype="float32")

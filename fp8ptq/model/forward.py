@@ -49,23 +49,32 @@ def micro_batches(batch, tokens: int | None = None, multiple: int = 1) -> list:
     split. A piece's forward computes each sequence as the whole batch's does (each sequence
     attends to itself only); the statistics that add exactly (amax, histograms) and a block's
     outputs are then the same bit for bit (tested)."""
+    return [piece for _, piece in micro_batch_spans(batch, tokens, multiple)]
+
+
+def micro_batch_spans(batch, tokens: int | None = None, multiple: int = 1
+                      ) -> list[tuple[int, object]]:
+    """``micro_batches`` with each piece's first row in the batch: ``[(start, piece), ...]``,
+    so that a caller writing the pieces' outputs into one batch tensor (``run_block``) takes
+    the offsets from the split itself instead of recomputing them; ``[(0, batch)]`` when the
+    batch stays whole."""
     tokens = MICRO_TOKENS if tokens is None else tokens
     if not isinstance(batch, Mapping) or not batch:
-        return [batch]
+        return [(0, batch)]
     items = list(batch.items())
     first = next((v for _, v in items if torch.is_tensor(v)), None)
     if first is None or first.dim() < 1:
-        return [batch]
+        return [(0, batch)]
     n = first.shape[0]
     if not all(_splittable(v, n) for _, v in items):
-        return [batch]
+        return [(0, batch)]
     seq = first.shape[1] if first.dim() > 1 else 1
     rows = max(1, tokens // max(1, seq))
     while rows < n and (rows * seq) % multiple:
         rows += 1
     if rows >= n:
-        return [batch]
-    return [{k: _piece(v, n, i, rows) for k, v in items} for i in range(0, n, rows)]
+        return [(0, batch)]
+    return [(i, {k: _piece(v, n, i, rows) for k, v in items}) for i in range(0, n, rows)]
 
 
 def _splittable(value, n: int) -> bool:
