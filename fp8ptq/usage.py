@@ -26,18 +26,21 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
 
 
-def _libc_trim():
+def _glibc(name: str, argtypes: list):
+    """glibc's function ``name`` typed for ctypes; None off Linux or off glibc (musl has
+    neither ``malloc_trim`` nor ``mallopt``'s M_MMAP_THRESHOLD semantics)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        func = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    func.argtypes, func.restype = argtypes, ctypes.c_int
+    return func
 
 
-_TRIM = _libc_trim()
+_TRIM = _glibc("malloc_trim", [ctypes.c_size_t])
+_MALLOPT = _glibc("mallopt", [ctypes.c_int, ctypes.c_int])
 
 # glibc ``mallopt`` parameter number (malloc.h) and the value fp8ptq's commands use.
 _M_MMAP_THRESHOLD = -3
@@ -59,14 +62,9 @@ def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     4 MiB. A user's own ``MALLOC_MMAP_THRESHOLD_`` wins (then nothing is changed); a no-op off
     glibc. Called by the ``fp8ptq`` command at start-up and by ``quantize_model`` /
     ``quantize_sequential`` (idempotent)."""
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if _MALLOPT is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def release_free_memory() -> None:
