@@ -195,3 +195,52 @@ def test_a_model_that_never_upcasts_enters_no_mode(dtype, entered, monkeypatch):
         assert len(stack()) - before == int(entered)
     assert len(stack()) == before
     assert gemm32.float_dtype(model) == dtype
+
+
+def test_upcast_into_scratch_keeps_values_and_layout():
+    """GEMM inputs and attention operands are upcast into this thread's scratch buffer: the
+    values and strides of ``t.float()`` (a transposed view stays transposed), the same memory
+    at the next call; a tensor that is not dense, or whose float32 copy exceeds
+    ``CHUNK_BYTES``, gets a new tensor instead."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 5, 3, 4, generator=g).to(torch.bfloat16).transpose(1, 2)
+    u = gemm32._upcast(t, "test")
+    assert torch.equal(u, t.float()) and u.stride() == t.float().stride() == t.stride()
+    again = gemm32._upcast(torch.randn(2, 5, 3, 4, generator=g).to(torch.bfloat16)
+                           .transpose(1, 2), "test")
+    assert again.data_ptr() == u.data_ptr()
+    sparse = t[..., ::2]
+    got = gemm32._upcast(sparse, "test")
+    assert torch.equal(got, sparse.float()) and got.data_ptr() != u.data_ptr()
+    big = torch.zeros(gemm32.CHUNK_BYTES // 4 + 1, dtype=torch.bfloat16)
+    assert gemm32._upcast(big, "test").data_ptr() != u.data_ptr()
+    gemm32._active.scratch = None
+
+
+def test_linear32_allocates_only_its_output_once_warm():
+    """After the first call, a GEMM allocates nothing but its bf16 output: its float32 input,
+    weight chunk and output chunk live in the scratch buffers (no fresh pages to fault in)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, w, b = _operands(torch.bfloat16, n=3000, k=512, tokens=(4, 300))
+    want = linear32(x, w, b)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = linear32(x, w, b)
+    assert torch.equal(got, want)
+    sizes = [e.self_cpu_memory_usage for e in prof.events()
+             if e.name != "[memory]" and e.self_cpu_memory_usage > 0]
+    out_bytes = got.numel() * got.element_size()
+    assert max(sizes) == out_bytes and sum(sizes) < out_bytes + 4 * w.shape[0] + 4096
+    gemm32._active.scratch = None
+
+
+def test_attention32_on_transposed_operands():
+    """Attention operands as transformers passes them ([B, T, H, D] transposed to
+    [B, H, T, D]) give the float32 attention of the same values, rounded once."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 33, 4, 16, generator=g).to(torch.bfloat16).transpose(1, 2)
+               for _ in range(3))
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                          is_causal=True).to(torch.bfloat16)
+    with torch.no_grad(), float32_gemms(force=True):
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), want)

@@ -21,7 +21,10 @@ sequential, each rank under torchrun) runs under the same mode, so they stay bit
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
 float32 activations of a calibration batch that ``fp8ptq.route``'s estimate counts (4 bytes x
-tokens x (6 hidden + 2 intermediate + vocabulary)).
+tokens x (6 hidden + 2 intermediate + vocabulary)). These float32 copies, and attention's
+upcast query / key / value, live in per-thread scratch buffers of at most ``CHUNK_BYTES`` each
+while the mode is active (``_scratch``): allocated afresh at every call they would be mapped
+and faulted in again each time (``fp8ptq.usage.bound_heap``), which is kernel time.
 
 The same mode runs ``F.scaled_dot_product_attention`` on bf16 / fp16 CPU tensors in float32
 (``attention32``: query, key, value and a floating mask upcast, the output rounded back once):
@@ -83,12 +86,12 @@ def rows_per_chunk(tokens: int, in_features: int, out_features: int) -> int:
 def linear32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
              ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed in float32, rounded to ``x.dtype``."""
-    x32 = x.float()
+    x32 = _upcast(x, "input")
     tokens = x32.numel() // max(1, x32.shape[-1])
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     step = rows_per_chunk(tokens, k, n)
-    wbuf, obuf = _scratch(step * k, tokens * step)
+    wbuf, obuf = _scratch("weight", step * k), _scratch("output", tokens * step)
     for i in range(0, n, step):
         rows = min(step, n - i)
         w32 = wbuf[:rows * k].view(rows, k)
@@ -101,32 +104,52 @@ def linear32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
-def _scratch(weight_elems: int, out_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This thread's float32 buffers for a weight chunk and an output chunk (at most
-    ``CHUNK_BYTES`` each), kept between calls: allocated afresh, every GEMM of every forward
-    would map and fault in its weight's and output's float32 pages again (large tensors are
-    mmapped, ``fp8ptq.usage.bound_heap``): 17 s of kernel time in a 28 s SmolLM2 statistics
-    pass over 16 x 512 tokens."""
+def _scratch(name: str, elems: int) -> torch.Tensor:
+    """This thread's float32 buffer ``name`` (a weight chunk, an output chunk, an upcast
+    input: at most ``CHUNK_BYTES`` each), kept between calls. Allocated afresh, every GEMM of
+    every forward would map and fault in its float32 pages again (large tensors are mmapped,
+    ``fp8ptq.usage.bound_heap``): the weight and output chunks alone were 17 s of kernel time
+    in a 28 s SmolLM2 statistics pass over 16 x 512 tokens. Freed when the mode exits."""
     bufs = getattr(_active, "scratch", None)
-    if bufs is None or bufs[0].numel() < weight_elems or bufs[1].numel() < out_elems:
-        old = bufs or (torch.empty(0), torch.empty(0))
-        bufs = tuple(b if b.numel() >= n else torch.empty(n, dtype=torch.float32)
-                     for b, n in zip(old, (weight_elems, out_elems)))
-        _active.scratch = bufs
-    return bufs
+    if bufs is None:
+        bufs = _active.scratch = {}
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < elems:
+        bufs.pop(name, None)  # the old one goes before the larger one comes
+        buf = bufs[name] = torch.empty(elems, dtype=torch.float32)
+    return buf
+
+
+def _upcast(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t.float()``: the same values in the same memory layout (strides), written into this
+    thread's scratch buffer ``name`` when ``t`` is dense and its float32 copy fits in
+    ``CHUNK_BYTES`` (a calibration micro-batch's GEMM inputs and attention operands), else a
+    new tensor. The upcast inputs of every GEMM and attention of a forward would otherwise be
+    mapped and faulted in afresh each time: a bf16 SmolLM2 layer upcasts ~30 MB per
+    1024-token micro-batch."""
+    if 4 * t.numel() > CHUNK_BYTES or t.device.type != "cpu":
+        return t.float()
+    # the dims from the outermost to the innermost in memory: t is dense when, permuted so,
+    # it is contiguous; the scratch view then gets t's own strides (size-1 dims aside)
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    if not t.permute(order).is_contiguous():
+        return t.float()
+    view = _scratch(name, t.numel())[:t.numel()].view([t.shape[d] for d in order])
+    return view.permute(sorted(range(t.dim()), key=order.__getitem__)).copy_(t)
 
 
 def attention32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args,
                 **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` computed in float32, rounded to ``query.dtype``
-    (a floating ``attn_mask`` is upcast too; a boolean one is used as it is)."""
+    (a floating ``attn_mask`` is upcast too; a boolean one is used as it is). Query, key and
+    value are upcast into scratch buffers (``_upcast``)."""
     args = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
             for a in args]
     mask = kwargs.get("attn_mask")
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
         kwargs = {**kwargs, "attn_mask": mask.float()}
-    out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), *args,
-                                         **kwargs)
+    out = F.scaled_dot_product_attention(_upcast(query, "query"), _upcast(key, "key"),
+                                         _upcast(value, "value"), *args, **kwargs)
     return out.to(query.dtype)
 
 
