@@ -85,38 +85,19 @@ class AsymmetricCollector(HessianCollector):
         xf = self.float_inputs.pop(name).reshape(-1, x.shape[-1]).float()
         if xf.shape != xq.shape:
             raise RuntimeError(f"{name}: float and quantized streams gave different rows")
-        for store, t in ((self.sums, xq.T @ xq), (self.cross, xf.T @ xq)):
-            t = t.double().cpu()
-            if owner in store:
-                store[owner] += t
-            else:
-                store[owner] = t
+        self._add(self.sums, owner, xq.T @ xq)
+        self._add(self.cross, owner, xf.T @ xq)
         self.rows[owner] = self.rows.get(owner, 0) + xq.shape[0]
 
-    def _hook(self, name: str):
-        def hook(_module, args):
-            if not args or not torch.is_tensor(args[0]):
-                return
-            x = args[0]
-            if self._last is not None and self._last[0] is x:
-                self.alias.setdefault(name, self._last[1])
-                self.float_inputs.pop(name, None)
-                return
-            owner = self.alias.get(name, name)
-            self._last = (x, owner)
-            self._accumulate(name, owner, x)
-
-        return hook
+    def _aliased(self, name: str) -> None:
+        self.float_inputs.pop(name, None)
 
     def cross_term(self, name: str) -> torch.Tensor | None:
         """``2 X^T X~ / rows``: scaled as ``hessian`` is."""
-        owner = self.alias.get(name, name)
-        c = self.cross.get(owner)
-        return None if c is None else 2.0 * c / max(self.rows[owner], 1)
+        return self._scaled(self.cross, name)
 
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + sum(c.numel() * c.element_size() for c in self.cross.values())
+    def _stores(self) -> tuple[dict, ...]:
+        return (self.sums, self.cross)
 
 
 def asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor,

@@ -21,7 +21,7 @@ from fp8ptq.model.gemm import weight_2d
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
-from tiny_models import IDS, invoke, tiny
+from tiny_models import IDS, invoke, saved_llama_with_calib, tiny
 
 BATCHES = list(token_batches(IDS, 4))
 QUANTIZE_TARGET = pipeline.quantize_target
@@ -177,11 +177,7 @@ def test_needs_sequential_gptq():
 
 
 def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
-    src = tmp_path / "src"
-    tiny("llama").save_pretrained(src)
-    word_tokenizer.save_pretrained(src)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("the quick brown fox jumps over the lazy dog hello world again\n" * 8)
+    src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
     out = tmp_path / "out"
     r = invoke(["quantize", src, "-o", out, "--gptq-asym", "--act-granularity", "token",
                 "--calib-data", calib, "--num-samples", 2, "--seq-len", 8,
