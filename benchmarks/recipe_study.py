@@ -63,6 +63,10 @@ E4M3 = {
     "fp8-dynamic-gptq-seq-ao-docs": dict(scheme="fp8-dynamic", weight_calib="gptq",
                                          gptq_sequential=True, gptq_act_order=True,
                                          calib_windows="documents"),
+    # asymmetric GPTQ (GPTAQ): each GEMM aims at the float model's output (fp8ptq.gptaq)
+    "fp8-dynamic-gptq-seq-ao-docs-asym": dict(scheme="fp8-dynamic", weight_calib="gptq",
+                                              gptq_sequential=True, gptq_act_order=True,
+                                              calib_windows="documents", gptq_asym=True),
     "w-only-gptq-seq-ao-docs": dict(act_format="none", weight_calib="gptq",
                                     gptq_sequential=True, gptq_act_order=True,
                                     calib_windows="documents"),

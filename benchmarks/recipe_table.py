@@ -50,6 +50,9 @@ ROWS = {
     # the same, calibrated on windows that open a document after the BOS (--calib-windows)
     "fp8-dynamic-gptq-seq-ao-docs": ("`fp8-dynamic` + sequential GPTQ act-order, "
                                      "document windows (the default)", "row-wise scaled_mm"),
+    "fp8-dynamic-gptq-seq-ao-docs-asym": ("`fp8-dynamic` + sequential GPTQ act-order, document "
+                                          "windows, `--gptq-asym` (asymmetric GPTQ)",
+                                          "row-wise scaled_mm"),
     "w-only-gptq-seq-ao-docs": ("e4m3 weight-only, sequential GPTQ act-order, "
                                 "`--calib-windows documents`", "FP8 Marlin (W8A16)"),
     "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ act-order (one pass)",

@@ -57,6 +57,9 @@ _SPECS = [
          help="GPTQ: take each GEMM's Hessian from the model quantized so far, group by group "
               "in run order (errors of earlier layers compensated), or all from one pass over "
               "the float model [sequential]."),
+    _opt("--gptq-asym/--no-gptq-asym", default=None,
+         help="Sequential GPTQ aims each GEMM at the float model's output (asymmetric GPTQ, "
+              "GPTAQ): a float stream runs beside the quantized one [off]."),
     _opt("--act-calib",
          help=f"Activation calibrator: {calibrators.help_text('activation')} [max]."),
     _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
@@ -213,7 +216,7 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         act_group_size=kwargs.pop("act_group_size"), weight_calib=kwargs.pop("weight_calib"),
         act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
         gptq_damp=kwargs.pop("gptq_damp"), gptq_act_order=kwargs.pop("gptq_act_order"),
-        gptq_sequential=kwargs.pop("gptq_sequential"),
+        gptq_sequential=kwargs.pop("gptq_sequential"), gptq_asym=kwargs.pop("gptq_asym"),
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),

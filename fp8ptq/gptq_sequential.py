@@ -26,6 +26,7 @@ GPTQ: rounded to nearest).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -33,11 +34,14 @@ from torch import nn
 
 from . import distributed
 from .activations import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from .gptaq import AsymmetricCollector, asymmetric_target, input_quantizer
 from .hessian import HessianCollector
 from .model.blocks import block_prefix, find_blocks
 from .model.forward import micro_batches, run_batch
+from .model.gemm import weight_2d
 
-Quantize = Callable[[object, "torch.Tensor | None"], None]  # (plan entry, Hessian or None)
+# (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
+Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 class _Stop(Exception):
@@ -46,18 +50,25 @@ class _Stop(Exception):
 
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
                       quantize: Quantize, *, activation_budget: int = 1 << 30,
-                      spill_dir=None) -> dict:
+                      spill_dir=None, asym_damp: float | None = None) -> dict:
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
-    ``quantize(target, hessian)`` for each; ``gptq``: names of the targets that want a
-    Hessian. Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
+    ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
+    Hessian. ``asym_damp``: asymmetric GPTQ (``fp8ptq.gptaq``) with that dampening, a float
+    stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
+    None). Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
     facts for the report (``blocks``, ``groups``, ``forwards``, ``max_hessian_bytes``,
-    ``outside``: the names left to the caller)."""
+    ``outside``: the names left to the caller; ``asym_correction``: the largest and mean
+    ``||W* - W0|| / ||W0||``)."""
     found = find_blocks(model)
     outside = outside_blocks(model, targets)
     facts = {"blocks": 0, "groups": 0, "forwards": 0, "max_hessian_bytes": 0, "outside": []}
+    if asym_damp is not None:
+        facts["asym_correction"] = []
     if found is None:
         facts["blocks"] = 1
-        _quantize_unit(model, targets, gptq, batches, quantize, facts)
+        floats = _Floats(model, batches, asym_damp)
+        _quantize_unit(model, targets, gptq, batches, quantize, facts, floats)
+        _summarise(facts)
         return facts
     list_name, blocks = found
     inside = {i: [t for t in targets if t.name.startswith(block_prefix(list_name, i))]
@@ -66,14 +77,23 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     store = ActivationStore(activation_budget, spill_dir)
     kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches)))
+    # the float stream (asymmetric GPTQ): the float model's hidden states, block by block
+    fstore = store if asym_damp is None else ActivationStore(activation_budget, spill_dir)
+    if asym_damp is not None:
+        for j in range(len(kwargs_list)):
+            if kwargs_list[j] is not None:
+                fstore.put(j, store.get(j))
     try:
         for i, block in enumerate(blocks):
             prefix = block_prefix(list_name, i)
             local = [_Local(t, prefix) for t in inside[i]]
-            block_batches = [None if kw is None else BlockBatch(store, j, kw)
-                             for j, kw in enumerate(kwargs_list)]
+            block_batches, float_batches = ([None if kw is None else BlockBatch(s, j, kw)
+                                             for j, kw in enumerate(kwargs_list)]
+                                            for s in (store, fstore))
+            floats = _Floats(block, float_batches, asym_damp)
             _quantize_unit(block, local, {t.name for t in local if t.target.name in gptq},
-                           block_batches, lambda lt, h: quantize(lt.target, h), facts)
+                           block_batches, lambda lt, h, aim: quantize(lt.target, h, aim),
+                           facts, floats)
             facts["blocks"] += 1
             if i + 1 < len(blocks):
                 nxt = ActivationStore(activation_budget, spill_dir)
@@ -81,9 +101,33 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
                 facts["forwards"] += 1
                 store.close()
                 store = nxt
+                if floats.unit is not None:
+                    fnxt = ActivationStore(activation_budget, spill_dir)
+                    run_block(floats.unit, fstore, kwargs_list, fnxt)
+                    facts["forwards"] += 1
+                    fstore.close()
+                    fstore = fnxt
     finally:
         store.close()
+        fstore.close()
+    _summarise(facts)
     return facts
+
+
+class _Floats:
+    """The float stream of one unit (asymmetric GPTQ): a float copy of the unit taken before
+    any of its GEMMs is quantized, its batches, and the dampening of ``W*``; ``unit`` None
+    when GPTQ is plain."""
+
+    def __init__(self, unit: nn.Module, batches: list, damp: float | None):
+        self.unit = None if damp is None else copy.deepcopy(unit)
+        self.batches, self.damp = batches, damp
+
+
+def _summarise(facts: dict) -> None:
+    sizes = facts.pop("asym_correction", None)
+    if sizes:
+        facts["asym_correction"] = {"max": max(sizes), "mean": sum(sizes) / len(sizes)}
 
 
 def outside_blocks(model: nn.Module, targets: list) -> list[str]:
@@ -106,21 +150,29 @@ class _Local:
 
 
 def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
-                   quantize: Quantize, facts: dict) -> None:
+                   quantize: Quantize, facts: dict, floats: _Floats) -> None:
     """The targets of one unit (a block, or a model without blocks) group by group in run
-    order; each GPTQ group's Hessian from a forward through the unit as quantized so far."""
+    order; each GPTQ group's Hessian from a forward through the unit as quantized so far
+    (and, asymmetric, the float copy's forward on the float stream)."""
     if not targets:
         return
     for group in _groups_in_run_order(unit, targets, batches):
         wanted = [t for t in group if t.name in gptq]
         hessians = None
         if wanted and any(b is not None for b in batches):
-            hessians = _group_hessians(unit, wanted, batches)
-            facts["forwards"] += 1
+            hessians = _group_hessians(unit, wanted, batches, floats)
+            facts["forwards"] += 1 + (floats.unit is not None)
             facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
         facts["groups"] += 1
         for t in group:
-            quantize(t, hessians.hessian(t.name) if hessians and t.name in gptq else None)
+            h = hessians.hessian(t.name) if hessians and t.name in gptq else None
+            aim = None
+            if h is not None and floats.unit is not None:
+                w0 = weight_2d(t.module).detach().double()
+                aim = asymmetric_target(w0, h, hessians.cross_term(t.name), floats.damp)
+                facts["asym_correction"].append(
+                    float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
+            quantize(t, h, aim)
 
 
 def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:
@@ -168,29 +220,57 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
     return [ts for _, ts in order], seen
 
 
-def _group_hessians(unit: nn.Module, group: list, batches: list) -> HessianCollector:
+def _group_hessians(unit: nn.Module, group: list, batches: list,
+                    floats: _Floats) -> HessianCollector:
     """The group's Hessians from every batch, each forward stopped once the group's last
-    member has seen its input (nothing after it is needed); reduced across ranks."""
-    collector = HessianCollector({t.name: t.module for t in group})
+    member has seen its input (nothing after it is needed); reduced across ranks. With a
+    float stream each batch first runs the float copy to the same point, for the cross
+    terms (``AsymmetricCollector``)."""
+    if floats.unit is None:
+        collector = HessianCollector({t.name: t.module for t in group})
+    else:
+        collector = AsymmetricCollector({t.name: t.module for t in group},
+                                        {t.name: input_quantizer(_entry(t)) for t in group})
     error = None
+    handles = []
     with collector.observing(), torch.inference_mode():
         # registered after the collector's hooks, so it runs after the last one
         stop = group[-1].module.register_forward_pre_hook(_raise_stop)
+        if floats.unit is not None:
+            handles = collector.float_hooks(floats.unit, {t.name: t.name for t in group})
+            handles.append(floats.unit.get_submodule(group[-1].name)
+                           .register_forward_pre_hook(_raise_stop))
         try:
-            for _, batch in distributed.shard(batches):
+            for j, batch in distributed.shard(batches):
                 if batch is None:
                     continue
-                try:
-                    run_batch(unit, batch, logits=False)
-                except _Stop:
-                    pass
+                if floats.unit is not None:
+                    _run_to_stop(floats.unit, floats.batches[j])
+                _run_to_stop(unit, batch)
         except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
             error = e
         finally:
             stop.remove()
+            for h in handles:
+                h.remove()
     distributed.agree(error)
     distributed.reduce_sums(collector.sums, collector.rows)
+    if floats.unit is not None:
+        distributed.reduce_sums(collector.cross, {})
     return collector
+
+
+def _run_to_stop(unit: nn.Module, batch) -> None:
+    try:
+        run_batch(unit, batch, logits=False)
+    except _Stop:
+        pass
+
+
+def _entry(t):
+    """The plan entry of ``t`` (a ``_Local`` inside a block, or the entry itself)."""
+    return getattr(t, "target", t)
+
 
 
 def _raise_stop(_module, _args):

@@ -41,24 +41,43 @@ class HessianCollector:
             x = args[0]
             if self._last is not None and self._last[0] is x:
                 self.alias.setdefault(name, self._last[1])
+                self._aliased(name)
                 return
-            self._last = (x, self.alias.get(name, name))
             owner = self.alias.get(name, name)
-            x2 = x.detach().reshape(-1, x.shape[-1]).float()
-            xtx = (x2.T @ x2).double().cpu()
-            if owner in self.sums:
-                self.sums[owner] += xtx
-            else:
-                self.sums[owner] = xtx
-            self.rows[owner] = self.rows.get(owner, 0) + x2.shape[0]
+            self._last = (x, owner)
+            self._accumulate(name, owner, x)
 
         return hook
 
+    def _aliased(self, name: str) -> None:
+        """``name`` turned out to share the previous module's input (nothing to add)."""
+
+    def _accumulate(self, name: str, owner: str, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
+        self._add(self.sums, owner, x2.T @ x2)
+        self.rows[owner] = self.rows.get(owner, 0) + x2.shape[0]
+
+    @staticmethod
+    def _add(store: dict, owner: str, t: torch.Tensor) -> None:
+        t = t.double().cpu()
+        if owner in store:
+            store[owner] += t
+        else:
+            store[owner] = t
+
     def hessian(self, name: str) -> torch.Tensor | None:
+        return self._scaled(self.sums, name)
+
+    def _scaled(self, store: dict, name: str) -> torch.Tensor | None:
+        """``2 x (the owner's sum) / rows``."""
         owner = self.alias.get(name, name)
-        h = self.sums.get(owner)
+        h = store.get(owner)
         return None if h is None else 2.0 * h / max(self.rows[owner], 1)
+
+    def _stores(self) -> tuple[dict, ...]:
+        return (self.sums,)
 
     @property
     def nbytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.sums.values())
+        return sum(h.numel() * h.element_size() for store in self._stores()
+                   for h in store.values())

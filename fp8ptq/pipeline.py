@@ -224,17 +224,18 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                           "distinct_inputs": len(hessians.sums), "sequential": None}
     by_name: dict[str, ModuleReport] = {}
 
-    def quantize_one(t: Target, hessian: torch.Tensor | None) -> None:
+    def quantize_one(t: Target, hessian: torch.Tensor | None, aim=None) -> None:
         t_calib = w_calib if t.weight.calibrator == recipe.weight_calib else \
             plan.weight_calibrator(t)  # a partial-plan override's own
         by_name[t.name] = quantize_target(model, t, recipe, target_granularity(t, gran),
                                           t_calib, a_calib, stats.get(t.name),
                                           chosen.get(t.name), weight_scale=unified.get(t.name),
-                                          hessian=hessian)
+                                          hessian=hessian, aim=aim)
 
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
-            model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one)
+            model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
+            asym_damp=recipe.gptq_damp if recipe.gptq_asym else None)
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
@@ -321,13 +322,18 @@ def target_granularity(t: Target, gran):
 
 def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
                     weight_scale: torch.Tensor | None = None,
-                    hessian: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+                    hessian: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                    aim: torch.Tensor | None = None):
     """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``);
+    ``aim``: the weight GPTQ aims at instead of the module's (asymmetric GPTQ's ``W*``, on
+    which the scale is then chosen too: it is what gets rounded);
     ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``);
     ``weight``: the weight, in the module's own layout, when the module holds none (the
     model-free path: a meta-device module; its ``QuantGemm`` then holds the codes)."""
     warnings: list[str] = []
     w2d = weight_2d(t.module, weight).detach()  # its own dtype: the sweep converts by chunks
+    if aim is not None and hessian is not None:
+        w2d = aim.to(torch.float32)
     if weight_scale is not None:
         w_scale = weight_scale
     elif chosen is not None and chosen.weight_scale is not None:

@@ -65,6 +65,9 @@ class Recipe(BaseModel):
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.gptq_sequential``); False: all from one pass over the float model
     gptq_sequential: bool = True
+    # asymmetric GPTQ (``fp8ptq.gptaq``, sequential only): each GEMM aims at the float model's
+    # output on the float model's inputs, not its own output on the quantized model's inputs
+    gptq_asym: bool = False
     rounding: str | None = None  # default: the format's own
     scale_pow2: bool = False
     skip: list[str] = Field(default_factory=list)
@@ -186,6 +189,9 @@ class Recipe(BaseModel):
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
         if not 0 <= self.gptq_damp <= 1:
             raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
+        if self.gptq_asym and not self.gptq_sequential and "gptq_asym" in self.model_fields_set:
+            raise UsageError("gptq_asym needs sequential GPTQ (the float stream runs beside the "
+                             "quantized one); drop --no-gptq-sequential")
 
     @property
     def skip_patterns(self) -> list[str]:

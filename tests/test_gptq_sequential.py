@@ -16,7 +16,7 @@ from fp8ptq.model.forward import run_batch
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
-from tiny_models import IDS, invoke, tiny
+from tiny_models import IDS, invoke, saved_llama_with_calib, tiny
 
 BATCHES = list(token_batches(IDS, 4))
 QUANTIZE_TARGET = pipeline.quantize_target
@@ -118,11 +118,7 @@ def test_lm_head_outside_the_blocks_keeps_the_one_pass_hessian(monkeypatch):
 
 
 def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
-    src = tmp_path / "src"
-    tiny("llama").save_pretrained(src)
-    word_tokenizer.save_pretrained(src)
-    calib = tmp_path / "calib.txt"
-    calib.write_text("the quick brown fox jumps over the lazy dog hello world again\n" * 8)
+    src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
     for flag, want in (("--no-gptq-sequential", False), ("--gptq-sequential", True)):
         out = tmp_path / flag
         r = invoke(["quantize", src, "-o", out, "--weight-calib", "gptq", flag,

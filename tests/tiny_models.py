@@ -94,3 +94,14 @@ def invoke(args, **kwargs):
     """``fp8ptq ARGS`` in this process through click's ``CliRunner`` (arguments made strings);
     ``kwargs`` go to ``CliRunner.invoke`` (``env=...``, ``input=...``)."""
     return CliRunner().invoke(main, [str(a) for a in args], **kwargs)
+
+
+def saved_llama_with_calib(tmp_path, tokenizer):
+    """(model folder, calibration text file): the tiny Llama saved with ``tokenizer`` (the
+    ``word_tokenizer`` fixture) and a few lines of its words, for CLI quantize runs."""
+    src = tmp_path / "src"
+    tiny("llama").save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog hello world again\n" * 8)
+    return src, calib
