@@ -12,6 +12,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from fp8ptq.errors import UsageError
+from fp8ptq.model import lm_head
 
 
 @dataclass
@@ -89,42 +90,26 @@ class ChunkedLogitsMixin:
     output layer reproduce the model's own logits; a model that post-processes its logits in a
     way we do not know falls back to lm-eval's path."""
 
-    CHUNK_ELEMENTS = 1 << 25  # 32M float32 logits = 128 MB per chunk
+    CHUNK_ELEMENTS = lm_head.CHUNK_ELEMENTS
 
     _split_ok: bool | None = None
 
     def _body_and_head(self):
-        model = self.model
-        body = getattr(model, getattr(model, "base_model_prefix", ""), None)
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        return body, head
+        return lm_head.body_and_head(self.model)
 
     def _logits_of(self, head, hidden):
-        logits = head(hidden).float()
-        cap = getattr(getattr(self.model, "config", None), "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return lm_head.logits_of(self.model, head, hidden)
 
     def _check_split(self) -> bool:
         if self._split_ok is None:
-            body, head = self._body_and_head()
-            ok = body is not None and head is not None and body is not self.model
-            if ok:
-                ids = torch.arange(1, 9, device=self.device).reshape(1, -1) % max(
-                    getattr(self.model.config, "vocab_size", 8), 2)
-                with torch.no_grad():
-                    want = self.model(ids).logits.float()
-                    got = self._logits_of(head, body(ids).last_hidden_state)
-                ok = want.shape == got.shape and bool(torch.allclose(want, got, rtol=1e-5,
-                                                                     atol=1e-5))
-            self._split_ok = ok
+            self._split_ok = lm_head.split_works(self.model, self.device)
         return self._split_ok
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         if self.backend != "causal" or not self._check_split():
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
         body, head = self._body_and_head()
-        vocab = head.weight.shape[0] if hasattr(head, "weight") else 1
-        chunk = max(1, self.CHUNK_ELEMENTS // max(vocab, 1))
+        chunk = lm_head.positions_per_chunk(head, self.CHUNK_ELEMENTS)
         size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
         order = sorted(range(len(requests)),
                        key=lambda i: -len(requests[i][1]) - len(requests[i][2]))

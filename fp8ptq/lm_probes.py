@@ -1,6 +1,8 @@
 """Cheap model-level measurements for ``fp8ptq.sensitivity``.
 
-``PerplexityProbe``: perplexity of fixed token windows via ``model(input_ids, labels=input_ids)``.
+``PerplexityProbe``: perplexity of fixed token windows, the loss ``model(input_ids,
+labels=input_ids)`` averages, scored without the batch's whole logits (``fp8ptq.model.lm_head``:
+SmolLM2's 4 x 512 x 49,152 float32 logits and their log-softmax were ~0.8 GB of every probe).
 When a change is confined to decoder layers >= k, the layers before k are replayed from outputs
 cached in the baseline pass instead of being run again (checked once: replaying every layer but
 the last must reproduce the baseline loss, else every evaluation runs the whole model).
@@ -21,6 +23,7 @@ from torch import nn
 
 from .errors import DataError, UsageError
 from .model.gemm32 import float32_gemms
+from .model.lm_head import next_token_nll, split_works
 from .scales import sqnr_db
 
 REPLAY_CACHE_BYTES = 4 * 2**30
@@ -74,14 +77,21 @@ class PerplexityProbe:
         self.model, self.stack = model, stack
         self.batches = [w.to(device) for w in windows.split(max(1, batch_size))]
         self.cache: list[list] | None = None
+        self.split: bool | None = None  # body + output layer scored in chunks (checked once)
         self.notes: list[str] = []
         self._batch = 0
 
     def _run(self) -> float:
         total, count = 0.0, 0
         with torch.inference_mode(), float32_gemms(model=self.model):
+            self._check_split()
             for b, ids in enumerate(self.batches):
                 self._batch = b
+                if self.split:  # never the batch's whole logits (fp8ptq.model.lm_head)
+                    nll, n = next_token_nll(self.model, ids)
+                    total += nll
+                    count += n
+                    continue
                 try:
                     out = self.model(input_ids=ids, labels=ids, use_cache=False)
                 except (TypeError, ValueError) as e:
@@ -97,7 +107,14 @@ class PerplexityProbe:
                 count += n
         return math.exp(total / count)
 
+    def _check_split(self) -> None:
+        # before any hook records layer outputs: the check runs the model on 8 tokens
+        if self.split is None:
+            with torch.inference_mode(), float32_gemms(model=self.model):
+                self.split = split_works(self.model)
+
     def baseline(self) -> float:
+        self._check_split()
         if self.stack is None or len(self.stack) < 2:
             return self._run()
         # outputs of every layer but the last (a run that changes nothing is not replayed)

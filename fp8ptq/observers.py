@@ -185,8 +185,12 @@ class StatsCollector:
                     return
                 self.stats[name].update(args[0], dim)
                 if self.batch_index < self.sample_batches:
+                    # a copy, never a view: every ``row_stride``-th row of a float32 input is
+                    # a strided view whose storage is the whole input (16x the rows kept: 1.5
+                    # GB of SmolLM2 inputs held by --target-delta / sensitivity before this)
                     rows = sample_rows(args[0].detach(), dim, self.row_stride)
-                    self.samples[name].append((self.batch_index, rows.float().cpu()))
+                    self.samples[name].append((self.batch_index, rows.to(
+                        "cpu", torch.float32, copy=True, memory_format=torch.contiguous_format)))
 
         return hook
 
@@ -194,5 +198,10 @@ class StatsCollector:
         self.batch_index += 1
 
     def row_samples(self) -> dict[str, torch.Tensor]:
-        return {n: torch.cat([r for _, r in sorted(rows, key=lambda x: x[0])])
-                for n, rows in self.samples.items() if rows}
+        """Each module's sampled rows in batch order; GEMMs that share an input share one
+        tensor (not one copy each)."""
+        joined: dict[int, torch.Tensor] = {}
+        for rows in self.samples.values():
+            if rows and id(rows) not in joined:
+                joined[id(rows)] = torch.cat([r for _, r in sorted(rows, key=lambda x: x[0])])
+        return {n: joined[id(rows)] for n, rows in self.samples.items() if rows}

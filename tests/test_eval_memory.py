@@ -12,8 +12,11 @@ import textwrap
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fp8ptq import lm_probes
 from fp8ptq.evals.harness import ChunkedLogitsMixin, make_lm
 from fp8ptq.evals.wikitext import evaluate_wikitext, prefix_effect, wikitext_detokenizer
+from fp8ptq.lm_probes import PerplexityProbe
+from fp8ptq.model import lm_head
 from tiny_models import tiny
 
 SCRIPT = textwrap.dedent("""
@@ -125,3 +128,35 @@ def test_prefix_note_scores_through_the_chunked_path(word_tokenizer, monkeypatch
     assert abs(got - want) <= 1e-5 * want
     largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]")
     assert largest < CONTEXT * VOCAB * 4 // 4, largest
+
+
+def test_perplexity_probe_scores_without_the_batch_logits(monkeypatch):
+    """``sensitivity`` / ``--target-delta``'s perplexity probe used ``model(ids, labels=ids)``:
+    the batch's float32 logits and, inside the loss, their log-softmax (~0.8 GB per SmolLM2
+    probe at 4 x 512). It now scores body + output layer in chunks: the loss HF computes (to
+    5e-6: HF averages in float32), no op allocating a quarter of one sequence's logits;
+    ``model(labels=)`` is the control, and the fallback when the split does not reproduce the
+    logits."""
+    model = tiny("llama", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                 num_attention_heads=2, intermediate_size=32, max_position_embeddings=CONTEXT,
+                 tie_word_embeddings=True).eval()
+    ids = torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = float(torch.exp(model(input_ids=ids, labels=ids).loss))
+    monkeypatch.setattr(lm_head, "CHUNK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(lm_probes, "next_token_nll",
+                        lambda m, x: lm_head.next_token_nll(m, x, 1 << 20))
+    probe = PerplexityProbe(model, ids, batch_size=BATCH, stack=model.model.layers)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        got = probe.baseline()
+    assert probe.split and probe.cache is not None and probe(1) == got  # replay still works
+    assert abs(got - want) <= 5e-6 * want, (got, want)  # HF averages in float32
+    largest = max(e.self_cpu_memory_usage for e in prof.events() if e.name != "[memory]")
+    assert largest < CONTEXT * VOCAB * 4 // 4, largest
+    control = PerplexityProbe(model, ids, batch_size=BATCH)
+    control.split = False
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        plain = control()
+    assert max(e.self_cpu_memory_usage for e in prof.events()
+               if e.name != "[memory]") >= BATCH * CONTEXT * VOCAB * 4
+    assert abs(plain - want) <= 1e-7 * want  # the same loss, through float64

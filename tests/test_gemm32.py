@@ -150,7 +150,8 @@ def test_sensitivity_probes_run_float32_gemms(probe, monkeypatch):
         value = PerplexityProbe(model, IDS, batch_size=len(IDS)).baseline()
         with torch.inference_mode(), float32_gemms():
             want = math.exp(float(model(input_ids=IDS, labels=IDS, use_cache=False).loss))
-        assert value == pytest.approx(want, rel=1e-12)
+        # scored in chunks of the output layer and summed in float64; HF averages in float32
+        assert value == pytest.approx(want, rel=1e-6)
     else:
         p = LogitsProbe(model, IDS)
         p.baseline()

@@ -192,3 +192,16 @@ def test_release_free_memory_lowers_rss_after_heap_churn():
         assert int(keep[0]) == 1
     finally:
         usage.bound_heap()
+
+
+def test_row_samples_own_their_rows_not_the_whole_input():
+    """The kept samples are copies of every 16th row: a strided view of a float32 input would
+    keep the whole input tensor alive (16x the memory the samples need)."""
+    model = tiny("llama", dtype=torch.float32).eval()
+    targets, _ = plan_targets(model, Recipe(format="e4m3", act_granularity="tensor"))
+    c = collect_stats(model, targets, list(token_batches(IDS, 4)), sample_batches=1)
+    assert c.samples
+    for name, kept in c.samples.items():
+        for _, rows in kept:
+            assert rows.is_contiguous()
+            assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size(), name
