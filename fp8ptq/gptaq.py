@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .formats import fake_quantize
 from .granularity import act_granularity
 from .hessian import HessianCollector
-from .scales import dynamic_scale
+from .qmodules import fake_quantize_dynamic
 
 
 def input_quantizer(entry):
@@ -48,10 +47,7 @@ def input_quantizer(entry):
     gran = act_granularity(name, size)
 
     def quantize(x: torch.Tensor) -> torch.Tensor:
-        scale = dynamic_scale(gran.amax(x), fmt)
-        if name == "group":
-            return fake_quantize(x, scale, fmt, group_size=size)
-        return fake_quantize(x, gran.expand(scale, x), fmt)
+        return fake_quantize_dynamic(x, gran, fmt)
 
     return quantize
 

@@ -272,6 +272,5 @@ def _entry(t):
     return getattr(t, "target", t)
 
 
-
 def _raise_stop(_module, _args):
     raise _Stop

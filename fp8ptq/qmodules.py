@@ -29,6 +29,16 @@ from .scales import dynamic_scale
 from .weight_quant import by_rows
 
 
+def fake_quantize_dynamic(x: torch.Tensor, gran, fmt) -> torch.Tensor:
+    """``x`` through dynamic input quantization of granularity ``gran`` (``PerToken`` /
+    ``PerGroup``) in ``fmt``: the scales from ``x``'s own amax, as a ``QuantGemm`` does at run
+    time (asymmetric GPTQ's fit uses the very same rounding)."""
+    scale = dynamic_scale(gran.amax(x.detach()), fmt)
+    if gran.name == "group":  # the kernels take one scale per group as it is
+        return fake_quantize(x, scale, fmt, group_size=gran.size)
+    return fake_quantize(x, gran.expand(scale, x), fmt)
+
+
 class QuantGemm(nn.Module):
     """A GEMM whose weight is quantized, holding the weight ONCE: as the dequantized values
     ``code * scale`` in the model's dtype (``inner.weight``), not as codes plus a copy.
@@ -142,11 +152,10 @@ class QuantGemm(nn.Module):
         hit = _SHARED_INPUT.get(x, key)
         if hit is not None:
             return hit
-        if self.act_granularity == "group":  # the kernels take one scale per group as it is
-            scale = dynamic_scale(self._act_gran.amax(x.detach()), self.act_format)
-            out = fake_quantize(x, scale, self.act_format, group_size=self._act_gran.size)
+        if self.act_granularity == "tensor":
+            out = fake_quantize(x, self.input_scale, self.act_format)
         else:
-            out = fake_quantize(x, self._act_scale(x), self.act_format)
+            out = fake_quantize_dynamic(x, self._act_gran, self.act_format)
         return _SHARED_INPUT.put(x, key, out)
 
     def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
