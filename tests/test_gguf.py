@@ -14,8 +14,20 @@ from fp8ptq.gguf_convert import convert_gguf
 from fp8ptq.recipe import Recipe
 from fp8ptq.source import SafetensorsSource
 from test_sequential import checkpoint_tensors
-from tiny_gguf import tiny_llama_gguf
+from tiny_gguf import tiny_llama_gguf, tiny_qwen2moe_gguf
 from tiny_models import STATIC, invoke
+
+WRITERS = {"llama": (tiny_llama_gguf, "LlamaForCausalLM", 3),
+           "qwen2moe": (tiny_qwen2moe_gguf, "Qwen2MoeForCausalLM", 2)}
+
+
+@pytest.fixture(params=sorted(WRITERS))
+def any_gguf(request, tmp_path):
+    """Each architecture's GGUF: the Llama, and a Qwen2-MoE whose stacked ``ffn_gate_exps`` and
+    ``ffn_up_exps`` tensors become one fused ``gate_up_proj`` (gathered across the block)."""
+    (tmp_path / "src").mkdir()
+    write, architecture, layers = WRITERS[request.param]
+    return write(tmp_path / "src" / "tiny.gguf"), architecture, layers
 
 
 @pytest.fixture
@@ -24,7 +36,8 @@ def gguf_file(tmp_path):
     return tiny_llama_gguf(tmp_path / "src" / "tiny.gguf")
 
 
-def test_conversion_equals_transformers_gguf_loader(gguf_file, tmp_path):
+def test_conversion_equals_transformers_gguf_loader(any_gguf, tmp_path):
+    gguf_file, architecture, layers = any_gguf
     out = convert_gguf(gguf_file, tmp_path / "conv", max_shard_bytes=40_000)  # sharded
     want = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
                                                 dtype=torch.float32).state_dict()
@@ -35,7 +48,7 @@ def test_conversion_equals_transformers_gguf_loader(gguf_file, tmp_path):
         got = src.read_one(name)
         assert got.dtype == torch.float32 and torch.equal(got, want[name]), name
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 3
+    assert config["architectures"] == [architecture] and config["num_hidden_layers"] == layers
     text = "the cat sat, 3.5 km away"
     ref = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids
@@ -71,7 +84,8 @@ def test_incomplete_gguf_is_refused(gguf_file, tmp_path, monkeypatch):
     assert not (tmp_path / "conv").exists() and list(tmp_path.iterdir()) == [tmp_path / "src"]
 
 
-def test_sequential_gguf_equals_in_memory(gguf_file, tmp_path):
+def test_sequential_gguf_equals_in_memory(any_gguf, tmp_path):
+    gguf_file, architecture, _ = any_gguf
     calib = tmp_path / "calib.txt"
     calib.write_text("the quick brown fox jumps over the lazy dog, then sleeps.\n" * 40)
     args = ["--calib-data", str(calib), "--num-samples", "4", "--seq-len", "32", "--json",
@@ -86,6 +100,9 @@ def test_sequential_gguf_equals_in_memory(gguf_file, tmp_path):
     assert runs["memory"]["path"] == "in-memory"
     a, b = checkpoint_tensors(tmp_path / "memory"), checkpoint_tensors(tmp_path / "sequential")
     assert set(a) == set(b) and any(k.endswith("input_scale") for k in a)
+    if architecture == "Qwen2MoeForCausalLM":  # the fused experts were quantized, not skipped
+        assert {"model.layers.1.mlp.experts.gate_up_proj_input_scale",
+                "model.layers.1.mlp.experts.down_proj_scale"} <= set(a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
     cache = loading.gguf_cache_dir(gguf_file.resolve())

@@ -1,7 +1,8 @@
-"""A real GGUF file built in the tests: a tiny Llama written with the ``gguf`` package the way
-llama.cpp's converter writes one (tensor names from gguf's own map, q/k rows permuted for its
-rotary layout, 2-D weights Q8_0-quantized, norms float32) with a byte-level BPE tokenizer, so
-transformers' GGUF loader and fp8ptq's streaming conversion read it as they read a hub GGUF."""
+"""Real GGUF files built in the tests: a tiny Llama and a tiny Qwen2-MoE, written with the
+``gguf`` package the way llama.cpp's converter writes them (tensor names from gguf's own map,
+Llama's q/k rows permuted for its rotary layout, matrices Q8_0-quantized, vectors float32) with
+a byte-level BPE tokenizer, so transformers' GGUF loader and fp8ptq's streaming conversion read
+them as they read a hub GGUF."""
 
 from pathlib import Path
 
@@ -21,14 +22,11 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def tiny_llama_gguf(path: Path, *, layers: int = 3, seed: int = 0, **config) -> Path:
-    """Write a tiny Llama (hidden 64, GQA 4/2 heads, ``layers`` blocks, untied head) to
-    ``path`` as GGUF; returns ``path``."""
-    model = tiny("llama", seed=seed, vocab_size=len(TOKENS), num_hidden_layers=layers,
-                 num_key_value_heads=2, tie_word_embeddings=False, **config)
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+def _header(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
+    """A writer for ``arch`` with the metadata llama.cpp's converter writes for ``cfg`` and the
+    byte-level tokenizer."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -45,6 +43,32 @@ def tiny_llama_gguf(path: Path, *, layers: int = 3, seed: int = 0, **config) -> 
     w.add_token_merges(["t h"])
     w.add_bos_token_id(len(TOKENS) - 2)
     w.add_eos_token_id(len(TOKENS) - 1)
+    return w
+
+
+def _add(w: gguf.GGUFWriter, name: str, a: np.ndarray) -> None:
+    """Matrices (and stacked expert matrices) Q8_0, as llama.cpp's q8_0 output; vectors float32."""
+    if a.ndim >= 2:
+        q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        w.add_tensor(name, a)
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_llama_gguf(path: Path, *, layers: int = 3, seed: int = 0, **config) -> Path:
+    """Write a tiny Llama (hidden 64, GQA 4/2 heads, ``layers`` blocks, untied head) to
+    ``path`` as GGUF; returns ``path``."""
+    model = tiny("llama", seed=seed, vocab_size=len(TOKENS), num_hidden_layers=layers,
+                 num_key_value_heads=2, tie_word_embeddings=False, **config)
+    cfg = model.config
+    w = _header(path, "llama", cfg)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     for key, value in model.state_dict().items():
         base, suffix = key.rsplit(".", 1)
@@ -53,14 +77,40 @@ def tiny_llama_gguf(path: Path, *, layers: int = 3, seed: int = 0, **config) -> 
             a = _permute(a, cfg.num_attention_heads)
         elif base.endswith("k_proj"):
             a = _permute(a, cfg.num_key_value_heads)
-        name = f"{names.get_name(base)}.{suffix}"
-        if a.ndim == 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        _add(w, f"{names.get_name(base)}.{suffix}", a)
+    _finish(w)
+    return path
+
+
+def tiny_qwen2moe_gguf(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
+    """Write a tiny Qwen2-MoE (hidden 32, 4 experts, top-2, a gated shared expert) to ``path``
+    the way llama.cpp stores one: each block's experts stacked into ``ffn_{gate,up,down}_exps``
+    (transformers' fused ``gate_up_proj`` split back into its gate and up halves), the shared
+    expert's gate a vector. The expert widths are Qwen2-MoE's config defaults (1408, shared
+    5632), because transformers' GGUF loader reads neither width from the file."""
+    model = tiny("qwen2_moe", seed=seed, vocab_size=len(TOKENS), num_hidden_layers=layers,
+                 hidden_size=32, num_experts=4, moe_intermediate_size=1408,
+                 shared_expert_intermediate_size=5632)
+    cfg = model.config
+    w = _header(path, "qwen2moe", cfg)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, cfg.num_hidden_layers)
+    for key, value in model.state_dict().items():
+        a = value.float().numpy()
+        if key.endswith("experts.gate_up_proj"):
+            block = key.removesuffix(".gate_up_proj")
+            gate, up = np.split(a, 2, axis=1)
+            _add(w, f"{names.get_name(block + '.gate_proj')}.weight", np.ascontiguousarray(gate))
+            _add(w, f"{names.get_name(block + '.up_proj')}.weight", np.ascontiguousarray(up))
+        elif key.endswith("experts.down_proj"):
+            _add(w, f"{names.get_name(key)}.weight", a)
         else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            base, suffix = key.rsplit(".", 1)
+            if base.endswith("shared_expert_gate"):
+                a = a[0]
+            _add(w, f"{names.get_name(base)}.{suffix}", a)
+    _finish(w)
     return path
