@@ -191,9 +191,10 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime, p
                 calib = job.calibration_set(loaded, recipe, texts)
             data_warnings = [str(w.message) for w in caught]  # e.g. overlapping windows
         if result is None and request is not None:
-            result = job.quantize_to_target(loaded, recipe, calib, heldout, request,
-                                            timings=timings,
-                                            progress=lambda d, total: bars.counter(d)(total))
+            with scratch_dir(output) as scratch:  # GPTQ's Hessians wait there during the sweep
+                result = job.quantize_to_target(loaded, recipe, calib, heldout, request,
+                                                timings=timings, spill_dir=scratch,
+                                                progress=lambda d, total: bars.counter(d)(total))
         if result is None:
             result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                          progress=bars.counter("calibrating"))

@@ -3,17 +3,44 @@
 One forward pre-hook per quantized GEMM; GEMMs fed the very same tensor (q/k/v, gate/up) share
 one accumulator, since their H is identical. Accumulated in float64 from float32 products, so
 large calibration sets do not lose the small eigen-directions GPTQ's Cholesky needs. Memory is
-``in_features^2 x 8`` bytes per distinct input (reported by ``nbytes``).
+``in_features^2 x 8`` bytes per distinct input (reported by ``nbytes``); a caller that keeps
+them long after the pass (``--target-delta``'s sweep) moves them to disk with ``offload``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from .activations import ActivationStore
 from .model.gemm import CONV_TYPES
+
+
+class OffloadedSums(Mapping):
+    """Accumulated sums on disk: each in a file under ``spill_dir`` (``ActivationStore`` with no
+    memory budget), read back whole when asked for and dropped after use by the caller."""
+
+    def __init__(self, sums: dict[str, torch.Tensor], spill_dir=None):
+        self._store = ActivationStore(0, spill_dir)
+        self._index = {}
+        for i, owner in enumerate(list(sums)):
+            self._store.put(i, sums.pop(owner))
+            self._index[owner] = i
+
+    def __getitem__(self, owner: str) -> torch.Tensor:
+        return self._store.get(self._index[owner])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def close(self) -> None:
+        self._store.close()
 
 
 class HessianCollector:
@@ -77,7 +104,23 @@ class HessianCollector:
     def _stores(self) -> tuple[dict, ...]:
         return (self.sums,)
 
+    def offload(self, spill_dir=None) -> None:
+        """Move the finished sums to files under ``spill_dir`` (default: the system's temporary
+        folder); ``hessian`` then reads one back per call. For a caller that keeps them for
+        long after the pass and uses a few at a time: ``--target-delta``'s sweep quantizes one
+        unit at a time, while every GEMM's float64 Hessian stayed resident (767 MiB on
+        SmolLM2-135M). Only the plain sums (not a subclass's other stores)."""
+        if isinstance(self.sums, dict):
+            self.sums = OffloadedSums(self.sums, spill_dir)
+
+    def release(self) -> None:
+        """Drop the sums (and the files ``offload`` wrote)."""
+        if isinstance(self.sums, OffloadedSums):
+            self.sums.close()
+        self.sums = {}
+
     @property
     def nbytes(self) -> int:
+        """Bytes of the sums held in memory (offloaded ones are on disk, not counted)."""
         return sum(h.numel() * h.element_size() for store in self._stores()
-                   for h in store.values())
+                   if isinstance(store, dict) for h in store.values())

@@ -137,11 +137,12 @@ def target_texts(recipe: Recipe, request: TargetRequest, texts: list[str]
 
 def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
                        request: TargetRequest, *, progress=None,
-                       timings: JobTimings | None = None) -> QuantizeResult:
+                       timings: JobTimings | None = None, spill_dir=None) -> QuantizeResult:
     """Choose per module the cheapest rung that meets ``request.target`` (``fp8ptq.target``),
     quantize with the decisions, and measure the result on the held-out documents; the
     decisions, predicted and measured deltas are in ``result.extras["target_delta"]`` and the
-    recorded recipe carries the decisions as overrides."""
+    recorded recipe carries the decisions as overrides. ``spill_dir``: where the sweep's GPTQ
+    Hessians wait on disk (default: the system's temporary folder)."""
     timings = timings or JobTimings()
     if not isinstance(loaded.model, PreTrainedModel) or calib is None:
         raise UsageError("--target-delta needs a causal language model and calibration text")
@@ -155,7 +156,7 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
         decision = choose_target(loaded.model, recipe, batches, windows.input_ids,
                                  target=request.target, fallback=request.fallback,
                                  level=request.level, eval_batch_size=request.eval_batch_size,
-                                 progress=progress)
+                                 progress=progress, spill_dir=spill_dir)
     if verify_ids is not None:
         with timings.timed("target: verify baseline"):
             verify_baseline = perplexity(loaded.model, verify_ids, request.eval_batch_size)

@@ -179,10 +179,12 @@ def check_target_recipe(recipe: Recipe) -> None:
 
 def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tensor, *,
            target: str = "1%", fallback: str = "bf16", level: str = "module",
-           eval_batch_size: int = 4, progress=None) -> TargetResult:
+           eval_batch_size: int = 4, progress=None, spill_dir=None) -> TargetResult:
     """Measure every unit on every rung and assign rungs to meet ``target`` (a perplexity
     delta, ``"1%"`` relative or ``"0.5"`` absolute) on ``eval_ids`` [windows, seq_len]. The
-    model is left unquantized; apply ``result.recipe(recipe)`` and quantize."""
+    model is left unquantized; apply ``result.recipe(recipe)`` and quantize. GPTQ's Hessians
+    (when a rung needs them) wait on disk, under ``spill_dir``, between the calibration pass
+    and the sweeps, which read one unit's at a time."""
     check_target_recipe(recipe)
     parse_target(target)
     if level not in LEVELS:
@@ -197,36 +199,42 @@ def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tens
     needs_h = any(calibrators.weight_entry(r.recipe(recipe).weight_calib).reads_data
                   for r in rungs if not r.skip)
     session = Session(model, recipe, batches, targets, level, progress, hessians=needs_h)
-    times["calibrate"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    probe = PerplexityProbe(model, eval_ids, eval_batch_size, session.stack)
-    baseline = probe.baseline()
-    times["baseline"] = time.perf_counter() - t0
-    deltas: dict[str, dict[str, float]] = {u.name: {} for u in session.units}
-    for rung in rungs:
+    try:
+        if session.hessians is not None:
+            session.hessians.offload(spill_dir)
+        times["calibrate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if rung.skip:
-            for u in session.units:
-                deltas[u.name][rung.name] = 0.0
-            continue
-        session.plan(rung.name, rung.recipe(recipe))
-        for name, m in session.sweep(rung.name, probe, "ppl", baseline).items():
-            deltas[name][rung.name] = m.delta
-        times[f"sweep {rung.name}"] = time.perf_counter() - t0
-    budget = target_value(target, "ppl", baseline)
-    choice = assign(deltas, rungs, budget)
-    by_name = {r.name: r for r in rungs}
-    units = [UnitDecision(u.name, u.pattern, list(u.modules), choice[u.name], deltas[u.name])
-             for u in session.units]
-    overrides = {u.pattern: by_name[u.rung].override() for u in units if u.rung != "base"}
-    return TargetResult(
-        target=target, budget=budget, baseline=baseline,
-        predicted=sum(max(u.deltas[u.rung], 0.0) for u in units),
-        predicted_base=sum(max(u.deltas["base"], 0.0) for u in units), level=level,
-        rungs=[asdict(r) for r in rungs], units=units, overrides=overrides,
-        eval={"windows": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
-              "tokens": int(eval_ids.numel()), "replay": probe.cache is not None},
-        seconds=times)
+        probe = PerplexityProbe(model, eval_ids, eval_batch_size, session.stack)
+        baseline = probe.baseline()
+        times["baseline"] = time.perf_counter() - t0
+        deltas: dict[str, dict[str, float]] = {u.name: {} for u in session.units}
+        for rung in rungs:
+            t0 = time.perf_counter()
+            if rung.skip:
+                for u in session.units:
+                    deltas[u.name][rung.name] = 0.0
+                continue
+            session.plan(rung.name, rung.recipe(recipe))
+            for name, m in session.sweep(rung.name, probe, "ppl", baseline).items():
+                deltas[name][rung.name] = m.delta
+            times[f"sweep {rung.name}"] = time.perf_counter() - t0
+        budget = target_value(target, "ppl", baseline)
+        choice = assign(deltas, rungs, budget)
+        by_name = {r.name: r for r in rungs}
+        units = [UnitDecision(u.name, u.pattern, list(u.modules), choice[u.name], deltas[u.name])
+                 for u in session.units]
+        overrides = {u.pattern: by_name[u.rung].override() for u in units if u.rung != "base"}
+        return TargetResult(
+            target=target, budget=budget, baseline=baseline,
+            predicted=sum(max(u.deltas[u.rung], 0.0) for u in units),
+            predicted_base=sum(max(u.deltas["base"], 0.0) for u in units), level=level,
+            rungs=[asdict(r) for r in rungs], units=units, overrides=overrides,
+            eval={"windows": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
+                  "tokens": int(eval_ids.numel()), "replay": probe.cache is not None},
+            seconds=times)
+    finally:
+        if session.hessians is not None:
+            session.hessians.release()  # and the files offload wrote
 
 
 def measure(model: nn.Module, eval_ids: torch.Tensor, result: TargetResult,

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from fp8ptq.checkpoint import read_metadata
 from fp8ptq.cli.main import main
 from fp8ptq.errors import UsageError
+from fp8ptq.hessian import HessianCollector
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
@@ -145,6 +146,54 @@ def test_choose_moves_only_the_sensitive_module():
     # the prediction adds single-module deltas; on this tiny model it must be the right size
     assert abs(d["measured_delta"] - d["predicted"]) < result.budget
     assert d["modules_per_rung"]["fallback"] == 1
+
+
+def test_offloaded_hessians_round_trip(tmp_path):
+    """``offload`` moves the sums to files and ``hessian`` reads back exactly what it gave
+    before (float64, bit for bit); nothing stays counted in memory; ``release`` removes the
+    files."""
+    model = tiny("llama")
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+             "model.layers.0.mlp.down_proj"]
+    h = HessianCollector({n: model.get_submodule(n) for n in names})
+    with h.observing(), torch.no_grad():
+        model(input_ids=IDS)
+    before = {n: h.hessian(n) for n in names}
+    assert h.alias == {names[1]: names[0]} and h.nbytes > 0
+    h.offload(tmp_path)
+    assert h.nbytes == 0 and len(list(tmp_path.rglob("*.bin"))) == 2  # q/k share one
+    for n in names:
+        got = h.hessian(n)
+        assert got.dtype == torch.float64 and torch.equal(got, before[n]), n
+    h.release()
+    assert not list(tmp_path.rglob("*.bin")) and h.hessian(names[0]) is None
+
+
+def test_sweep_reads_hessians_from_disk(tmp_path, monkeypatch):
+    """``choose`` keeps GPTQ's Hessians on disk during the sweeps (none resident when a unit
+    is quantized), removes them afterwards, and decides exactly as with them in memory."""
+    model = tiny("llama")
+    batches = list(token_batches(windows(8, 32, 100), 4))
+    eval_ids = windows(4, 32, 200)
+    recipe = Recipe(act_granularity="tensor", weight_calib="max", dtype="float32")
+    seen = []
+    real = HessianCollector.hessian
+
+    def spy(self, name):
+        seen.append((self.nbytes, len(list((tmp_path / "spill").rglob("*.bin")))))
+        return real(self, name)
+
+    monkeypatch.setattr(HessianCollector, "hessian", spy)
+    (tmp_path / "spill").mkdir()
+    result = choose(model, recipe, batches, eval_ids, target="2%", spill_dir=tmp_path / "spill")
+    assert seen and all(resident == 0 and files > 0 for resident, files in seen)
+    assert not list((tmp_path / "spill").iterdir())
+    monkeypatch.setattr(HessianCollector, "offload", lambda self, spill_dir=None: None)
+    seen.clear()
+    in_memory = choose(model, recipe, batches, eval_ids, target="2%")
+    assert seen and all(resident > 0 for resident, _ in seen)
+    assert [(u.unit, u.rung, u.deltas) for u in result.units] == \
+        [(u.unit, u.rung, u.deltas) for u in in_memory.units]
 
 
 def test_partial_plan_overrides_reach_the_pipeline():
