@@ -75,8 +75,9 @@ def convert_gguf(gguf_path: Path, target: Path, task: str | None = None, *,
         gguf_config = load_gguf_checkpoint(str(gguf_path))["config"]
     except (ValueError, KeyError, NotImplementedError) as e:
         raise DataError(f"cannot convert {gguf_path}: {first_line(e)}") from None
-    model = empty_model(model_class(config, task or "causal-lm"), config, torch.float32)
     architecture = read_field(reader, "general.architecture")[0]
+    _complete_config(config, reader, architecture)
+    model = empty_model(model_class(config, task or "causal-lm"), config, torch.float32)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=gguf_config)
     key_map = get_gguf_hf_weights_map(model, processor)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -91,18 +92,34 @@ def convert_gguf(gguf_path: Path, target: Path, task: str | None = None, *,
     return target
 
 
+# GGUF metadata (``{architecture}.KEY``) that transformers' GGUF config mapping does not read,
+# -> the config attribute it sets where the architecture's config has one. Without these a MoE
+# gets its config class's default expert widths (Qwen2-MoE: 1408 / 5632, Qwen1.5-MoE-A2.7B's),
+# so any other model of the family (Qwen2-57B-A14B, Qwen3-235B-A22B, ...) fails to load.
+_UNMAPPED_FIELDS = {"expert_feed_forward_length": "moe_intermediate_size",
+                    "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _complete_config(config, reader: GGUFReader, architecture: str) -> None:
+    for key, attribute in _UNMAPPED_FIELDS.items():
+        field = f"{architecture}.{key}"
+        if field in reader.fields and hasattr(config, attribute):
+            setattr(config, attribute, int(read_field(reader, field)[0]))
+
+
 def _stream_tensors(reader: GGUFReader, processor: TensorProcessor, key_map: dict,
-                    writer: ShardWriter) -> set[str]:
+                    writer: ShardWriter) -> dict[str, tuple[int, ...]]:
     """Every GGUF tensor dequantized, processed and written in file order; what a processor
-    gathers across tensors is written at the end of each block. Returns the names written."""
+    gathers across tensors is written at the end of each block. Returns the shapes written,
+    by name."""
     gathered: dict[str, torch.Tensor] = {}  # filled by the MoE processors
     parsed = {"tensors": gathered}
-    written: set[str] = set()
+    written: dict[str, tuple[int, ...]] = {}
     block = None
 
     def flush():
         writer.add({k: v.to(torch.float32) for k, v in gathered.items()})
-        written.update(gathered)
+        written.update((k, tuple(v.shape)) for k, v in gathered.items())
         gathered.clear()
         _release_pages(reader)
 
@@ -117,22 +134,29 @@ def _stream_tensors(reader: GGUFReader, processor: TensorProcessor, key_map: dic
         if result.name is None or result.name not in key_map:
             continue  # gathered by the processor, or not a parameter (e.g. rope_freqs)
         hf_name = key_map[result.name]
-        writer.add({hf_name: torch.from_numpy(np.copy(result.weights)).to(torch.float32)})
-        written.add(hf_name)
+        t = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+        writer.add({hf_name: t})
+        written[hf_name] = tuple(t.shape)
     flush()
     writer.finish()
     return written
 
 
-def _check_complete(model, written: set[str], gguf_path: Path) -> None:
-    """Every parameter of the architecture came from the file (a tied one through its source):
-    ``from_pretrained`` would fill a missing one with random values, silently."""
+def _check_complete(model, written: dict[str, tuple[int, ...]], gguf_path: Path) -> None:
+    """Every parameter of the architecture came from the file (a tied one through its source),
+    in the shape the config gives it: ``from_pretrained`` would fill a missing one with random
+    values, silently, and a folder whose config disagrees with its tensors would not load."""
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = [n for n, _ in model.named_parameters(remove_duplicate=False)
-               if n not in written and n not in tied]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in written and n not in tied]
     if missing:
         raise DataError(f"{gguf_path}: no tensor for {', '.join(missing[:5])}"
                         + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    for n, shape in written.items():
+        if n in params and tuple(params[n].shape) != shape:
+            raise DataError(f"{gguf_path}: tensor {n} has shape {list(shape)}, but the "
+                            f"architecture its metadata describes expects "
+                            f"{list(params[n].shape)}")
 
 
 def _release_pages(reader: GGUFReader) -> None:

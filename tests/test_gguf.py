@@ -5,6 +5,7 @@ bit-identically to the in-memory pipeline (``--propagate fp``)."""
 import json
 import tracemalloc
 
+import gguf
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,12 +77,38 @@ def test_incomplete_gguf_is_refused(gguf_file, tmp_path, monkeypatch):
     real = gguf_convert._stream_tensors
 
     def drop_norm(reader, processor, key_map, writer):
-        return real(reader, processor, key_map, writer) - {"model.norm.weight"}
+        written = real(reader, processor, key_map, writer)
+        return {k: v for k, v in written.items() if k != "model.norm.weight"}
 
     monkeypatch.setattr(gguf_convert, "_stream_tensors", drop_norm)
     with pytest.raises(Exception, match="no tensor for model.norm.weight"):
         convert_gguf(gguf_file, tmp_path / "conv")
     assert not (tmp_path / "conv").exists() and list(tmp_path.iterdir()) == [tmp_path / "src"]
+
+
+def test_moe_expert_widths_come_from_the_file(tmp_path, monkeypatch):
+    """transformers' GGUF config mapping reads neither expert width of a Qwen2-MoE, so every
+    such model but the one whose widths are the config defaults would get wrong shapes: the
+    conversion takes them from the file (``expert_feed_forward_length``,
+    ``expert_shared_feed_forward_length``), and a tensor whose shape disagrees with the config
+    is refused, leaving nothing behind."""
+    (tmp_path / "src").mkdir()
+    path = tiny_qwen2moe_gguf(tmp_path / "src" / "w.gguf", moe_width=64, shared_width=96)
+    out = convert_gguf(path, tmp_path / "conv")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"]) == (64, 96)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # strict shapes
+    reader = gguf.GGUFReader(str(path))
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    want = torch.from_numpy(gguf.dequantize(down.data, down.tensor_type).copy())
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj.data, want)
+    monkeypatch.setattr(gguf_convert, "_complete_config", lambda *a: None)  # transformers' way
+    with pytest.raises(Exception, match=r"shared_expert.gate_proj.weight has shape \[96, 32\], "
+                                        r"but the architecture its metadata describes expects "
+                                        r"\[5632, 32\]"):
+        convert_gguf(path, tmp_path / "conv2")
+    assert not (tmp_path / "conv2").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv", "src"]
 
 
 def test_sequential_gguf_equals_in_memory(any_gguf, tmp_path):

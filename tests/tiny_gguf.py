@@ -82,15 +82,16 @@ def tiny_llama_gguf(path: Path, *, layers: int = 3, seed: int = 0, **config) -> 
     return path
 
 
-def tiny_qwen2moe_gguf(path: Path, *, layers: int = 2, seed: int = 0) -> Path:
+def tiny_qwen2moe_gguf(path: Path, *, layers: int = 2, seed: int = 0, moe_width: int = 1408,
+                       shared_width: int = 5632) -> Path:
     """Write a tiny Qwen2-MoE (hidden 32, 4 experts, top-2, a gated shared expert) to ``path``
     the way llama.cpp stores one: each block's experts stacked into ``ffn_{gate,up,down}_exps``
     (transformers' fused ``gate_up_proj`` split back into its gate and up halves), the shared
     expert's gate a vector. The expert widths are Qwen2-MoE's config defaults (1408, shared
     5632), because transformers' GGUF loader reads neither width from the file."""
     model = tiny("qwen2_moe", seed=seed, vocab_size=len(TOKENS), num_hidden_layers=layers,
-                 hidden_size=32, num_experts=4, moe_intermediate_size=1408,
-                 shared_expert_intermediate_size=5632)
+                 hidden_size=32, num_experts=4, moe_intermediate_size=moe_width,
+                 shared_expert_intermediate_size=shared_width)
     cfg = model.config
     w = _header(path, "qwen2moe", cfg)
     w.add_expert_count(cfg.num_experts)
