@@ -9,7 +9,7 @@ from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from fp8ptq.placement import parse_placement
-from fp8ptq.recipe import CALIB_WINDOWS, Recipe
+from fp8ptq.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe
 from fp8ptq.schemes import scheme_names
 
 
@@ -74,6 +74,10 @@ _SPECS = [
          help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
     _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
          "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
+    _opt("--smoothquant-into", type=click.Choice(SMOOTHQUANT_INTO),
+         help="Where --smoothquant folds 1/s: 'norms' (norm -> q/k/v, gate/up), 'gemms' "
+         "(exact GEMM -> GEMM pairs: up -> down_proj, v -> o_proj, found by tracing) or "
+         "'all' [norms]."),
     _opt("--rotate", type=click.Choice(["hadamard"]),
          help="Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
          "into the weights before calibration; norms folded, embeddings untied; standard "
@@ -220,7 +224,8 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
         quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
         overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"), rotate=kwargs.pop("rotate"),
+        smoothquant=kwargs.pop("smoothquant"),
+        smoothquant_into=kwargs.pop("smoothquant_into"), rotate=kwargs.pop("rotate"),
         pow2_range=parse_range(kwargs.pop("pow2_range")),
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),

@@ -25,6 +25,7 @@ from .schemes import expand_scheme
 # "random": seeded random offsets into the concatenated documents; "documents": each sample
 # opens a seeded random document after the token every sequence opens with.
 CALIB_WINDOWS = ("random", "documents")
+SMOOTHQUANT_INTO = ("norms", "gemms", "all")  # where --smoothquant folds 1/s (smoothquant.py)
 
 # Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
 # compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
@@ -75,6 +76,9 @@ class Recipe(BaseModel):
     # glob -> format name / "none", or a partial plan {format, weight_format, act_format}
     overrides: dict[str, Any] = Field(default_factory=dict)
     smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    # where SmoothQuant folds 1/s (SMOOTHQUANT_INTO): "norms" (norm -> q/k/v, gate/up),
+    # "gemms" (GEMM -> GEMM: up -> down, v -> o; fp8ptq.smoothquant_pairs) or "all" (both)
+    smoothquant_into: str = "norms"
     rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
     pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
     bn_retune: bool = False
@@ -181,6 +185,7 @@ class Recipe(BaseModel):
         if self.smoothquant is not None and self.smoothquant != "auto":
             if not 0 <= self.smoothquant <= 1:
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        _choice("smoothquant_into", self.smoothquant_into, SMOOTHQUANT_INTO)
         if self.rotate is not None:
             _choice("rotate", self.rotate, ("hadamard",))
         if self.pow2_range[0] > self.pow2_range[1]:

@@ -33,7 +33,13 @@ layer.0 query/key/value``, ``attention.output.LayerNorm -> intermediate.dense``,
 the last layer's ``output.LayerNorm -> qa_outputs`` (or another head Linear) is exact and
 smoothed.
 
-``alpha="auto"`` searches alpha per group for the smallest output error of the group's GEMMs
+``recipe.smoothquant_into`` (``--smoothquant-into``) says where ``1/s`` goes: "norms" (the
+groups above; the default), "gemms" (GEMM -> GEMM pairs, ``up_proj -> down_proj`` and
+``v_proj -> o_proj``, whose inputs no norm produces and where small decoders carry their
+massive activations: ``fp8ptq.smoothquant_pairs``) or "all". Pairs are smoothed after the
+norms (a producer's rows and its columns take independent factors).
+
+``alpha="auto"`` searches alpha per group (and per pair) for the smallest output error of the group's GEMMs
 quantized in their target formats, on the row samples of the statistics pass:
 ``sum_c || Qa(X / s) Qw(W_c * s)^T - X W_c^T ||^2`` (per-tensor activation scale from the amax of
 X / s over all calibration data, i.e. max calibration, or per-token; the recipe's weight
@@ -59,6 +65,7 @@ from .model.gemm import weight_2d, weight_from_2d
 from .plan import as_plan_parts
 from .scales import TINY, amax_to_scale
 from .smoothquant_groups import Group, check_exact, discover_groups, folded_norm_weight, trace_input
+from .smoothquant_pairs import discover_pairs, fold_pair, reduce_to_producer
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(11))  # 0.0, 0.1, ..., 1.0
 ALPHA_REFINE = 0.05  # second stage of the search: best grid alpha +- this
@@ -81,7 +88,9 @@ def smoothing_factors(act_amax: torch.Tensor, weight_amax: torch.Tensor,
 
 def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict, plan,
                       example=None) -> dict:
-    """Smooth ``model`` in place (norm -> GEMM groups among ``targets``) and return the report.
+    """Smooth ``model`` in place and return the report: norm -> GEMM groups among ``targets``
+    (``recipe.smoothquant_into`` "norms" or "all") and GEMM -> GEMM pairs (``up_proj ->
+    down_proj``, ``v_proj -> o_proj``; "gemms" or "all", ``fp8ptq.smoothquant_pairs``).
 
     ``plan``: the run's ``QuantPlan`` (or, outside a run, its recipe): alpha, the weight
     granularity and calibrator the scales will be chosen with.
@@ -90,14 +99,17 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
     name -> float32 ``[rows, in_features]`` input rows (used by ``alpha="auto"``); ``example``: a
     batch to trace the model with (its first row is used; default: the model's ``dummy_inputs``).
 
-    Report (plain JSON types): ``alpha`` (the recipe's), ``groups`` {norm: {consumers, channels,
-    alpha (null: auto left it unsmoothed), factor_min, factor_max, search (auto)}}, ``skipped``
-    {producer: why}, ``unmatched`` (quantized GEMMs whose input is no module's output, e.g.
-    ``o_proj``, ``down_proj``: nothing to fold into), ``smoothed`` (groups changed).
+    Report (plain JSON types): ``alpha`` (the recipe's), ``into``, ``groups`` {norm:
+    {consumers, channels, alpha (null: auto left it unsmoothed), factor_min, factor_max, search
+    (auto)}}, ``pairs`` {"producer -> consumer": {producer, consumers, channels, repeats, alpha,
+    factor_min, factor_max, search}}, ``skipped`` {producer or consumer: why}, ``unmatched``
+    (quantized GEMMs whose input is no module's output, e.g. ``o_proj``, ``down_proj``, and that
+    no pair smoothed), ``smoothed`` (groups and pairs changed).
     """
     recipe, _ = as_plan_parts(plan)
-    alpha_opt = recipe.smoothquant
-    report = {"alpha": alpha_opt, "groups": {}, "skipped": {}, "unmatched": [], "smoothed": 0}
+    alpha_opt, into = recipe.smoothquant, recipe.smoothquant_into
+    report = {"alpha": alpha_opt, "into": into, "groups": {}, "pairs": {}, "skipped": {},
+              "unmatched": [], "smoothed": 0}
     by_name = {t.name: t for t in targets}
     example = trace_input(model, example)
     if example is None:
@@ -109,46 +121,81 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
     model.eval()
     try:
         candidates = discover_groups(model, example, by_name, stats, report)
+        if into == "gemms":
+            candidates = []
         if candidates:
             check_exact(model, example, candidates, report)
+        pairs = [] if into == "norms" else discover_pairs(
+            model, example, by_name, stats, report["unmatched"], report)
     finally:
         for m, flag in was_training.items():
             m.training = flag
 
-    gran = weight_granularity(recipe.weight_granularity, recipe.block_size)
-    w_calib = weight_calibrator(recipe.weight_calib)
+    ctx = (alpha_opt, row_samples, by_name, recipe,
+           weight_granularity(recipe.weight_granularity, recipe.block_size),
+           weight_calibrator(recipe.weight_calib))
     for g in candidates:
         act_amax = _act_amax(g, stats)
         w_amax = torch.stack([weight_2d(m).detach().abs().amax(dim=0).float().cpu()
                               for m in g.modules]).amax(dim=0)
         entry: dict = {"consumers": list(g.consumers), "channels": int(act_amax.numel())}
-        if alpha_opt == "auto":
-            x = row_samples.get(g.consumers[0]) if row_samples else None
-            if x is None or x.numel() == 0:
-                alpha = 0.5
-                entry["note"] = "no row samples for the alpha search; alpha 0.5 used"
-            else:
-                alpha, search = _search_alpha(g, x, act_amax, w_amax, by_name, recipe, gran,
-                                              w_calib)
-                entry["search"] = search
-                if alpha is None:
-                    entry.update(alpha=None, note="no alpha beat the unsmoothed output error; "
-                                 "left unsmoothed")
-                    report["groups"][g.norm_name] = entry
-                    continue
-        else:
-            alpha = float(alpha_opt)
+        report["groups"][g.norm_name] = entry
+        alpha = _choose_alpha(g, act_amax, lambda a, x=act_amax, w=w_amax:
+                              smoothing_factors(x, w, a), entry, ctx)
+        if alpha is None:
+            continue
         s = smoothing_factors(act_amax, w_amax, alpha)
         problem = _fold(g, s)
         if problem:
+            del report["groups"][g.norm_name]
             report["skipped"][g.norm_name] = problem
             continue
         entry.update(alpha=alpha, factor_min=float(s.min()), factor_max=float(s.max()))
         if g.style != "scale":
             entry["fold"] = g.style
-        report["groups"][g.norm_name] = entry
-    report["smoothed"] = sum(e["alpha"] is not None for e in report["groups"].values())
+    for p in pairs:  # after the norms: rows of a producer commute with its columns' factors
+        act_c = stats[p.consumer].channel_amax.float().cpu()
+        w_c = weight_2d(p.cons).detach().abs().amax(dim=0).float().cpu()
+        act_p, w_p = reduce_to_producer(act_c, p), reduce_to_producer(w_c, p)
+        entry = {"producer": p.producer, "consumers": [p.consumer],
+                 "channels": int(act_p.numel()), "repeats": p.repeats}
+        report["pairs"][p.name] = entry
+        alpha = _choose_alpha(Group(p.name, p.prod, [p.consumer], [p.cons]), act_c,
+                              lambda a, x=act_p, w=w_p, i=p.index: smoothing_factors(x, w, a)[i],
+                              entry, ctx)
+        if alpha is None:
+            continue
+        s = smoothing_factors(act_p, w_p, alpha)
+        problem = fold_pair(p, s)
+        if problem:
+            del report["pairs"][p.name]
+            report["skipped"][p.consumer] = problem
+            continue
+        entry.update(alpha=alpha, factor_min=float(s.min()), factor_max=float(s.max()))
+    paired = {p.consumer for p in pairs}
+    report["unmatched"] = [c for c in report["unmatched"]
+                           if c not in paired and c not in report["skipped"]]
+    report["smoothed"] = sum(e["alpha"] is not None for part in ("groups", "pairs")
+                             for e in report[part].values())
     return report
+
+
+def _choose_alpha(g: Group, act_amax, factors, entry: dict, ctx) -> float | None:
+    """The recipe's alpha, or the searched one ("auto"; None: leave the group unsmoothed,
+    recorded in ``entry``)."""
+    alpha_opt, row_samples, by_name, recipe, gran, w_calib = ctx
+    if alpha_opt != "auto":
+        return float(alpha_opt)
+    x = row_samples.get(g.consumers[0]) if row_samples else None
+    if x is None or x.numel() == 0:
+        entry["note"] = "no row samples for the alpha search; alpha 0.5 used"
+        return 0.5
+    alpha, entry["search"] = _search_alpha(g, x, act_amax, factors, by_name, recipe, gran,
+                                           w_calib)
+    if alpha is None:
+        entry.update(alpha=None, note="no alpha beat the unsmoothed output error; left "
+                     "unsmoothed")
+    return alpha
 
 
 # --- smoothing -----------------------------------------------------------------------------
@@ -178,9 +225,10 @@ def _fold(g: Group, s: torch.Tensor) -> str | None:
 
 
 @torch.no_grad()
-def _search_alpha(g: Group, x, act_amax, w_amax, by_name, recipe, gran, w_calib):
+def _search_alpha(g: Group, x, act_amax, factors, by_name, recipe, gran, w_calib):
     """The alpha with the smallest quantized output error of the group's GEMMs (None: no
-    smoothing is better still) and the search's record."""
+    smoothing is better still) and the search's record. ``factors(alpha)``: s per input
+    channel of the group's GEMMs."""
     device = g.modules[0].weight.device
     x = x.float()
     if x.shape[0] > MAX_SEARCH_ROWS:
@@ -218,7 +266,7 @@ def _search_alpha(g: Group, x, act_amax, w_amax, by_name, recipe, gran, w_calib)
     def best_of(alphas) -> float:
         for a in alphas:
             if a not in tried:
-                tried[a] = error(smoothing_factors(act_amax, w_amax, a).to(device))
+                tried[a] = error(factors(a).to(device))
         return min(tried, key=lambda a: (tried[a], a))
 
     best = best_of(ALPHA_GRID)
