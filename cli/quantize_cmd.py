@@ -285,6 +285,8 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
         "experts": result.extras.get("experts", {}),
         "high_precision": result.extras.get("high_precision"),
         "rotation": result.extras.get("rotation"),  # --rotate: method, kind, seed
+        # --smoothquant: alpha, into, groups (norms) and pairs (GEMM -> GEMM) smoothed, skipped
+        "smoothquant": result.extras.get("smoothquant"),
         "gptq": result.extras.get("gptq"),  # --weight-calib gptq: hessian_bytes, damp, ...
         "target_delta": result.extras.get("target_delta"),  # decisions, predicted vs measured
         "calibration": calib_facts(calib),

@@ -48,6 +48,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
         console.print(f"left in high precision: {100 * hp['high_precision_fraction']:.1f}% of "
                       f"parameters ({hp['high_precision_parameters']:,}; largest: {top})",
                       highlight=False)
+    if report.get("smoothquant"):
+        console.print(smoothquant_line(report["smoothquant"]), highlight=False)
     if report.get("target_delta"):
         for line in target_lines(report["target_delta"]):
             console.print(line, highlight=False)
@@ -63,6 +65,21 @@ def print_report(report: dict, console: Console | None = None) -> None:
     # calibrate+quantize is the sum of the pipeline stages listed beside it
     stages = {k: v for k, v in report["seconds"].items() if k != "calibrate+quantize"}
     console.print(f"{time_line(stages, always=('load', 'write'))} -> {report['output']}")
+
+
+def smoothquant_line(sq: dict) -> str:
+    """SmoothQuant: alpha, where it folded, how many norm groups / GEMM pairs it smoothed."""
+    done = {part: sum(e.get("alpha") is not None for e in (sq.get(part) or {}).values())
+            for part in ("groups", "pairs")}
+    pairs = sorted({re.sub(r"\.\d+\.", ".N.", k) for k, e in (sq.get("pairs") or {}).items()
+                    if e.get("alpha") is not None})
+    line = (f"smoothquant alpha {sq['alpha']} into {sq.get('into', 'norms')}: "
+            f"{done['groups']} norm group(s), {done['pairs']} GEMM pair(s) smoothed")
+    if pairs:
+        line += f" ({'; '.join(pairs)})"
+    if sq.get("skipped"):
+        line += f"; {len(sq['skipped'])} skipped (fp8ptq.json extras.smoothquant)"
+    return line
 
 
 def target_lines(t: dict) -> list[str]:

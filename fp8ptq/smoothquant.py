@@ -39,8 +39,8 @@ groups above; the default), "gemms" (GEMM -> GEMM pairs, ``up_proj -> down_proj`
 massive activations: ``fp8ptq.smoothquant_pairs``) or "all". Pairs are smoothed after the
 norms (a producer's rows and its columns take independent factors).
 
-``alpha="auto"`` searches alpha per group (and per pair) for the smallest output error of the group's GEMMs
-quantized in their target formats, on the row samples of the statistics pass:
+``alpha="auto"`` searches alpha per group (and per pair) for the smallest output error of the
+group's GEMMs quantized in their target formats, on the row samples of the statistics pass:
 ``sum_c || Qa(X / s) Qw(W_c * s)^T - X W_c^T ||^2`` (per-tensor activation scale from the amax of
 X / s over all calibration data, i.e. max calibration, or per-token; the recipe's weight
 granularity and calibrator). Coarse to fine: ``ALPHA_GRID`` (steps of 0.1, 0.5 included), then

@@ -17,7 +17,7 @@ from fp8ptq.pipeline import (
 )
 from fp8ptq.recipe import Recipe
 from fp8ptq.smoothquant import apply_smoothquant
-from tiny_models import IDS, invoke, run, tiny
+from tiny_models import IDS, invoke, run, saved_llama_with_calib, tiny
 
 LAYERS = (0, 1)
 GQA = dict(num_attention_heads=4, num_key_value_heads=2)  # head_dim 16, 2 q heads per kv head
@@ -148,6 +148,21 @@ def test_pair_smoothing_lowers_int8_error_with_massive_down_proj_inputs(act_gran
     smoothed, result = error(smoothquant=0.5, smoothquant_into="gemms")
     assert result.extras["smoothquant"]["smoothed"] == 4
     assert smoothed < 0.8 * plain, (plain, smoothed)
+
+
+def test_cli_quantize_reports_and_records_the_pairs(tmp_path, word_tokenizer):
+    # the default recipe (sequential GPTQ) after the smoothing, through the CLI
+    src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
+    out = tmp_path / "out"
+    r = invoke(["quantize", src, "-o", out, "--smoothquant", "0.5", "--smoothquant-into",
+                "gemms", "--act-granularity", "token", "--calib-data", calib,
+                "--num-samples", 2, "--seq-len", 8, "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert "smoothquant alpha 0.5 into gemms: 0 norm group(s), 4 GEMM pair(s) smoothed" in \
+        " ".join(r.output.split())
+    doc = json.loads((out / "fp8ptq.json").read_text())
+    assert doc["recipe"]["smoothquant_into"] == "gemms"
+    assert sorted(doc["extras"]["smoothquant"]["pairs"]) == sorted(expected_pairs())
 
 
 def test_cli_flag_reaches_the_recipe_and_refuses_unknown_places(tmp_path):
