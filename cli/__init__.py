@@ -1,0 +1,19 @@
+"""``python -m fp8ptq.cli``: the same command as the ``fp8ptq`` console script.
+
+Imported by the ``fp8ptq`` command (the console script or ``python -m fp8ptq.cli``), this package
+first re-executes the process with glibc's huge-page tunable (``fp8ptq.usage.
+exec_with_hugepages``: fewer page faults under ``bound_heap``), before ``.main`` imports torch.
+Imported by any other program (tests, a user's script) it changes nothing."""
+
+import os
+import sys
+
+from fp8ptq.usage import exec_with_hugepages
+
+if os.path.basename(sys.argv[0]) == "fp8ptq" or sys.orig_argv[1:3] == ["-m", "fp8ptq.cli"]:
+    exec_with_hugepages()
+
+from .main import main  # noqa: E402 (after the re-exec: .main imports torch)
+
+if __name__ == "__main__":
+    main(prog_name="fp8ptq")

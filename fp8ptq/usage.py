@@ -67,6 +67,62 @@ def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
 
 
+HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _glibc_version() -> tuple[int, int] | None:
+    try:
+        name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+        major, minor = version.split(".")[:2]
+        return (int(major), int(minor)) if name == "glibc" else None
+    except (AttributeError, ValueError, OSError, TypeError):
+        return None
+
+
+def _thp_mode(path: str = THP_MODE_FILE) -> str | None:
+    """The kernel's transparent-huge-page mode, the bracketed word of ``path``, or None."""
+    try:
+        text = open(path, encoding="ascii").read()  # noqa: SIM115 (one read, closed by GC)
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
+def hugepage_env(env: dict[str, str], thp_mode: str | None,
+                 glibc: tuple[int, int] | None) -> dict[str, str] | None:
+    """The environment to re-execute with so that glibc backs its mmapped blocks with
+    transparent huge pages, or None when that would change nothing or is not ours to change:
+    glibc older than 2.35 (no such tunable), a kernel whose THP mode is not ``madvise``
+    (``always`` already gives them, ``never`` refuses them), or a ``GLIBC_TUNABLES`` the user
+    set (theirs wins; set it empty to keep 4 KiB pages)."""
+    if glibc is None or glibc < (2, 35) or thp_mode != "madvise" or "GLIBC_TUNABLES" in env:
+        return None
+    return {**env, "GLIBC_TUNABLES": HUGEPAGE_TUNABLE}
+
+
+def exec_with_hugepages() -> None:
+    """Re-execute this process (the ``fp8ptq`` command, called before it imports torch) with
+    glibc's ``glibc.malloc.hugetlb=1``, which glibc reads only at process start; returns when
+    there is nothing to do (``hugepage_env``) or torch is already imported (too late to be
+    cheap: the new process would import it again).
+
+    Why: ``bound_heap`` serves every allocation of 1 MiB or more from its own ``mmap``, so each
+    activation tensor of a forward is faulted in afresh, 4 KiB at a time. With the tunable glibc
+    ``madvise``s those mappings for 2 MiB pages (the kernel here is in ``madvise`` mode):
+    measured on SmolLM2-135M float32, e4m3 static, 16 x 512 calibration tokens, quiet, 1 thread:
+    calibrate 42.9 -> 31.9 s, system time 11.8 -> 5.0 s, page faults 3.8 M -> 1.2 M, peak RSS
+    1116 -> 1144 MiB; 2 threads: calibrate 21.1 / 22.3 -> 20.1 / 19.8 s, wall 33.4 / 33.5 ->
+    31.1 / 30.7 s. The exec costs one interpreter start (tens of ms)."""
+    new_env = hugepage_env(dict(os.environ), _thp_mode(), _glibc_version())
+    if new_env is None or "torch" in sys.modules or not getattr(sys, "orig_argv", None):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], new_env)
+
+
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the kernel (glibc ``malloc_trim(0)``; a no-op
     elsewhere). Tensors of a few MB come from glibc's heap, not from mmap, once its dynamic
@@ -100,4 +156,5 @@ def timed(seconds: dict[str, float], key: str):
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
-__all__ = ["bound_heap", "peak_rss_mb", "release_free_memory", "time_line", "timed", "usage"]
+__all__ = ["bound_heap", "exec_with_hugepages", "hugepage_env", "peak_rss_mb",
+           "release_free_memory", "time_line", "timed", "usage"]

@@ -6,10 +6,11 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fp8ptq.usage import time_line, timed, usage
+from fp8ptq.usage import _glibc_version, _thp_mode, hugepage_env, time_line, timed, usage
 
 
 def test_time_line_and_json_fields():
@@ -86,3 +87,75 @@ def test_bound_heap_maps_large_tensors_after_glibc_raised_its_threshold():
     assert _heap_probe("bound") == ["True", "3"]
     # a user's own setting wins: bound_heap changes nothing then
     assert _heap_probe("bound", MALLOC_MMAP_THRESHOLD_="33554432") == ["False", "0"]
+
+
+def test_hugepage_env_leaves_what_it_cannot_improve_alone():
+    env = {"PATH": "/bin"}
+    assert hugepage_env(env, "madvise", (2, 36)) == {"PATH": "/bin",
+                                                     "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert hugepage_env(env, "madvise", (2, 34)) is None  # no such tunable before 2.35
+    assert hugepage_env(env, "always", (2, 36)) is None  # huge pages already
+    assert hugepage_env(env, "never", (2, 36)) is None
+    assert hugepage_env(env, "madvise", None) is None  # not glibc
+    # the user's own tunables win, an empty value included (the way to keep 4 KiB pages)
+    assert hugepage_env({**env, "GLIBC_TUNABLES": ""}, "madvise", (2, 36)) is None
+
+
+_THP_PROBE = """
+import os
+from fp8ptq.usage import bound_heap, exec_with_hugepages
+exec_with_hugepages()
+import torch
+bound_heap()
+x = torch.ones(64 << 18)  # 64 MiB, its own mapping under bound_heap, touched
+huge = [line.split()[1] for line in open("/proc/self/smaps_rollup") if "AnonHuge" in line]
+print(os.environ.get("GLIBC_TUNABLES"), int(huge[0]) >> 10)
+"""
+
+
+def _thp_available() -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    return hugepage_env(env, _thp_mode(), _glibc_version()) is not None
+
+
+@pytest.mark.skipif(not _thp_available(), reason="needs glibc >= 2.35 and THP in madvise mode")
+def test_exec_with_hugepages_backs_large_tensors_with_huge_pages():
+    """The re-executed process has the tunable and its 64 MiB tensor sits in 2 MiB pages; with
+    the tunable set empty by the user nothing is re-executed and no huge page is used."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    run = subprocess.run([sys.executable, "-c", _THP_PROBE], capture_output=True, text=True,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    tunable, huge_mib = run.stdout.split()
+    assert tunable == "glibc.malloc.hugetlb=1" and int(huge_mib) >= 32
+    run = subprocess.run([sys.executable, "-c", _THP_PROBE], capture_output=True, text=True,
+                         env={**env, "GLIBC_TUNABLES": ""})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["", "0"] or run.stdout.split() == ["0"]
+
+
+@pytest.mark.skipif(not _thp_available(), reason="needs glibc >= 2.35 and THP in madvise mode")
+def test_fp8ptq_command_reexecutes_once_before_torch(tmp_path):
+    """Both entry points start twice (the second start with the tunable) and then run; a
+    program that merely imports fp8ptq.cli starts once. Seen through a ``sitecustomize`` that
+    logs each interpreter start's GLIBC_TUNABLES."""
+    log = tmp_path / "starts.log"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nwith open(os.environ['STARTS_LOG'], 'a') as f:\n"
+        "    f.write(os.environ.get('GLIBC_TUNABLES', '-') + '\\n')\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(PYTHONPATH=str(tmp_path), STARTS_LOG=str(log))
+    script = Path(sys.executable).parent / "fp8ptq"
+    commands = [[sys.executable, "-m", "fp8ptq.cli", "--version"]]
+    if script.is_file():
+        commands.append([str(script), "--version"])
+    for cmd in commands:
+        log.unlink(missing_ok=True)
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert run.returncode == 0 and "version" in run.stdout, run.stderr
+        assert log.read_text().split() == ["-", "glibc.malloc.hugetlb=1"], cmd
+    log.unlink(missing_ok=True)
+    run = subprocess.run([sys.executable, "-c", "import fp8ptq.cli"], capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert log.read_text().split() == ["-"]
