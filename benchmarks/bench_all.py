@@ -31,8 +31,10 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
 
 Allocator: every model row runs with glibc's mmap threshold fixed at 1 MiB
 (``fp8ptq.usage.bound_heap``), as the ``fp8ptq`` command and ``quantize_model`` run, so baseline
-and variants pay the same page faults; one extra row times the float32 eval with glibc's own
-threshold first, before ``bound_heap``, and gives the memory bound's time cost as a ratio.
+and variants pay the same page faults, and, like the command, the bench re-executes itself with
+glibc's huge-page tunable (``fp8ptq.usage.exec_with_hugepages``) before importing torch; one
+extra row times the float32 eval with glibc's own threshold first, before ``bound_heap``, and
+gives the memory bound's time cost as a ratio.
 
 Model dtype: bfloat16 by default, float32 with ``--quick``. On a CPU without native bf16 GEMMs
 (AVX2 only, like the 2-core development machine) a bf16 forward is ~7x slower than float32, so
@@ -58,19 +60,25 @@ import tempfile
 import time
 from pathlib import Path
 
-import llmc_timing
-import torch
-from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, best_seconds, emit
-from rich.console import Console
+from fp8ptq.usage import exec_with_hugepages
 
-from fp8ptq import job, native
-from fp8ptq.evals import run_tasks
-from fp8ptq.evals.wikitext import split_articles
-from fp8ptq.formats import encode, fake_quantize, get_format
-from fp8ptq.model.forward import run_batch, token_batches
-from fp8ptq.pipeline import build_plan, collect_stats
-from fp8ptq.recipe import Recipe
-from fp8ptq.usage import bound_heap
+# Before torch is imported, as the ``fp8ptq`` command does: the in-process rows (calibration,
+# eval) then run with the command's allocator, 2 MiB pages for ``bound_heap``'s mappings.
+exec_with_hugepages()
+
+import llmc_timing  # noqa: E402
+import torch  # noqa: E402
+from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, best_seconds, emit  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from fp8ptq import job, native  # noqa: E402
+from fp8ptq.evals import run_tasks  # noqa: E402
+from fp8ptq.evals.wikitext import split_articles  # noqa: E402
+from fp8ptq.formats import encode, fake_quantize, get_format  # noqa: E402
+from fp8ptq.model.forward import run_batch, token_batches  # noqa: E402
+from fp8ptq.pipeline import build_plan, collect_stats  # noqa: E402
+from fp8ptq.recipe import Recipe  # noqa: E402
+from fp8ptq.usage import bound_heap  # noqa: E402
 
 CODEC_TARGETS = {"e4m3": 0.5, "e5m2": 0.5, "e4m3fnuz": 0.5, "e5m2fnuz": 0.5, "hfp8": 0.25,
                  "hif8": 0.25, "e3m4": 0.25, "e2m5": 0.25, "int8": 0.25}
