@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import fp8ptq
+import fp8ptq.loading  # fp8ptq.loading.load_model below: the package imports no submodule itself
 from fp8ptq.errors import DataError, Fp8ptqError, UsageError
 from tiny_models import STATIC, invoke, tiny
 
