@@ -57,6 +57,11 @@ ROWS = {
                                 "`--calib-windows documents`", "FP8 Marlin (W8A16)"),
     "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ act-order (one pass)",
                              "row-wise scaled_mm"),
+    # SmoothQuant folded into the GEMM -> GEMM pairs (up_proj -> down_proj, v_proj -> o_proj)
+    "fp8-dynamic-sqg5-gptq-seq-ao-docs": ("the default + `--smoothquant 0.5 --smoothquant-into "
+                                          "gemms`", "row-wise scaled_mm"),
+    "fp8-dynamic-sqg8-gptq-seq-ao-docs": ("the default + `--smoothquant 0.8 --smoothquant-into "
+                                          "gemms`", "row-wise scaled_mm"),
     "fp8-block": ("`--scheme fp8-block`: 128x128 W + dynamic 1x128 A", "block-scaled GEMM"),
     "fp8-block-gptq": ("`fp8-block` + GPTQ", "block-scaled GEMM"),
     # the default recipe with --target-delta 1%: a checkpoint written by `fp8ptq quantize`
@@ -72,6 +77,8 @@ ROWS = {
                           "- (fp8ptq-native)"),
     "hif8-dynamic-gptq-seq-ao": ("HiF8, the default recipe (`--format hif8`)",
                                  "- (no HiF8 kernels)"),
+    "hif8-dynamic-gptq-seq-ao-docs": ("HiF8, the default recipe with document windows "
+                                      "(`--format hif8`)", "- (no HiF8 kernels)"),
     "hfp8-dynamic-gptq-seq-ao": ("HFP8 (E4M3 W / E5M2 A), the default recipe (`--format hfp8`)",
                                  "- (fp8ptq-native)"),
     "llmc-FP8": ("llm-compressor `FP8`: tensor W + static tensor A, fp8ptq's windows",
