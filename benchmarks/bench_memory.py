@@ -23,6 +23,10 @@ logging each block's calibration pass with the RSS then and the peak so far (std
 ``--only model-free`` measures the model-free path against the read + write floor on it, and
 ``--only eval`` the peak RSS of ``fp8ptq eval`` on a 262,144-token-vocabulary model at context
 2048 (target: model bytes + 2 GB).
+
+Allocator: like the ``fp8ptq`` command, the bench re-executes itself with glibc's huge-page
+tunable before importing torch (``fp8ptq.usage.exec_with_hugepages``; its child processes
+inherit the environment), so the peaks are the command's.
 """
 
 from __future__ import annotations
@@ -37,9 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-from transformers import LlamaConfig
+from fp8ptq.usage import exec_with_hugepages
+
+exec_with_hugepages()  # before torch is imported, as the ``fp8ptq`` command does
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "fp8ptq-bench"
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"  # --assets
