@@ -16,6 +16,7 @@ from fp8ptq.checkpoint import (
     reader,
     save_quantized,
 )
+from fp8ptq.checkpoint.layouts.compressed_tensors import _cached_attention
 from fp8ptq.errors import Fp8ptqError, NumericsError
 from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.recipe import Recipe
@@ -38,6 +39,15 @@ CASES = [
 ]
 
 
+def ct_caches_attention(arch) -> bool:
+    """Does the installed compressed-tensors treat this architecture's attention as KV-cached?
+    (0.20 looks for a ``past_key_value(s)`` argument; transformers 5.24 renamed it ``cache``,
+    and then fp8ptq writes no ``kv_cache_scheme``, saying why in fp8ptq.json.)"""
+    model = tiny(arch)
+    attn = next(m for n, m in model.named_modules() if n.endswith(("self_attn", "attn")))
+    return _cached_attention(attn)
+
+
 def quantized(arch, **kwargs):
     model = tiny(arch)
     recipe = Recipe(dtype="float32", **kwargs)
@@ -52,6 +62,8 @@ def tensor_names(path):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_taps_round_trip_exactly(tmp_path, monkeypatch, case):
     _, arch, kwargs, layout, kv_type = case
+    if kv_type and not ct_caches_attention(arch):
+        kv_type = None  # not written: the note in fp8ptq.json says why (checked below)
     result, recipe = quantized(arch, **kwargs)
     expected = run(result.model, IDS)
     save_quantized(result, recipe, tmp_path / "c")
@@ -92,6 +104,8 @@ def test_taps_round_trip_exactly(tmp_path, monkeypatch, case):
 def test_transformers_reads_kv_cache_scales(tmp_path):
     from compressed_tensors.quantization import QuantizationConfig
 
+    if not ct_caches_attention("llama"):
+        pytest.skip("this compressed-tensors does not treat transformers' attention as KV-cached")
     result, recipe = quantized("llama", quantize_attention=True)
     save_quantized(result, recipe, tmp_path / "c")
     qc = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
