@@ -140,18 +140,10 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
                               for m in g.modules]).amax(dim=0)
         entry: dict = {"consumers": list(g.consumers), "channels": int(act_amax.numel())}
         report["groups"][g.norm_name] = entry
-        alpha = _choose_alpha(g, act_amax, lambda a, x=act_amax, w=w_amax:
-                              smoothing_factors(x, w, a), entry, ctx)
-        if alpha is None:
-            continue
-        s = smoothing_factors(act_amax, w_amax, alpha)
-        problem = _fold(g, s)
-        if problem:
-            del report["groups"][g.norm_name]
-            report["skipped"][g.norm_name] = problem
-            continue
-        entry.update(alpha=alpha, factor_min=float(s.min()), factor_max=float(s.max()))
-        if g.style != "scale":
+        done = _smooth_one(report, "groups", g.norm_name, g.norm_name, g, act_amax,
+                           lambda a, x=act_amax, w=w_amax: smoothing_factors(x, w, a),
+                           lambda s: s, lambda s, g=g: _fold(g, s), ctx)
+        if done and g.style != "scale":
             entry["fold"] = g.style
     for p in pairs:  # after the norms: rows of a producer commute with its columns' factors
         act_c = stats[p.consumer].channel_amax.float().cpu()
@@ -160,24 +152,36 @@ def apply_smoothquant(model: nn.Module, targets, stats: dict, row_samples: dict,
         entry = {"producer": p.producer, "consumers": [p.consumer],
                  "channels": int(act_p.numel()), "repeats": p.repeats}
         report["pairs"][p.name] = entry
-        alpha = _choose_alpha(Group(p.name, p.prod, [p.consumer], [p.cons]), act_c,
-                              lambda a, x=act_p, w=w_p, i=p.index: smoothing_factors(x, w, a)[i],
-                              entry, ctx)
-        if alpha is None:
-            continue
-        s = smoothing_factors(act_p, w_p, alpha)
-        problem = fold_pair(p, s)
-        if problem:
-            del report["pairs"][p.name]
-            report["skipped"][p.consumer] = problem
-            continue
-        entry.update(alpha=alpha, factor_min=float(s.min()), factor_max=float(s.max()))
+        _smooth_one(report, "pairs", p.name, p.consumer,
+                    Group(p.name, p.prod, [p.consumer], [p.cons]), act_c,
+                    lambda a, x=act_p, w=w_p: smoothing_factors(x, w, a),
+                    lambda s, i=p.index: s[i], lambda s, p=p: fold_pair(p, s), ctx)
     paired = {p.consumer for p in pairs}
     report["unmatched"] = [c for c in report["unmatched"]
                            if c not in paired and c not in report["skipped"]]
     report["smoothed"] = sum(e["alpha"] is not None for part in ("groups", "pairs")
                              for e in report[part].values())
     return report
+
+
+def _smooth_one(report, part, key, skip_key, g: Group, act_amax, factors, per_input, fold,
+                ctx) -> bool:
+    """Choose alpha for one norm group or GEMM pair (``report[part][key]``, already created),
+    fold its factors ``factors(alpha)`` (per producer channel; ``per_input`` maps them to the
+    consumers' input channels for the alpha search) and record them; True when folded. A fold
+    that would overflow moves the entry to ``report["skipped"][skip_key]``."""
+    entry = report[part][key]
+    alpha = _choose_alpha(g, act_amax, lambda a: per_input(factors(a)), entry, ctx)
+    if alpha is None:
+        return False
+    s = factors(alpha)
+    problem = fold(s)
+    if problem:
+        del report[part][key]
+        report["skipped"][skip_key] = problem
+        return False
+    entry.update(alpha=alpha, factor_min=float(s.min()), factor_max=float(s.max()))
+    return True
 
 
 def _choose_alpha(g: Group, act_amax, factors, entry: dict, ctx) -> float | None:
