@@ -235,9 +235,15 @@ def big_vocab_model(assets: Path) -> Path:
     cfg = LlamaConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
                       num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                       max_position_embeddings=2048, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
+    # built beside the cache entry and renamed when complete: a run that fails half-way (no
+    # tokenizer: a wrong --assets) leaves no folder that the next run would take as done
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
     gguf = assets / SMOLLM2
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+    tmp.rename(folder)
     return folder
 
 
