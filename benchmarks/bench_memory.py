@@ -24,9 +24,10 @@ logging each block's calibration pass with the RSS then and the peak so far (std
 ``--only eval`` the peak RSS of ``fp8ptq eval`` on a 262,144-token-vocabulary model at context
 2048 (target: model bytes + 2 GB).
 
-Allocator: like the ``fp8ptq`` command, the bench re-executes itself with glibc's huge-page
-tunable before importing torch (``fp8ptq.usage.exec_with_hugepages``; its child processes
-inherit the environment), so the peaks are the command's.
+Allocator: like ``fp8ptq quantize``, the quantize modes re-execute the bench with glibc's
+huge-page tunable before importing torch (``fp8ptq.usage.exec_with_hugepages``; its child
+processes inherit the environment), so the peaks are the command's; ``--only eval`` does not
+(``fp8ptq eval`` keeps 4 KiB pages: huge pages raised its peak here).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from pathlib import Path
 
 from fp8ptq.usage import exec_with_hugepages
 
-exec_with_hugepages()  # before torch is imported, as the ``fp8ptq`` command does
+if "eval" not in sys.argv[1:]:  # --only eval runs ``fp8ptq eval``, which keeps 4 KiB pages
+    exec_with_hugepages()  # before torch is imported, as ``fp8ptq quantize`` does
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402

@@ -135,10 +135,11 @@ def test_exec_with_hugepages_backs_large_tensors_with_huge_pages():
 
 
 @pytest.mark.skipif(not _thp_available(), reason="needs glibc >= 2.35 and THP in madvise mode")
-def test_fp8ptq_command_reexecutes_once_before_torch(tmp_path):
-    """Both entry points start twice (the second start with the tunable) and then run; a
-    program that merely imports fp8ptq.cli starts once. Seen through a ``sitecustomize`` that
-    logs each interpreter start's GLIBC_TUNABLES."""
+def test_fp8ptq_quantize_reexecutes_once_before_torch(tmp_path):
+    """``quantize`` through both entry points starts twice (the second start with the tunable)
+    and then runs; another subcommand (``eval``, whose peak RSS huge pages raise) and a program
+    that merely imports fp8ptq.cli start once. Seen through a ``sitecustomize`` that logs each
+    interpreter start's GLIBC_TUNABLES."""
     log = tmp_path / "starts.log"
     (tmp_path / "sitecustomize.py").write_text(
         "import os\nwith open(os.environ['STARTS_LOG'], 'a') as f:\n"
@@ -146,14 +147,14 @@ def test_fp8ptq_command_reexecutes_once_before_torch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env.update(PYTHONPATH=str(tmp_path), STARTS_LOG=str(log))
     script = Path(sys.executable).parent / "fp8ptq"
-    commands = [[sys.executable, "-m", "fp8ptq.cli", "--version"]]
-    if script.is_file():
-        commands.append([str(script), "--version"])
-    for cmd in commands:
-        log.unlink(missing_ok=True)
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        assert run.returncode == 0 and "version" in run.stdout, run.stderr
-        assert log.read_text().split() == ["-", "glibc.malloc.hugetlb=1"], cmd
+    entries = [[sys.executable, "-m", "fp8ptq.cli"]] + ([[str(script)]] if script.is_file() else [])
+    for entry in entries:
+        for args, starts in ((["--debug", "quantize", "--help"], ["-", "glibc.malloc.hugetlb=1"]),
+                             (["eval", "--help"], ["-"])):
+            log.unlink(missing_ok=True)
+            run = subprocess.run(entry + args, capture_output=True, text=True, env=env)
+            assert run.returncode == 0 and "Usage" in run.stdout, run.stderr
+            assert log.read_text().split() == starts, entry + args
     log.unlink(missing_ok=True)
     run = subprocess.run([sys.executable, "-c", "import fp8ptq.cli"], capture_output=True,
                          text=True, env=env)
