@@ -42,9 +42,18 @@ import sys
 import time
 from pathlib import Path
 
-from fp8ptq.usage import exec_with_hugepages
+from fp8ptq.usage import HUGEPAGE_COMMANDS, exec_with_hugepages
 
-if "eval" not in sys.argv[1:]:  # --only eval runs ``fp8ptq eval``, which keeps 4 KiB pages
+
+def _only(argv: list[str]) -> str | None:
+    """``--only``'s value (either spelling), read before the re-exec and torch's import."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--only")
+    return pre.parse_known_args(argv)[0].only
+
+
+# the rows run ``fp8ptq quantize`` (huge pages) unless --only eval (``fp8ptq eval``: 4 KiB pages)
+if _only(sys.argv[1:]) != "eval" and "quantize" in HUGEPAGE_COMMANDS:
     exec_with_hugepages()  # before torch is imported, as ``fp8ptq quantize`` does
 
 import torch  # noqa: E402

@@ -10,20 +10,12 @@ Imported by any other program (tests, a user's script) it changes nothing."""
 import os
 import sys
 
-from fp8ptq.usage import exec_with_hugepages
+from fp8ptq.usage import hugepages_for
 
-# Only ``quantize``: measured there (fewer page faults, same peak RSS: SmolLM2 128 x 512 844 MiB,
-# the 28.6 GB Llama's sequential run 2,803 MiB either way), while ``eval``'s peak on the
-# 262k-vocabulary bench rose 1.47 -> 2.13 GB with huge pages for no measured speed-up.
-HUGEPAGE_COMMANDS = frozenset({"quantize"})
+# The group's options that take a value (none today: --verbose, --debug, --version, --help are
+# flags); tests/test_usage.py checks this set against the click group, so a new one cannot
+# silently make the subcommand unfindable.
+GROUP_VALUE_OPTIONS: frozenset[str] = frozenset()
 
-
-def _subcommand(argv: list[str]) -> str | None:
-    """The subcommand's name: the first argument that is not an option (the group's own
-    options are flags)."""
-    return next((a for a in argv[1:] if not a.startswith("-")), None)
-
-
-if (os.path.basename(sys.argv[0]) == "fp8ptq" or sys.orig_argv[1:3] == ["-m", "fp8ptq.cli"]) \
-        and _subcommand(sys.argv) in HUGEPAGE_COMMANDS:
-    exec_with_hugepages()
+if os.path.basename(sys.argv[0]) == "fp8ptq" or sys.orig_argv[1:3] == ["-m", "fp8ptq.cli"]:
+    hugepages_for(sys.argv, GROUP_VALUE_OPTIONS)

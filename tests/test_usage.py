@@ -101,6 +101,29 @@ def test_hugepage_env_leaves_what_it_cannot_improve_alone():
     assert hugepage_env({**env, "GLIBC_TUNABLES": ""}, "madvise", (2, 36)) is None
 
 
+def test_command_name_skips_options_and_their_values():
+    from fp8ptq.usage import command_name
+    assert command_name(["fp8ptq", "--debug", "quantize", "m", "--format", "e4m3"]) == "quantize"
+    assert command_name(["fp8ptq", "--verbose", "--debug", "eval", "x"]) == "eval"
+    assert command_name(["fp8ptq", "--help"]) is None
+    assert command_name(["fp8ptq"]) is None
+    # a group option that takes a value must be named, else its value is taken for the command
+    assert command_name(["fp8ptq", "--log", "eval", "quantize"]) == "eval"
+    assert command_name(["fp8ptq", "--log", "eval", "quantize"], frozenset({"--log"})) == "quantize"
+    assert command_name(["fp8ptq", "--log=eval", "quantize"], frozenset({"--log"})) == "quantize"
+    assert command_name(["fp8ptq", "--", "quantize"]) == "quantize"
+
+
+def test_group_value_options_match_the_click_group():
+    """``fp8ptq.cli`` finds the subcommand before click is imported, so it must know which of
+    the group's options take a value: this fails when one is added without naming it there."""
+    from fp8ptq.cli import GROUP_VALUE_OPTIONS
+    from fp8ptq.cli.main import main
+    taking_value = {name for p in main.params if not getattr(p, "is_flag", False)
+                    and getattr(p, "nargs", 1) != 0 for name in p.opts}
+    assert taking_value == set(GROUP_VALUE_OPTIONS)
+
+
 _THP_PROBE = """
 import os
 from fp8ptq.usage import bound_heap, exec_with_hugepages
