@@ -6,6 +6,7 @@ by name.
 """
 
 from . import layerwise, registry
+from .hmse import HessianMseWeightCalibrator
 from .max import CastCalibrator, MaxCalibrator, MaxWeightCalibrator
 from .mse import MseCalibrator, MseWeightCalibrator
 from .percentile import PercentileCalibrator
@@ -31,9 +32,15 @@ register(CalibratorEntry("mse", "weight", factory=MseWeightCalibrator))
 register(CalibratorEntry("cast", "weight", factory=CastCalibrator, help="scale 1"))
 # GPTQ (``gptq.py``): scales from max / MSE, then the error-compensating column sweep over the
 # calibration inputs' Hessian -- so these read calibration data
-for _name, _scales in (("gptq", MaxWeightCalibrator), ("gptq-mse", MseWeightCalibrator)):
+for _name, _scales in (("gptq", MaxWeightCalibrator), ("gptq-mse", MseWeightCalibrator),
+                       ("gptq-hmse", HessianMseWeightCalibrator)):
     register(CalibratorEntry(_name, "weight", factory=_scales, options=_GPTQ, rounding="gptq",
-                             reads_data=True))
+                             reads_data=True,
+                             help="GPTQ on hmse's scales" if _name == "gptq-hmse" else ""))
+# scales by the Hessian-weighted rounding error (``hmse.py``), then round to nearest: reads the
+# calibration inputs for the Hessian's diagonal only
+register(CalibratorEntry("hmse", "weight", factory=HessianMseWeightCalibrator, reads_data=True,
+                         help="scales by input-energy-weighted error, round to nearest"))
 
 # Views of the registry kept for callers that list names.
 ACTIVATION_CALIBRATORS = registry.names("activation", STATISTICS)

@@ -340,7 +340,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         w_scale, gran = chosen.weight_scale, chosen.weight_granularity
     else:
         w_scale = choose_scale(w2d, t.weight_format, gran, w_calib, pow2=recipe.scale_pow2,
-                               warnings=warnings)
+                               warnings=warnings, hessian=hessian)
     gptq = weight_entry(t.weight.calibrator).rounding == "gptq"
     if gptq and hessian is not None:
         w2d = w2d.float()

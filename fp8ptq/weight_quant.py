@@ -44,10 +44,17 @@ class QuantizedWeight:
 
 
 def choose_scale(w2d: torch.Tensor, fmt: FormatSpec, gran, w_calib, *, pow2: bool = False,
-                 what: str = "weight", warnings: list[str] | None = None) -> torch.Tensor:
-    """The weight scale the calibrator's clip range gives (finite, > 0; ``fp8ptq.scales``)."""
-    return amax_to_scale(w_calib.amax(w2d, gran, fmt), fmt, pow2=pow2, what=what,
-                         warnings=warnings)
+                 what: str = "weight", warnings: list[str] | None = None,
+                 hessian: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight scale the calibrator's clip range gives (finite, > 0; ``fp8ptq.scales``).
+    ``hessian`` [in, in]: the layer inputs' GPTQ Hessian, whose diagonal (the input energies)
+    a Hessian-aware calibrator (``uses_hessian``: ``hmse``) weights the rounding error by."""
+    if getattr(w_calib, "uses_hessian", False):
+        hdiag = None if hessian is None else torch.diagonal(hessian)
+        amax = w_calib.amax(w2d, gran, fmt, hdiag)
+    else:
+        amax = w_calib.amax(w2d, gran, fmt)
+    return amax_to_scale(amax, fmt, pow2=pow2, what=what, warnings=warnings)
 
 
 def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gran, *,
