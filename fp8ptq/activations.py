@@ -19,6 +19,7 @@ from torch import nn
 
 from .model.forward import micro_batch_spans
 from .model.gemm32 import float32_gemms
+from .model.lean import lean_forwards
 
 
 class ActivationStore:
@@ -110,7 +111,7 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
     batch's bit for bit); True when the block returns a tuple (transformers' older layer
     convention), which stand-ins must mimic."""
     tupled = False
-    with torch.inference_mode(), float32_gemms(model=block):
+    with torch.inference_mode(), float32_gemms(model=block), lean_forwards(block):
         for i, kw in enumerate(kwargs_list):
             if kw is None:
                 continue

@@ -33,6 +33,7 @@ from .model.forward import (  # noqa: F401 - run_batch, token_batches re-exporte
 )
 from .model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from .model.gemm32 import float32_gemms
+from .model.lean import lean_forwards
 from .observers import StatsCollector, TensorStats
 from .placement import materialize_offloaded
 from .plan import (  # noqa: F401
@@ -108,7 +109,7 @@ def collect_stats(model: nn.Module, targets: list[Target], batches: list, progre
     split = hessians is None or not hessians.modules
     with collector.observing(), experts.observing() if experts else nullcontext(), \
             hessians.observing() if hessians else nullcontext(), torch.inference_mode(), \
-            float32_gemms(model=model):
+            float32_gemms(model=model), lean_forwards(model):
         try:
             # under torchrun each rank runs its share; global indices keep sample order
             for index, batch in distributed.shard(batches):
