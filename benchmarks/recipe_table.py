@@ -53,6 +53,20 @@ ROWS = {
     "fp8-dynamic-gptq-seq-ao-docs-asym": ("`fp8-dynamic` + sequential GPTQ act-order, document "
                                           "windows, `--gptq-asym` (asymmetric GPTQ)",
                                           "row-wise scaled_mm"),
+    # weight scales by the Hessian-diagonal-weighted rounding error (calibrators/hmse.py)
+    "fp8-dynamic-gptq-seq-ao-docs-hmse": ("the default with `--weight-calib gptq-hmse` "
+                                          "(Hessian-weighted weight scales)",
+                                          "row-wise scaled_mm"),
+    "fp8-dynamic-hmse": ("`fp8-dynamic` + `--weight-calib hmse` (Hessian-weighted scales, "
+                         "round to nearest)", "row-wise scaled_mm"),
+    "hif8-dynamic-gptq-seq-ao-docs-hmse": ("HiF8, the default recipe with document windows "
+                                           "and `--weight-calib gptq-hmse`",
+                                           "- (no HiF8 kernels)"),
+    "fp8-dynamic-sqa5-gptq-seq-ao-docs": ("the default + `--smoothquant 0.5 --smoothquant-into "
+                                          "all`", "row-wise scaled_mm"),
+    "fp8-dynamic-sqa5-gptq-seq-ao-docs-hmse": ("the default with `gptq-hmse` + `--smoothquant "
+                                               "0.5 --smoothquant-into all`",
+                                               "row-wise scaled_mm"),
     "w-only-gptq-seq-ao-docs": ("e4m3 weight-only, sequential GPTQ act-order, "
                                 "`--calib-windows documents`", "FP8 Marlin (W8A16)"),
     "fp8-dynamic-rot-gptq": ("`fp8-dynamic` + `--rotate hadamard` + GPTQ act-order (one pass)",
