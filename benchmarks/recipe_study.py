@@ -22,9 +22,11 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -127,6 +129,12 @@ E4M3 = {
                                           gptq_act_order=True, calib_windows="documents"),
     "fp8-dynamic-sq-gptq": dict(act_granularity="token", smoothquant=0.5, weight_calib="gptq"),
     "fp8-block": dict(scheme="fp8-block"),  # 128x128 W blocks, dynamic 1x128 A groups
+    "fp8-block-gptq-seq-ao-docs": dict(scheme="fp8-block", weight_calib="gptq",
+                                       gptq_sequential=True, gptq_act_order=True,
+                                       calib_windows="documents"),
+    # analysis rows (FLOAT_WEIGHTS): activations quantized, weights left in float
+    "a-only-fp8-dynamic": dict(scheme="fp8-dynamic"),
+    "a-only-fp8-group": dict(scheme="fp8-dynamic", act_granularity="group"),
     "fp8-block-gptq": dict(scheme="fp8-block", weight_calib="gptq"),
     "fp8-group-channel": dict(act_granularity="group"),
     "fp8-group-channel-gptq": dict(act_granularity="group", weight_calib="gptq"),
@@ -143,6 +151,34 @@ E4M3 = {
     "hif8-dynamic-gptq": dict(format="hif8", act_granularity="token", weight_calib="gptq"),
     "e5m2-dynamic-gptq": dict(format="e5m2", act_granularity="token", weight_calib="gptq"),
 }
+
+
+# Rows whose weights are put back to float after quantization: what the activations' rounding
+# alone costs (the floor an activation scheme puts under any weight method). Analysis only:
+# no fp8ptq option does this.
+FLOAT_WEIGHTS = {"a-only-fp8-dynamic", "a-only-fp8-group"}
+
+
+@contextmanager
+def float_weights(enabled: bool):
+    """While active, every ``QuantGemm`` built keeps its float weight (inputs still quantized)."""
+    if not enabled:
+        yield
+        return
+    from fp8ptq.qmodules import QuantGemm
+    original = QuantGemm.__init__
+
+    def keep_float(self, inner, **kwargs):
+        w = inner.weight.detach().clone()
+        original(self, inner, **kwargs)
+        with torch.no_grad():
+            self.inner.weight.copy_(w)
+
+    QuantGemm.__init__ = keep_float
+    try:
+        yield
+    finally:
+        QuantGemm.__init__ = original
 
 
 MODELS = {
@@ -179,8 +215,9 @@ def run_one(name: str, fields: dict | None, spec: str, base: Recipe, texts, task
     kind = "checkpoint" if checkpoint else "baseline" if fields is None else "quantized"
     variant = Variant(name, kind, checkpoint or spec, recipe)
     t0 = time.perf_counter()
-    rows, protocol, _ = evaluate_variants([variant], base, texts, [task], [], device="cpu",
-                                          **eval_kwargs)
+    with float_weights(name in FLOAT_WEIGHTS):
+        rows, protocol, _ = evaluate_variants([variant], base, texts, [task], [], device="cpu",
+                                              **eval_kwargs)
     row = rows[0]
     doc = {"name": name, "kind": kind, "fields": fields, "metrics": row["metrics"],
            "seconds": row["seconds"], "timings": row["timings"], "recipe": row["recipe"],

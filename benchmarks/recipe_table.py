@@ -78,6 +78,13 @@ ROWS = {
                                           "gemms`", "row-wise scaled_mm"),
     "fp8-block": ("`--scheme fp8-block`: 128x128 W + dynamic 1x128 A", "block-scaled GEMM"),
     "fp8-block-gptq": ("`fp8-block` + GPTQ", "block-scaled GEMM"),
+    "fp8-block-gptq-seq-ao-docs": ("`fp8-block` + sequential GPTQ act-order, document windows",
+                                   "block-scaled GEMM (dims in whole 128-blocks: not SmolLM2's)"),
+    # analysis: weights left float (recipe_study.FLOAT_WEIGHTS), the activation schemes' floors
+    "a-only-fp8-dynamic": ("analysis: activations only, dynamic per-token (weights float)",
+                           "-"),
+    "a-only-fp8-group": ("analysis: activations only, dynamic 1x128 groups (weights float)",
+                         "-"),
     # the default recipe with --target-delta 1%: a checkpoint written by `fp8ptq quantize`
     # (its --json report cached as target-1pct-quantize.json); mixed precision
     "target-1pct": ("the default + `--target-delta 1%` (mixed: some GEMMs kept bf16)",
