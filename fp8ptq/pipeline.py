@@ -220,7 +220,11 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     groups = fused_groups([t.name for t in targets]) if unify_fused(recipe, targets) else []
     unified = unified_weight_scales(targets, groups, gran, w_calib, recipe, chosen)
     if hessians is not None:
-        extras["gptq"] = {"hessian_bytes": hessians.nbytes, "damp": recipe.gptq_damp,
+        # "hessians_for": what the Hessians served: GPTQ's column sweep, or (``hmse``) only the
+        # weight scales' choice, then rounding to nearest
+        extras["gptq"] = {"hessians_for": "gptq" if weight_entry(recipe.weight_calib).rounding
+                          == "gptq" else f"{recipe.weight_calib} scales (round to nearest)",
+                          "hessian_bytes": hessians.nbytes, "damp": recipe.gptq_damp,
                           "act_order": recipe.gptq_act_order, "block": recipe.gptq_block,
                           "distinct_inputs": len(hessians.sums), "sequential": None}
     by_name: dict[str, ModuleReport] = {}

@@ -120,7 +120,11 @@ def test_cli_quantize_with_hessian_scales(assets, tmp_path, calib):  # noqa: F81
     res = quantize(assets / "llama", out, "--calib-data", str(assets / "calib.txt"), *sizes,
                    "--weight-calib", calib, "--json")
     assert res.exit_code == 0, (res.output, res.exception)
-    assert json.loads(res.stdout)["gptq"]["sequential"]["blocks"] == 2  # in-order Hessians
+    facts = json.loads(res.stdout)["gptq"]
+    assert facts["sequential"]["blocks"] == 2  # in-order Hessians
+    # the report says what the Hessians were for: hmse rounds to nearest, no GPTQ sweep
+    assert facts["hessians_for"] == ("gptq" if calib == "gptq-hmse"
+                                     else "hmse scales (round to nearest)")
     assert read_metadata(out)["recipe"]["weight_calib"] == calib
     expected = Recipe(calib_data=str(assets / "calib.txt"), num_samples=4, seq_len=16,
                       weight_calib=calib)
