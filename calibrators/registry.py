@@ -103,3 +103,11 @@ def help_text(target: str) -> str:
     """``max|percentile|...`` with each entry's short note, for the CLI help."""
     notes = [f"{e.name} = {e.help}" for e in _REGISTRY[target].values() if e.help]
     return "|".join(_REGISTRY[target]) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def gptq_variant(name: str) -> str:
+    """The GPTQ weight calibrator that sweeps on weight calibrator ``name``'s scales (``max`` ->
+    ``gptq``, ``mse`` -> ``gptq-mse``, ``hmse`` -> ``gptq-hmse``); ``gptq`` for the others."""
+    factory = weight_entry(name).factory
+    return next((n for n in names("weight") if weight_entry(n).rounding == "gptq"
+                 and weight_entry(n).factory is factory), "gptq")

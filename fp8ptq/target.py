@@ -75,8 +75,7 @@ def ladder(recipe: Recipe, fallback: str = "bf16") -> list[Rung]:
     rungs = [Rung("base", {}, COSTS["base"])]
     fields: dict = {}
     if calibrators.weight_entry(recipe.weight_calib).rounding != "gptq":
-        fields["weight_calib"] = {"mse": "gptq-mse", "hmse": "gptq-hmse"}.get(
-            recipe.weight_calib, "gptq")
+        fields["weight_calib"] = calibrators.gptq_variant(recipe.weight_calib)
         rungs.append(Rung("gptq", dict(fields), COSTS["gptq"]))
     weight_only = recipe.act_format == "none"
     if recipe.act_granularity == "tensor" and not weight_only:

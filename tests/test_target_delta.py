@@ -38,6 +38,8 @@ def test_ladder():
     assert list(r) == ["base", "gptq", "finer", "fallback"]
     assert r["gptq"].fields == {"weight_calib": "gptq-mse"}
     assert r["finer"].fields == {"weight_calib": "gptq-mse", "weight_granularity": "channel"}
+    # hmse's scales keep their own GPTQ twin (the registry pairs them by factory)
+    assert ladder(Recipe(weight_calib="hmse"))[1].fields == {"weight_calib": "gptq-hmse"}
     assert r["fallback"].fields == {"weight_calib": "gptq-mse", "format": "e5m2"}
     # nothing finer for FP8_DYNAMIC with GPTQ: base, fallback
     assert [x.name for x in ladder(Recipe(weight_calib="gptq", act_granularity="token"))] == [
