@@ -140,6 +140,9 @@ E4M3 = {
     "fp8-group-channel-gptq": dict(act_granularity="group", weight_calib="gptq"),
     "mxfp8": dict(format="mxfp8"),
     "mxfp8-gptq": dict(format="mxfp8", weight_calib="gptq"),
+    "mxfp8-gptq-seq-ao-docs": dict(format="mxfp8", weight_calib="gptq", gptq_sequential=True,
+                                   gptq_act_order=True, calib_windows="documents"),
+    "a-only-mxfp8": dict(format="mxfp8"),  # FLOAT_WEIGHTS: MX's 1x32 E8M0 activation floor
     "mxfp8-e5m2": dict(format="mxfp8-e5m2"),
     # the other formats' best recipes next to e4m3
     "hfp8-static": dict(format="hfp8"),
@@ -156,7 +159,7 @@ E4M3 = {
 # Rows whose weights are put back to float after quantization: what the activations' rounding
 # alone costs (the floor an activation scheme puts under any weight method). Analysis only:
 # no fp8ptq option does this.
-FLOAT_WEIGHTS = {"a-only-fp8-dynamic", "a-only-fp8-group"}
+FLOAT_WEIGHTS = {"a-only-fp8-dynamic", "a-only-fp8-group", "a-only-mxfp8"}
 
 
 @contextmanager

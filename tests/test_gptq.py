@@ -1,6 +1,9 @@
 """GPTQ with fp8ptq's formats: hand-checked updates, the layer-output property against
 round-to-nearest for every format and granularity, and the pipeline / checkpoint path."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +91,105 @@ def test_gptq_needs_calibration_data_even_with_dynamic_activations():
     from fp8ptq import job
 
     assert job.needs_calibration(Recipe(weight_calib="gptq", act_granularity="token"))
+
+
+def _mx_scales(W: torch.Tensor, fmt):
+    """MX weight scales the pipeline chooses before the sweep: OCP's E8M0 rule per 32 values
+    along K (``amax_to_scale`` on a group-32 amax), expanded to one scale per weight."""
+    from fp8ptq.scales import amax_to_scale
+
+    g = weight_granularity("group", fmt.mx_block)
+    s = amax_to_scale(g.amax(W), fmt)
+    assert s.shape == (W.shape[0], -(-W.shape[1] // 32))
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two: E8M0 codes
+    return g.expand(s, W)
+
+
+def test_mx_gptq_keeps_e8m0_groups_and_beats_round_to_nearest():
+    """MXFP8 weights: GPTQ sweeps with the group-32 power-of-two scales fixed beforehand, so
+    its codes times those scales are an MX tensor; round to nearest with the same scales is
+    bit-identical to the OCP rule (``mx_fake_quantize``), and GPTQ's layer-output error is
+    lower, plain and in activation order (a K that is not a multiple of 32 included)."""
+    from fp8ptq.mx import mx_fake_quantize
+
+    fmt = get_format("mxfp8")
+    for seed, k in ((0, 96), (1, 80)):
+        torch.manual_seed(seed)
+        X = (torch.randn(512, 8) @ torch.randn(8, k)) + 0.1 * torch.randn(512, k)
+        X[:, 3] *= 20
+        W = torch.randn(32, k) * 0.05
+        S = _mx_scales(W, fmt)
+        H = X.T.double() @ X.double()
+        rtn = decode(encode(W / S, fmt), fmt) * S
+        assert torch.equal(rtn, mx_fake_quantize(W, fmt))
+        for act_order in (False, True):
+            gq = decode(gptq_codes(W, H, S, fmt, damp=0.01, act_order=act_order), fmt) * S
+            assert output_error(W, gq, X) < 0.1 * output_error(W, rtn, X)
+
+
+MINILM = Path(os.environ.get("FP8PTQ_ASSETS", Path(__file__).resolve().parents[2] / "shared" /
+                            "assets")) / "models" / "minilm-squad"
+
+
+@pytest.mark.skipif(not MINILM.is_dir(), reason="needs ../shared/assets")
+def test_mx_gptq_on_real_minilm_layers():
+    """The same property on real tensors: MiniLM-SQuAD's FFN GEMMs with the inputs a real
+    sentence gives them (GPTQ's calibration rows), MXFP8 scales chosen before the sweep."""
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MINILM)
+    model = AutoModelForQuestionAnswering.from_pretrained(MINILM, dtype=torch.float32).eval()
+    names = ["bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.5.output.dense"]
+    seen = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda m, i, o, n=n: seen.__setitem__(n, i[0].reshape(-1, i[0].shape[-1]))) for n in names]
+    text = ("Which NFL team represented the AFC at Super Bowl 50? The American Football "
+            "Conference champion Denver Broncos defeated the National Football Conference "
+            "champion Carolina Panthers 24 to 10 to earn their third Super Bowl title. ") * 4
+    with torch.no_grad():
+        model(**tok(text, return_tensors="pt"))
+    for h in hooks:
+        h.remove()
+    fmt = get_format("mxfp8")
+    for n in names:
+        W, X = model.get_submodule(n).weight.detach(), seen[n].detach()
+        S = _mx_scales(W, fmt)
+        H = X.T.double() @ X.double()
+        rtn = decode(encode(W / S, fmt), fmt) * S
+        gq = decode(gptq_codes(W, H, S, fmt, damp=0.01, act_order=True), fmt) * S
+        assert output_error(W, gq, X) < output_error(W, rtn, X)
+
+
+def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
+    """``--format mxfp8 --weight-calib gptq`` end to end: the QuantGemms hold group-32
+    power-of-two weight scales, the model error is below round to nearest's, and the
+    checkpoint reloads bit-identically."""
+    from fp8ptq.qmodules import QuantGemm
+
+    batches = list(token_batches(IDS, 4))
+    ref = tiny("llama").float()
+    with torch.no_grad():
+        want = ref(input_ids=IDS).logits
+
+    def err(recipe):
+        model = tiny("llama").float()
+        result = quantize_model(model, recipe, batches)
+        with torch.no_grad():
+            got = model(input_ids=IDS).logits
+        return result, model, float(((got - want) ** 2).mean())
+
+    common = dict(format="mxfp8", dtype="float32")
+    _, _, rtn = err(Recipe(**common))
+    recipe = Recipe(weight_calib="gptq", gptq_act_order=True, **common)
+    result, model, gptq = err(recipe)
+    assert gptq < rtn
+    gemms = [m for m in model.modules() if isinstance(m, QuantGemm)]
+    assert gemms
+    for m in gemms:
+        s = m.weight_scale
+        assert s.shape[-1] == -(-m.inner.weight.shape[1] // 32)
+        assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    save_quantized(result, recipe, tmp_path / "ck")
+    with torch.no_grad():
+        assert torch.equal(fp8ptq.load(tmp_path / "ck").model(input_ids=IDS).logits,
+                           model(input_ids=IDS).logits)
