@@ -2,6 +2,7 @@
 
     python benchmarks/compare_llmcompressor.py smollm2|minilm [--assets ../shared/assets]
         [--out out/recipes] [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8,GPTQ-FP8_DYNAMIC]
+        (also MXFP8, GPTQ-MXFP8)
         [--fp8ptq NAME,...] [--timings] [--prefix CMD] [--setup-only]
 
 llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
@@ -56,15 +57,21 @@ from fp8ptq.data import build_calibration_set, load_texts  # noqa: E402
 VENV = Path.home() / ".cache/fp8ptq-bench/llmc-venv"
 LLMC_VERSION = "0.14.0.1"
 SCHEMES = ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "GPTQ-FP8", "GPTQ-FP8_DYNAMIC")
+# also runnable (--schemes): compressed-tensors 0.19's MXFP8 preset (E4M3 elements, uint8 E8M0
+# scales per 32 values along K, weights and dynamic activations), round to nearest and GPTQ
+MX_SCHEMES = ("MXFP8", "GPTQ-MXFP8")
 # llm-compressor recipe -> fp8ptq's equivalent (a recipe_study name)
 EQUIVALENT = {"FP8": "fp8-static", "FP8_DYNAMIC": "fp8-dynamic", "FP8_BLOCK": "fp8-block",
-              "GPTQ-FP8": "fp8-static-gptq", "GPTQ-FP8_DYNAMIC": "fp8-dynamic-gptq"}
+              "GPTQ-FP8": "fp8-static-gptq", "GPTQ-FP8_DYNAMIC": "fp8-dynamic-gptq",
+              "MXFP8": "mxfp8", "GPTQ-MXFP8": "mxfp8-gptq"}
 QUANTIZE_FLAGS = {  # fp8ptq quantize flags of the recipe_study rows timed with --timings
     "fp8-static": ["--scheme", "fp8-static"],
     "fp8-dynamic": ["--scheme", "fp8-dynamic"],
     "fp8-block": ["--scheme", "fp8-block"],
     "fp8-static-gptq": ["--scheme", "fp8-static", "--weight-calib", "gptq"],
     "fp8-dynamic-gptq": ["--scheme", "fp8-dynamic", "--weight-calib", "gptq"],
+    "mxfp8": ["--format", "mxfp8"],
+    "mxfp8-gptq": ["--format", "mxfp8", "--weight-calib", "gptq"],
 }
 
 # Runs inside the llm-compressor venv: argv = model dir, scheme, out dir, calib file, n,
@@ -237,6 +244,9 @@ def main(argv=None) -> None:
         src = assets / m["spec"]
     prefix = args.prefix.split() if args.prefix else []
     schemes = [s for s in args.schemes.split(",") if s]
+    unknown = [s for s in schemes if s not in EQUIVALENT]
+    if unknown:
+        raise SystemExit(f"error: unknown scheme(s) {unknown}; known: {', '.join(EQUIVALENT)}")
     task = "qa" if m["task"] == "squad" else "causal-lm"
     windows = fp8ptq_windows(src, calib, args.num_samples, cache) \
         if args.windows == "fp8ptq" else None

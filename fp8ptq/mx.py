@@ -55,6 +55,26 @@ def shared_exponent(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True
     return e.clamp(E8M0_MIN, E8M0_MAX)
 
 
+def shared_exponent_round_up(amax: torch.Tensor, spec: FormatSpec, *,
+                             strict: bool = True) -> torch.Tensor:
+    """The exponent NVIDIA's MXFP8 kernels pick instead of the spec's floor: the smallest
+    power of two ``2^e >= amax / max_elem`` (TensorRT-LLM / FlashInfer's ``mxfp8_quantize``,
+    which vLLM's MXFP8 path calls: ``amax / 448`` converted to E8M0 rounding toward +inf).
+    No element saturates, where the spec's rule clips a block's largest values in
+    ``(max_elem, 2^(emax_elem + 1))`` (e4m3: (448, 512) times the scale) to ``max_elem``.
+    Same guards as :func:`shared_exponent`."""
+    amax = torch.as_tensor(amax).double()
+    finite = torch.isfinite(amax)
+    if strict and not bool(finite.all()):
+        raise ValueError("MX scaling: non-finite values in the block")
+    ratio = torch.where(finite & (amax > 0), amax / spec.max, torch.ones_like(amax))
+    mant, frexp_exp = torch.frexp(ratio)  # ratio = mant * 2^exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, frexp_exp - 1, frexp_exp).to(torch.int32)
+    e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN))
+    e = torch.where(finite, e, torch.full_like(e, E8M0_MAX))
+    return e.clamp(E8M0_MIN, E8M0_MAX)
+
+
 def mx_scale(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True) -> torch.Tensor:
     """The E8M0 scales ``2^shared_exponent`` of blocks with the given ``amax``, as float32
     (exact: every E8M0 value is a float32, 2^-127 as a subnormal)."""

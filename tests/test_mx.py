@@ -23,6 +23,7 @@ from fp8ptq.mx import (
     mx_fake_quantize,
     mx_quantize,
     shared_exponent,
+    shared_exponent_round_up,
 )
 
 E4M3, E5M2 = get_format("e4m3"), get_format("e5m2")
@@ -51,6 +52,25 @@ def test_saturating_element_cast(spec, expect_e):
     assert e.tolist() == [expect_e]
     assert q[5].item() == -spec.max
     assert mx_fake_quantize(x, spec)[5].item() == -1.75
+
+
+def test_round_up_exponent_never_saturates():
+    """NVIDIA's rule (smallest 2^e >= amax / max): the same exponent as the spec's floor
+    except where the floor would clip, i.e. amax / 2^floor in (max, 2^(emax + 1))."""
+    amax = torch.tensor([448.0, 449.0, 512.0, 896.0, 1.0, 300.0, 224.0, 0.875, 0.0, 1.9375])
+    assert shared_exponent(amax, E4M3).tolist() == [0, 0, 1, 1, -8, 0, -1, -9, -127, -8]
+    assert shared_exponent_round_up(amax, E4M3).tolist() == [0, 1, 1, 1, -8, 0, -1, -9, -127,
+                                                              -7]
+    assert shared_exponent_round_up(torch.tensor([1.9375]), E5M2).tolist() == [-14]
+    torch.manual_seed(0)
+    a = torch.rand(4096).double() * 2.0 ** torch.randint(-20, 20, (4096,)).double()
+    e = shared_exponent_round_up(a, E4M3).double()
+    assert bool((a / torch.exp2(e) <= E4M3.max).all())  # nothing clips
+    assert bool((a / torch.exp2(e - 1) > E4M3.max).all())  # the smallest such power
+    with pytest.raises(ValueError, match="non-finite"):
+        shared_exponent_round_up(torch.tensor([float("inf")]), E4M3)
+    assert shared_exponent_round_up(torch.tensor([float("inf")]), E4M3,
+                                    strict=False).tolist() == [127]
 
 
 def test_e8m0_clamps_and_zero_block():
