@@ -75,14 +75,20 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     ``scale_matrix`` [out, in]: the scale of every weight (the granularity's scales expanded);
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
     modified)."""
-    W = W.detach().double().clone()
-    S = scale_matrix.detach().double().expand_as(W).clone()
     hdiag = torch.diagonal(H).double()
-    W[:, hdiag == 0] = 0.0  # inputs that were always zero: any weight is free there
     perm = torch.argsort(hdiag, descending=True) if act_order else None
-    if perm is not None:  # act-order: the columns with the largest input energy first
-        W, S = W[:, perm], S[:, perm]
     U = _inverse_cholesky(H, damp, perm)
+    # the one weight-sized float64 copy the sweep updates: W TRANSPOSED (a column of W is a
+    # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
+    # input energy first). The scales stay the caller's (an expanded view: no copy), read one
+    # column at a time; float32 scales in float64 arithmetic promote exactly.
+    src = W.detach().T if perm is None else W.detach().T.index_select(0, perm)
+    Wt = torch.empty(src.shape, dtype=torch.float64).copy_(src)
+    del src
+    dead = hdiag == 0  # inputs that were always zero: any weight is free there
+    Wt[dead if perm is None else dead[perm]] = 0.0
+    St = scale_matrix.detach().expand_as(W).T  # [in, out], a view
+    order = None if perm is None else perm.tolist()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # per-column ops are tiny: threads only add sync cost (15x on a
     try:                      # loaded 2-core box, measured), so the sweep runs on one
@@ -90,7 +96,8 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
         # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
         # sweep's ~10 small ops per column cost ~20% of the sweep (measured)
         with torch._C.DisableTorchFunction():
-            codes = _sweep(W, S, U, fmt, block, {"rounding": rounding} if rounding else {})
+            codes = _sweep(Wt, St, U, fmt, block, {"rounding": rounding} if rounding else {},
+                           order)
     finally:
         torch.set_num_threads(threads)
     if perm is not None:
@@ -98,11 +105,11 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     return codes.contiguous()
 
 
-def _sweep(W, S, U, fmt, block, kw) -> torch.Tensor:
-    """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight: a
-    column of ``W`` [out, in] is a contiguous row of ``W^T``, so each step reads, encodes and
-    updates contiguous memory (3x faster on this CPU than strided columns)."""
-    Wt, St = W.T.contiguous(), S.T.contiguous()  # [in, out]
+def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
+    """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight ``Wt``
+    [in, out] (updated in place), so each step reads, encodes and updates contiguous memory
+    (3x faster on this CPU than strided columns). ``St`` [in, out]: the scales in the weight's
+    own column order; ``order``: the sweep's column order (None: as they are)."""
     cols, rows = Wt.shape
     codes = torch.empty(cols, rows, dtype=torch.uint8)
     for i1 in range(0, cols, block):
@@ -110,9 +117,10 @@ def _sweep(W, S, U, fmt, block, kw) -> torch.Tensor:
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         err = torch.empty(i2 - i1, rows, dtype=torch.float64)
         for i in range(i2 - i1):
-            w, s, e = W1[i], St[i1 + i], err[i]
+            j = i1 + i
+            w, s, e = W1[i], St[j if order is None else order[j]], err[i]
             c = encode((w / s).float(), fmt, **kw)
-            codes[i1 + i] = c
+            codes[j] = c
             torch.sub(w, decode(c, fmt).double() * s, out=e)
             e.div_(U1[i, i])
             W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e.unsqueeze(0)

@@ -39,6 +39,7 @@ from .hessian import HessianCollector
 from .model.blocks import block_prefix, find_blocks
 from .model.forward import micro_batches, run_batch
 from .model.gemm import weight_2d
+from .plan import hessian_diagonal_only
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
 Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
@@ -227,7 +228,8 @@ def _group_hessians(unit: nn.Module, group: list, batches: list,
     float stream each batch first runs the float copy to the same point, for the cross
     terms (``AsymmetricCollector``)."""
     if floats.unit is None:
-        collector = HessianCollector({t.name: t.module for t in group})
+        collector = HessianCollector({t.name: t.module for t in group},
+                                     diagonal=hessian_diagonal_only([_entry(t) for t in group]))
     else:
         collector = AsymmetricCollector({t.name: t.module for t in group},
                                         {t.name: input_quantizer(_entry(t)) for t in group})

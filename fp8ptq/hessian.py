@@ -5,6 +5,11 @@ one accumulator, since their H is identical. Accumulated in float64 from float32
 large calibration sets do not lose the small eigen-directions GPTQ's Cholesky needs. Memory is
 ``in_features^2 x 8`` bytes per distinct input (reported by ``nbytes``); a caller that keeps
 them long after the pass (``--target-delta``'s sweep) moves them to disk with ``offload``.
+
+``diagonal=True`` keeps only ``diag(H)``, the energy of each input (``in_features x 8`` bytes,
+one multiply-add per element instead of a GEMM): all that a weight calibrator that only weights
+the rounding error by input (``hmse`` with round to nearest) reads. GPTQ's sweep needs the whole
+matrix: a 7B model's 32 layers hold ~44 GB of float64 Hessians, their diagonals ~4 MB.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ class OffloadedSums(Mapping):
 
 
 class HessianCollector:
-    def __init__(self, modules: dict[str, nn.Module]):
+    def __init__(self, modules: dict[str, nn.Module], diagonal: bool = False):
+        self.diagonal = diagonal
         self.modules = {n: m for n, m in modules.items() if not isinstance(m, CONV_TYPES)}
         self.sums: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
@@ -81,7 +87,10 @@ class HessianCollector:
 
     def _accumulate(self, name: str, owner: str, x: torch.Tensor) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
-        self._add(self.sums, owner, x2.T @ x2)
+        if self.diagonal:
+            self._add(self.sums, owner, x2.square().sum(dim=0))
+        else:
+            self._add(self.sums, owner, x2.T @ x2)
         self.rows[owner] = self.rows.get(owner, 0) + x2.shape[0]
 
     @staticmethod
@@ -93,6 +102,8 @@ class HessianCollector:
             store[owner] = t
 
     def hessian(self, name: str) -> torch.Tensor | None:
+        """``2 X^T X / rows`` of ``name``'s inputs ([in, in]; with ``diagonal``: its diagonal,
+        [in])."""
         return self._scaled(self.sums, name)
 
     def _scaled(self, store: dict, name: str) -> torch.Tensor | None:

@@ -41,6 +41,7 @@ from .plan import (  # noqa: F401
     ModulePlan,
     QuantPlan,
     build_plan,
+    hessian_diagonal_only,
     plan_experts,
     plan_gemms,
     reads_data,
@@ -192,8 +193,10 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                               all_experts=recipe.calibrate_all_experts) if experts else None
     in_order = facts.gptq_in_order and batches is not None
     one_pass = set(outside_blocks(model, targets)) if in_order else None  # the rest: in order
-    hessians = HessianCollector({t.name: t.module for t in targets if reads_data(t)
-                                 and (one_pass is None or t.name in one_pass)}) \
+    hessian_from = [t for t in targets if reads_data(t)
+                    and (one_pass is None or t.name in one_pass)]
+    hessians = HessianCollector({t.name: t.module for t in hessian_from},
+                                diagonal=hessian_diagonal_only(hessian_from)) \
         if facts.gptq else None
     # the statistics pass, unless nothing reads it (dynamic inputs with in-order GPTQ alone)
     if batches is not None and (facts.needs_statistics_pass or observer is not None

@@ -323,6 +323,17 @@ def reads_data(m: ModulePlan) -> bool:
     return calibrators.weight_entry(m.weight.calibrator).reads_data
 
 
+def needs_full_hessian(m: ModulePlan) -> bool:
+    """Does ``m``'s weight quantization read the whole Hessian (GPTQ's sweep), not only its
+    diagonal (the input energies ``hmse`` weights by)?"""
+    return calibrators.weight_entry(m.weight.calibrator).rounding == "gptq"
+
+
+def hessian_diagonal_only(modules) -> bool:
+    """A Hessian collector for ``modules`` may keep diagonals only (none runs GPTQ's sweep)."""
+    return not any(needs_full_hessian(m) for m in modules)
+
+
 def as_plan_parts(plan_or_recipe) -> tuple[Recipe, TensorPlan | None]:
     """``(recipe, taps plan)`` from a ``QuantPlan`` or, for callers outside a run, a recipe."""
     if isinstance(plan_or_recipe, QuantPlan):

@@ -18,19 +18,19 @@ model that does not fit runs sequential with an activation budget of what SIZE l
 sequential path's own fixed memory; else in-memory. The ``Selection`` says which path and why;
 the CLI prints it, puts it in ``--json`` and in fp8ptq.json's ``extras`` (``record``).
 
-The estimates are deliberately simple and err high (documented in README "Memory budget"):
-they count the weights in ``--dtype``, temporaries of the largest quantized module while it is
-quantized, one calibration batch's activations and float32 logits, GPTQ's float32 Hessians,
-and a fixed runtime (Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on
-this machine). The largest planned module's weights (a GEMM, or a layer's fused experts) are
-counted again at 5 bytes an element while quantized: a float32 copy some calibrators make, and
-its uint8 codes. The sequential path counts what it holds, as measured on the 44-layer
-synthetic Llama (peak 3.13 GB at ``--max-memory 4GB``, static e4m3, 8 x 256 tokens, against
-3.45 GB estimated): the modules outside the blocks, ONE block (the next is loaded after the
-last is written and freed), one micro-batch's block forward (logits only when a GEMM outside
-the blocks is quantized, since the head runs on the calibration batches only then), one
-group's Hessian (in-order GPTQ; a block's otherwise), and the output shard its writer holds
-until it is full (``shard_bytes``).
+The estimates are deliberately simple and err high (documented in README "Memory budget"): they
+count the weights in ``--dtype``, temporaries of the largest quantized module while it is quantized,
+one calibration batch's activations and float32 logits, GPTQ's float64 Hessians (one per distinct
+input; diagonals only for ``hmse``) and its sweep's working memory (``hessian_bytes``), and a fixed
+runtime (Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on this machine).
+The largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5
+bytes an element while quantized: a float32 copy some calibrators make, and its uint8 codes. The
+sequential path counts what it holds, as measured on the 44-layer synthetic Llama (peak 3.13 GB at
+``--max-memory 4GB``, static e4m3, 8 x 256 tokens, against 3.45 GB estimated): the modules outside
+the blocks, ONE block (the next is loaded after the last is written and freed), one micro-batch's
+block forward (logits only when a GEMM outside the blocks is quantized, since the head runs on the
+calibration batches only then), one group's Hessian (in-order GPTQ; a block's otherwise), and the
+output shard its writer holds until it is full (``shard_bytes``).
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ from torch import nn
 from . import distributed
 from .checkpoint.shards import SHARD_BYTES
 from .errors import UsageError
+from .fused import fused_groups
 from .loading import resolve_safetensors
 from .model.blocks import block_prefix, find_blocks
 from .model.forward import MICRO_TOKENS
 from .model.gemm import weight_2d
 from .model_free import ModelFreeJob, NotModelFree, refusal
-from .plan import build_plan, reads_data, run_facts
+from .plan import build_plan, needs_full_hessian, reads_data, run_facts
 from .recipe import Recipe
 from .weights import build_empty
 
@@ -133,10 +134,7 @@ def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Est
     shard = min(shard_bytes(budget) or SHARD_BYTES, coded)
     block_batch = _block_forward_bytes(recipe, facts.gptq, hidden, inter, heads, size,
                                        vocab if head_runs else 0) if calib else 0
-    # GPTQ's float32 X^T X: in run order one group's at a time (the largest input's),
-    # otherwise every GEMM's of the model (in memory) or of a block (sequential)
-    hessians = {m.name: 4 * weight_2d(m.module).shape[1] ** 2 for m in plan.gemms
-                if reads_data(m)}
+    hessians, gptq_work = hessian_bytes(plan.gemms)
     if facts.gptq_in_order:
         whole = per_block = max(hessians.values(), default=0)
     else:
@@ -147,14 +145,39 @@ def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Est
                             for i in range(len(found[1])))
     return Estimate(
         weights=weights,
-        in_memory=RUNTIME_BYTES + weights + temporaries + batch + activations + whole,
+        in_memory=RUNTIME_BYTES + weights + temporaries + batch + activations + whole
+        + gptq_work,
         sequential_fixed=(RUNTIME_BYTES + outside + block + temporaries + block_batch + shard
-                          + per_block),
+                          + per_block + gptq_work),
         activations=2 * activations,  # a block's inputs and its outputs
         parts={"quantize_temporaries_bytes": temporaries, "calibration_batch_bytes": batch,
                "block_forward_bytes": block_batch, "block_bytes": block,
                "outside_blocks_bytes": outside, "open_shard_bytes": shard,
-               "hessian_bytes": whole, "block_hessian_bytes": per_block})
+               "hessian_bytes": whole, "block_hessian_bytes": per_block,
+               "gptq_work_bytes": gptq_work})
+
+
+def hessian_bytes(gemms: list) -> tuple[dict[str, int], int]:
+    """``({first GEMM of each distinct input: its Hessian sums' bytes}, the GPTQ sweep's working
+    bytes for the largest GEMM)``. The sums are float64, one per distinct input (the GEMMs a
+    runtime fuses, q/k/v and gate/up, read the same tensor and share one: ``fused_groups``),
+    ``in^2`` elements, or ``in`` where only the diagonal is read (``hmse`` rounding to nearest:
+    ``fp8ptq.hessian``). The sweep (``fp8ptq.calibrators.gptq``) holds, besides the sums, two
+    float64 ``in x in`` matrices (2.15 measured, with LAPACK's copy; 3 counted) and the float64
+    transposed weight it updates (with the float32 gather before it and the codes: 1.5
+    float64 weights measured; ``16 out in`` bytes counted)."""
+    reading = {m.name: m for m in gemms if reads_data(m)}
+    shared = {n: g[0] for g in fused_groups(list(reading)) for n in g}
+    sums: dict[str, int] = {}
+    work = 0
+    for name, m in reading.items():
+        out, k = weight_2d(m.module).shape
+        full = needs_full_hessian(m)
+        owner = shared.get(name, name)
+        sums[owner] = max(sums.get(owner, 0), 8 * k * (k if full else 1))
+        if full:
+            work = max(work, 3 * 8 * k * k + 16 * out * k)
+    return sums, work
 
 
 def _block_forward_bytes(recipe: Recipe, gptq: bool, hidden: int, inter: int, heads: int,

@@ -47,10 +47,11 @@ def choose_scale(w2d: torch.Tensor, fmt: FormatSpec, gran, w_calib, *, pow2: boo
                  what: str = "weight", warnings: list[str] | None = None,
                  hessian: torch.Tensor | None = None) -> torch.Tensor:
     """The weight scale the calibrator's clip range gives (finite, > 0; ``fp8ptq.scales``).
-    ``hessian`` [in, in]: the layer inputs' GPTQ Hessian, whose diagonal (the input energies)
-    a Hessian-aware calibrator (``uses_hessian``: ``hmse``) weights the rounding error by."""
+    ``hessian`` [in, in]: the layer inputs' GPTQ Hessian (or only its diagonal, [in]), whose
+    diagonal (the input energies) a Hessian-aware calibrator (``uses_hessian``: ``hmse``)
+    weights the rounding error by."""
     if getattr(w_calib, "uses_hessian", False):
-        hdiag = None if hessian is None else torch.diagonal(hessian)
+        hdiag = hessian if hessian is None or hessian.dim() == 1 else torch.diagonal(hessian)
         amax = w_calib.amax(w2d, gran, fmt, hdiag)
     else:
         amax = w_calib.amax(w2d, gran, fmt)

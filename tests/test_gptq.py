@@ -199,7 +199,7 @@ GPTQ_MEMORY = r"""
 import torch
 from fp8ptq.calibrators.gptq import gptq_codes
 from fp8ptq.formats import get_format
-n, out = 2048, 64
+n, out = 2048, 2048
 torch.manual_seed(0)
 H = torch.zeros(n, n, dtype=torch.float64)
 for _ in range(16):  # built in chunks: the set-up's own peak stays below what is measured
@@ -218,13 +218,15 @@ print(base, before, status("VmHWM"))
 
 
 def test_gptq_holds_few_hessian_sized_temporaries():
-    """GPTQ's working memory beyond the caller's Hessian, measured (the kernel's peak RSS of a
-    fresh process, reset just before the call; 2048 inputs): 2.15 float64 in x in matrices
-    (the limit 3.2). The plain way held 5.3, which does not fit for a 70B model's
-    28,672-input down_proj (6 GiB each)."""
+    """GPTQ's working memory beyond the caller's Hessian and weight, measured (the kernel's
+    peak RSS of a fresh process, reset just before the call; 2048 x 2048, act-order): at most
+    ~3 float64 in x in matrices (the inverse Cholesky's two and LAPACK's copy) and ~2 float64
+    weight-sized ones (the transposed weight the sweep updates; the scales stay a view). The
+    plain way held ~10 in all, which does not fit for a 70B model's 28,672-input down_proj
+    (6 GiB per matrix)."""
     res = subprocess.run([sys.executable, "-c", GPTQ_MEMORY], capture_output=True, text=True,
                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     base, before, peak = map(int, res.stdout.split())
-    matrix = 8 * 2048 ** 2
+    matrix = 8 * 2048 ** 2  # one float64 in x in matrix, and one float64 copy of the weight
     assert before < base + matrix / 8  # the peak was reset: the set-up's does not count
-    assert peak - base < 3.2 * matrix, (peak - base) / matrix
+    assert peak - base < 5.5 * matrix, (peak - base) / matrix

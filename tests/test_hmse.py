@@ -125,6 +125,11 @@ def test_cli_quantize_with_hessian_scales(assets, tmp_path, calib):  # noqa: F81
     # the report says what the Hessians were for: hmse rounds to nearest, no GPTQ sweep
     assert facts["hessians_for"] == ("gptq" if calib == "gptq-hmse"
                                      else "hmse scales (round to nearest)")
+    # round to nearest reads only the Hessians' diagonals: 8 bytes per input, not per pair
+    widest = max(m.in_features for n, m in fp8ptq.load(out).model.named_modules()
+                 if n.startswith("model.layers.") and hasattr(m, "in_features"))
+    assert facts["sequential"]["max_hessian_bytes"] == 8 * widest * (widest if calib ==
+                                                                      "gptq-hmse" else 1)
     assert read_metadata(out)["recipe"]["weight_calib"] == calib
     expected = Recipe(calib_data=str(assets / "calib.txt"), num_samples=4, seq_len=16,
                       weight_calib=calib)
@@ -138,3 +143,32 @@ def test_cli_quantize_with_hessian_scales(assets, tmp_path, calib):  # noqa: F81
     name = "model.layers.0.mlp.down_proj"
     assert not torch.equal(ours.get_submodule(name).weight_scale,
                            theirs.get_submodule(name).weight_scale)
+
+
+def test_diagonal_collector_keeps_the_full_hessians_diagonal():
+    """``HessianCollector(diagonal=True)`` (what ``hmse`` with round to nearest gets): the
+    same input energies as the full matrix's diagonal, shared inputs (q/k/v) counted once,
+    8 bytes per input; and the one-pass pipeline hands hmse diagonals, GPTQ whole matrices."""
+    from fp8ptq.hessian import HessianCollector
+    from fp8ptq.pipeline import quantize_model, token_batches
+    from tiny_models import tiny
+
+    model = tiny("llama")
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and n.startswith("model.layers.")}
+    full, diag = HessianCollector(mods), HessianCollector(mods, diagonal=True)
+    with full.observing(), diag.observing(), torch.no_grad():
+        model(IDS)
+        model(IDS.flip(1))
+    assert set(full.sums) == set(diag.sums) and len(diag.sums) < len(mods)  # shared inputs
+    for n in mods:
+        assert torch.allclose(diag.hessian(n), torch.diagonal(full.hessian(n)), rtol=1e-6)
+    assert diag.nbytes == sum(8 * h.shape[0] for h in diag.sums.values())
+    # the tiny Llama's blocks: inputs of 64 (q/k/v, o, gate/up) and 128 (down) features
+    widths = [64, 64, 64, 128] * 2
+    for calib, square in (("hmse", False), ("gptq-hmse", True)):
+        recipe = Recipe(weight_calib=calib, gptq_sequential=False, act_granularity="token")
+        result = quantize_model(tiny("llama"), recipe, list(token_batches(IDS, 4)))
+        facts = result.extras["gptq"]
+        assert facts["distinct_inputs"] == len(widths)
+        assert facts["hessian_bytes"] == sum(8 * w * (w if square else 1) for w in widths)

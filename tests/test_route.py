@@ -80,15 +80,26 @@ def test_estimate_counts_the_weights_blocks_and_calibration(src):
     # a batch of 8 x 512 runs through a block in micro-batches of 2 x 512 tokens
     assert long.parts["block_forward_bytes"] == (4 * (1024 * (6 * 64 + 2 * 128)
                                                       + 2 * 4 * 512 ** 2) + 4096 * 64 * 2)
-    # GPTQ: in run order one group's Hessian (the MLP's down_proj reads 128 features), else a
-    # block's (q, k, v, o, gate, up read 64; down 128) and the whole model's in memory
+    # GPTQ's float64 sums: in run order one group's (the MLP's down_proj reads 128 features),
+    # else a block's, one per distinct input (q/k/v share one, gate/up one; o and down read
+    # 64 and 128) and the whole model's in memory; plus the sweep's working memory for the
+    # largest GEMM (down_proj: 3 float64 128 x 128 matrices and 2 float64 copies of 64 x 128)
     gptq = route.estimate(model, Recipe(act_granularity="tensor", weight_calib="gptq"))
-    assert gptq.parts["hessian_bytes"] == gptq.parts["block_hessian_bytes"] == 4 * 128 ** 2
+    assert gptq.parts["hessian_bytes"] == gptq.parts["block_hessian_bytes"] == 8 * 128 ** 2
+    work = 3 * 8 * 128 ** 2 + 16 * 64 * 128
+    assert gptq.parts["gptq_work_bytes"] == work
+    assert gptq.sequential_fixed - est.sequential_fixed >= 8 * 128 ** 2 + work
     one_pass = route.estimate(model, Recipe(act_granularity="tensor", weight_calib="gptq",
                                             gptq_sequential=False))
-    block_h = 4 * (6 * 64 ** 2 + 128 ** 2)
+    block_h = 8 * (3 * 64 ** 2 + 128 ** 2)
     assert one_pass.parts["block_hessian_bytes"] == block_h
     assert one_pass.parts["hessian_bytes"] == 8 * block_h
+    # hmse rounding to nearest reads diagonals only, and runs no sweep
+    hmse = route.estimate(model, Recipe(act_granularity="tensor", weight_calib="hmse",
+                                        gptq_sequential=False))
+    assert hmse.parts["block_hessian_bytes"] == 8 * (3 * 64 + 128)
+    assert hmse.parts["gptq_work_bytes"] == 0
+    assert est.parts["gptq_work_bytes"] == 0
     assert est.activations == 2 * 4 * 16 * 64 * 2
     assert est.in_memory > est.sequential_fixed > route.RUNTIME_BYTES
     weight_only = route.estimate(model, Recipe(act_granularity="tensor", act_format="none"))
