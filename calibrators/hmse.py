@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.formats import fake_quantize
-from fp8ptq.scales import TINY
+from .mse import best_amax, weighted_errors
 
 # 64 candidates: for floats a grid over one rounding period above amax (a relative step of
 # e4m3's 3-bit mantissa is 1/16..1/8); for integers clip ratios (a uniform grid loses
@@ -35,8 +34,6 @@ FLOAT_RATIOS = torch.linspace(1.0, 1.15, 64)
 INT_RATIOS = torch.linspace(1.0, 0.5, 64)
 # with ``clip``: also clip candidates below amax for floats (MSE-style), 16 down to 0.8
 FLOAT_CLIP_RATIOS = torch.cat([FLOAT_RATIOS, torch.linspace(0.9875, 0.8, 16)])
-# elements per row chunk of the search: bounds its float32 temporaries (~5 of this size)
-CHUNK_ELEMENTS = 1 << 20
 
 
 def hmse_ratios(fmt, clip: bool = False) -> torch.Tensor:
@@ -44,43 +41,6 @@ def hmse_ratios(fmt, clip: bool = False) -> torch.Tensor:
     if not fmt.is_float:
         return INT_RATIOS
     return FLOAT_CLIP_RATIOS if clip else FLOAT_RATIOS
-
-
-def weighted_errors(w2d: torch.Tensor, gran, fmt, amax: torch.Tensor, ratios: torch.Tensor,
-                    hdiag: torch.Tensor | None = None,
-                    chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
-    """``[len(ratios), *amax.shape]``: per candidate and scale group, ``sum_j h_j (w - s Q(w /
-    s))^2`` with ``s = amax * r / calibration_max`` (the scale ``amax_to_scale`` would make of
-    that clip range, bit for bit). Row chunks keep the temporaries bounded on big GEMMs."""
-    rows, cols = w2d.shape
-    h = None
-    if hdiag is not None:
-        h = hdiag.detach().float().reshape(1, cols).clamp(min=0)
-        top = float(h.max()) if h.numel() else 0.0
-        if not bool(torch.isfinite(h).all()):
-            h = None  # no usable energies: every input counts the same
-        elif top > 0:
-            h = h / top  # scale-free, no overflow
-        # all zero (a GEMM no calibration token reached): every candidate ties, max's stays
-    step = gran.row_step
-    chunk = max(step, (chunk_elements // max(cols, 1)) // step * step)
-    whole = gran.name == "tensor"
-    parts = []
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        x = w2d[start:stop].float()
-        a = gran.rows(amax, start, stop)
-        errs = []
-        for r in ratios.tolist():
-            scale = ((a * r) / fmt.calibration_max).clamp(min=TINY)
-            d = fake_quantize(x, gran.expand(scale, x), fmt).sub_(x).square_()
-            if h is not None:
-                d.mul_(h)
-            errs.append(gran.reduce(d, "sum").double())
-        parts.append(torch.stack(errs))
-    if whole:
-        return torch.stack(parts).sum(dim=0)
-    return torch.cat(parts, dim=1)
 
 
 class HessianMseWeightCalibrator:
@@ -100,8 +60,5 @@ class HessianMseWeightCalibrator:
         if fmt.mx_block is not None or w2d.numel() == 0:
             return amax  # MX scales are the spec's power of two: nothing to choose
         ratios = hmse_ratios(fmt, self.clip)
-        err = weighted_errors(w2d, granularity, fmt, amax, ratios, hdiag)
-        best = torch.argmin(torch.nan_to_num(err, nan=float("inf")), dim=0)  # first min wins
-        chosen = amax * ratios.to(amax.dtype)[best]
-        # all-zero / non-finite groups keep max's amax: ``amax_to_scale`` guards them
-        return torch.where(torch.isfinite(amax) & (amax > 0), chosen, amax)
+        errors = weighted_errors(w2d, granularity, fmt, amax, ratios, hdiag)
+        return best_amax(amax, ratios, errors)
