@@ -85,6 +85,14 @@ ROWS = {
                            "-"),
     "a-only-fp8-group": ("analysis: activations only, dynamic 1x128 groups (weights float)",
                          "-"),
+    "a-only-mxfp8": ("analysis: activations only, MXFP8 1x32 E8M0, OCP floor exponent "
+                     "(weights float)", "-"),
+    "a-only-mxfp8-ru": ("analysis: activations only, MXFP8 1x32 E8M0, vLLM's round-up exponent "
+                        "(weights float)", "-"),
+    "mxfp8": ("`--format mxfp8`: OCP MXFP8 W + dynamic A (1x32 E8M0), round to nearest",
+              "CompressedTensorsW8A8Mxfp8 (Blackwell)"),
+    "mxfp8-ru": ("MXFP8 W + A with vLLM's round-up exponent (analysis), round to nearest",
+                 "CompressedTensorsW8A8Mxfp8 (Blackwell)"),
     # the default recipe with --target-delta 1%: a checkpoint written by `fp8ptq quantize`
     # (its --json report cached as target-1pct-quantize.json); mixed precision
     "target-1pct": ("the default + `--target-delta 1%` (mixed: some GEMMs kept bf16)",
@@ -119,6 +127,10 @@ ROWS = {
                                  "per-tensor scaled_mm"),
     "llmc-GPTQ-FP8_DYNAMIC-paragraphs": ("llm-compressor `GPTQModifier` `FP8_DYNAMIC`, "
                                          "32 paragraphs", "row-wise scaled_mm"),
+    "llmc-MXFP8": ("llm-compressor `MXFP8` (round to nearest)",
+                   "CompressedTensorsW8A8Mxfp8 (Blackwell)"),
+    "llmc-GPTQ-MXFP8": ("llm-compressor `GPTQModifier` `MXFP8`, fp8ptq's windows",
+                        "CompressedTensorsW8A8Mxfp8 (Blackwell)"),
 }
 METRIC = {"wikitext": ("wikitext.word_perplexity", "word ppl", "pct"),
           "squad": ("squad.f1", "F1", "abs")}
