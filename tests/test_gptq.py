@@ -63,22 +63,23 @@ def test_output_error_never_worse_than_round_to_nearest(fmt, gran):
     assert output_error(W, act, X) <= output_error(W, rtn, X) * 1.0001
 
 
-def test_pipeline_gptq_lowers_the_model_error_and_round_trips(tmp_path):
+def model_error(recipe):
+    """``(result, quantized tiny Llama, mean squared logit error against the float model)``,
+    quantized with ``recipe`` on ``IDS``."""
     batches = list(token_batches(IDS, 4))
-    ref = tiny("llama").float()
     with torch.no_grad():
-        want = ref(input_ids=IDS).logits
+        want = tiny("llama").float()(input_ids=IDS).logits
+    model = tiny("llama").float()
+    result = quantize_model(model, recipe, batches)
+    with torch.no_grad():
+        got = model(input_ids=IDS).logits
+    return result, model, float(((got - want) ** 2).mean())
 
-    def err(recipe):
-        model = tiny("llama").float()
-        result = quantize_model(model, recipe, batches)
-        with torch.no_grad():
-            got = model(input_ids=IDS).logits
-        return result, model, float(((got - want) ** 2).mean())
 
+def test_pipeline_gptq_lowers_the_model_error_and_round_trips(tmp_path):
     common = dict(format="hif8", act_format="none", dtype="float32")
-    _, _, rtn = err(Recipe(**common))
-    result, model, gptq = err(Recipe(weight_calib="gptq", **common))
+    _, _, rtn = model_error(Recipe(**common))
+    result, model, gptq = model_error(Recipe(weight_calib="gptq", **common))
     assert gptq < rtn
     assert result.extras["gptq"]["distinct_inputs"] < len(result.modules)  # q/k/v share one H
     save_quantized(result, Recipe(weight_calib="gptq", **common), tmp_path / "ck")
@@ -168,22 +169,10 @@ def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
     checkpoint reloads bit-identically."""
     from fp8ptq.qmodules import QuantGemm
 
-    batches = list(token_batches(IDS, 4))
-    ref = tiny("llama").float()
-    with torch.no_grad():
-        want = ref(input_ids=IDS).logits
-
-    def err(recipe):
-        model = tiny("llama").float()
-        result = quantize_model(model, recipe, batches)
-        with torch.no_grad():
-            got = model(input_ids=IDS).logits
-        return result, model, float(((got - want) ** 2).mean())
-
     common = dict(format="mxfp8", dtype="float32")
-    _, _, rtn = err(Recipe(**common))
+    _, _, rtn = model_error(Recipe(**common))
     recipe = Recipe(weight_calib="gptq", gptq_act_order=True, **common)
-    result, model, gptq = err(recipe)
+    result, model, gptq = model_error(recipe)
     assert gptq < rtn
     gemms = [m for m in model.modules() if isinstance(m, QuantGemm)]
     assert gemms
@@ -195,6 +184,8 @@ def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
     with torch.no_grad():
         assert torch.equal(fp8ptq.load(tmp_path / "ck").model(input_ids=IDS).logits,
                            model(input_ids=IDS).logits)
+
+
 GPTQ_MEMORY = r"""
 import torch
 from fp8ptq.calibrators.gptq import gptq_codes
