@@ -40,6 +40,16 @@ def emax_elem(spec: FormatSpec) -> int:
 
 
 def shared_exponent(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True) -> torch.Tensor:
+    """The E8M0 exponents of blocks with the given ``amax``, by the format's rule
+    (``spec.mx_scale_rounding``): :func:`shared_exponent_floor` (the OCP spec's) or
+    :func:`shared_exponent_round_up` (NVIDIA's kernels')."""
+    if spec.mx_scale_rounding == "ceil":
+        return shared_exponent_round_up(amax, spec, strict=strict)
+    return shared_exponent_floor(amax, spec, strict=strict)
+
+
+def shared_exponent_floor(amax: torch.Tensor, spec: FormatSpec, *,
+                          strict: bool = True) -> torch.Tensor:
     """``floor(log2 amax) - emax_elem`` clamped to E8M0's range; an all-zero block gets the
     smallest scale (its elements are zero whatever the scale). int32 result. A non-finite
     amax raises (``strict``) or gets the largest scale (the spec would give the block a NaN
@@ -62,7 +72,7 @@ def shared_exponent_round_up(amax: torch.Tensor, spec: FormatSpec, *,
     which vLLM's MXFP8 path calls: ``amax / 448`` converted to E8M0 rounding toward +inf).
     No element saturates, where the spec's rule clips a block's largest values in
     ``(max_elem, 2^(emax_elem + 1))`` (e4m3: (448, 512) times the scale) to ``max_elem``.
-    Same guards as :func:`shared_exponent`."""
+    Same guards as :func:`shared_exponent_floor`. ``--format mxfp8-ceil`` uses it."""
     amax = torch.as_tensor(amax).double()
     finite = torch.isfinite(amax)
     if strict and not bool(finite.all()):

@@ -299,7 +299,7 @@ def test_get_format_passes_specs_through():
 
 def test_preset_list():
     assert preset_names() == ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "hif8", "int8",
-                              "mxfp8", "mxfp8-e5m2"]
+                              "mxfp8", "mxfp8-ceil", "mxfp8-e5m2"]
     assert len({s.name for s in PRESETS}) == len(PRESETS)
 
 

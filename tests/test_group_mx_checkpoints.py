@@ -111,6 +111,27 @@ def test_mxfp8_checkpoint(tmp_path):
     assert [v for v in static_violations(out, "vllm") if v.severity == "error"] == []
 
 
+def test_mxfp8_ceil_checkpoint_keeps_its_rule(tmp_path):
+    """``--format mxfp8-ceil`` (the E8M0 exponent rounded up, as NVIDIA's kernels and vLLM's
+    MXFP8 path compute it): the same compressed-tensors MXFP8 layout, weight scales never below
+    the spec rule's and at least one a binade above it (a block whose amax mantissa saturates
+    under the floor rule), the rule kept through fp8ptq.json so the reloaded model simulates
+    the same activation scales, and vLLM's rules pass."""
+    model, out = _quantized(tmp_path, Recipe(format="mxfp8-ceil", dtype="float32"))
+    floor_model, _ = _quantized(tmp_path, Recipe(format="mxfp8", dtype="float32"), name="f")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mxfp8-quantized"
+    ours, floors = _qmods(model), _qmods(floor_model)
+    ratio = torch.cat([(ours[n].weight_scale / floors[n].weight_scale).flatten() for n in ours])
+    assert set(ratio.unique().tolist()) == {1.0, 2.0}
+    meta = read_metadata(out)["modules"]["model.layers.0.mlp.up_proj"]
+    assert meta["weight_format"]["mx_scale_rounding"] == "ceil"
+    loaded = load_quantized(out).model
+    assert _qmods(loaded)["model.layers.0.mlp.up_proj"].act_format.mx_scale_rounding == "ceil"
+    assert torch.equal(run(loaded, IDS), run(model, IDS))
+    assert [v for v in static_violations(out, "vllm") if v.severity == "error"] == []
+
+
 def test_mxfp8_bf16_model_runs_in_transformers(tmp_path):
     """compressed-tensors' own MX activation scales round the block amax to the nearest power
     of two before flooring (fp8ptq follows the spec's floor, fp8ptq/mx.py): the logits are

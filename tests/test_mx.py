@@ -12,7 +12,7 @@ from compressed_tensors.quantization.utils.mxfp_utils import (
     should_generate_mx_scales,
 )
 
-from fp8ptq.formats import get_format
+from fp8ptq.formats import FormatSpec, get_format
 from fp8ptq.granularity import PerGroup
 from fp8ptq.mx import (
     e8m0_decode,
@@ -71,6 +71,24 @@ def test_round_up_exponent_never_saturates():
         shared_exponent_round_up(torch.tensor([float("inf")]), E4M3)
     assert shared_exponent_round_up(torch.tensor([float("inf")]), E4M3,
                                     strict=False).tolist() == [127]
+
+
+def test_ceil_format_takes_the_round_up_rule():
+    """``mxfp8-ceil``: the same elements as ``mxfp8``; its exponents are the round-up rule's,
+    so a block whose amax lands in (448, 512) x 2^e keeps its top value (the floor rule
+    saturates it to 448 x 2^e)."""
+    ceil = get_format("mxfp8-ceil")
+    assert get_format("MXFP8_CEIL") is ceil and ceil.mx_scale_rounding == "ceil"
+    assert get_format("mxfp8").mx_scale_rounding == "floor"
+    torch.manual_seed(1)
+    amax = torch.rand(512).double() * 2.0 ** torch.randint(-20, 20, (512,)).double()
+    assert torch.equal(shared_exponent(amax, ceil), shared_exponent_round_up(amax, E4M3))
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 480.0, 1.0
+    assert mx_fake_quantize(x, get_format("mxfp8"))[0, 0].item() == 448.0  # saturated
+    assert mx_fake_quantize(x, ceil)[0, 0].item() == 480.0  # 240 x 2: on e4m3's grid
+    with pytest.raises(ValueError, match="mx_scale_rounding"):
+        FormatSpec("bad", 4, 3, 7, "fn", mx_block=32, mx_scale_rounding="nearest")
 
 
 def test_e8m0_clamps_and_zero_block():

@@ -139,7 +139,8 @@ def test_half_layout_decodes_every_finite_code_exactly():
     float16's top byte); HiF8, HFP8, e5m2fnuz (finite values at float16's inf exponent) and
     int8 keep their table."""
     want = {"e4m3": (7, 256.0), "e5m2": (8, 1.0), "e4m3fnuz": (7, 128.0),
-            "mxfp8": (7, 256.0), "mxfp8-e5m2": (8, 1.0)}  # MX elements: e4m3 / e5m2
+            # MX elements: e4m3 / e5m2
+            "mxfp8": (7, 256.0), "mxfp8-ceil": (7, 256.0), "mxfp8-e5m2": (8, 1.0)}
     codes = torch.arange(256, dtype=torch.uint8)
     for name in preset_names():
         spec = get_format(name)

@@ -19,7 +19,7 @@ from .layouts import GemmQuant, ModuleDesc
 from .skeleton import MODULE_KEY, has_hf_config, module_config
 
 FORMAT_KEYS = ("name", "bits", "exponent_bits", "mantissa_bits", "bias", "specials", "subnormals",
-               "rounding", "max", "torch_dtype", "mx_block")
+               "rounding", "max", "torch_dtype", "mx_block", "mx_scale_rounding")
 _QUANT_BUFFERS = ("weight_codes", "weight_scale", "input_scale")  # QuantGemm's own tensors
 
 

@@ -55,11 +55,13 @@ def format_from_facts(facts: dict | None) -> FormatSpec | None:
         spec = get_format(facts["name"])
     except UsageError:
         spec = None
-    if spec is not None and all(getattr(spec, k) == facts[k] for k in (*_SPEC_FIELDS, "mx_block")
-                                if k in facts):
+    stored = {**facts, "mx_scale_rounding": facts.get("mx_scale_rounding") or "floor"}
+    if spec is not None and all(getattr(spec, k) == stored[k] for k in
+                                (*_SPEC_FIELDS, "mx_block", "mx_scale_rounding") if k in stored):
         return spec
     return FormatSpec(facts["name"], **{k: facts[k] for k in _SPEC_FIELDS},
-                      torch_dtype=facts.get("torch_dtype"), mx_block=facts.get("mx_block"))
+                      torch_dtype=facts.get("torch_dtype"), mx_block=facts.get("mx_block"),
+                      mx_scale_rounding=stored["mx_scale_rounding"])
 
 
 # --- what each fp8ptq.json entry implies ---------------------------------------------------------

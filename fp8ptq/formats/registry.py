@@ -36,6 +36,11 @@ PRESETS: tuple[FormatSpec, ...] = (
     FormatSpec("mxfp8", 4, 3, 7, "fn", torch_dtype="float8_e4m3fn", mx_block=32,
                aliases=("mxfp8e4m3",), compressed_tensors_type="float",
                description="OCP MXFP8 E4M3: E8M0 scale per 32 values along K (max 448)"),
+    # the same elements and layout with the E8M0 exponent rounded up (NVIDIA's kernels: what
+    # vLLM's MXFP8 path computes for activations at run time)
+    FormatSpec("mxfp8-ceil", 4, 3, 7, "fn", torch_dtype="float8_e4m3fn", mx_block=32,
+               mx_scale_rounding="ceil", aliases=("mxfp8ceil",), compressed_tensors_type="float",
+               description="OCP MXFP8 E4M3, E8M0 exponent rounded up (NVIDIA kernels / vLLM)"),
     FormatSpec("mxfp8-e5m2", 5, 2, 15, "ieee", torch_dtype="float8_e5m2", mx_block=32,
                aliases=("mxfp8e5m2",),
                description="OCP MXFP8 E5M2: E8M0 scale per 32 values along K (max 57344)"),

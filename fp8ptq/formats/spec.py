@@ -44,6 +44,12 @@ class FormatSpec:
     # reduction dimension, for weights and (dynamic) activations alike; the scale follows the
     # spec's rule, not a calibrator's (``fp8ptq.mx``). None: an ordinary scaled format.
     mx_block: int | None = None
+    # how the E8M0 exponent is taken from a block's amax: "floor", the OCP MX v1.0 rule
+    # (``floor(log2 amax) - emax_elem``: a block's top values in (max, 2^(emax+1)) x scale
+    # saturate), or "ceil", NVIDIA's kernels' rule (the smallest power of two >= amax / max:
+    # nothing saturates; TensorRT-LLM / FlashInfer ``mxfp8_quantize``, which vLLM's MXFP8 path
+    # calls for the activations)
+    mx_scale_rounding: str = "floor"
 
     def __post_init__(self):
         if self.specials not in SPECIALS:
@@ -56,6 +62,9 @@ class FormatSpec:
             raise ValueError(f"{self.name}: a float format needs at least one exponent bit")
         if self.mx_block is not None and (self.mx_block < 1 or not self.is_float):
             raise ValueError(f"{self.name}: MX blocks need float elements and a size >= 1")
+        if self.mx_scale_rounding not in ("floor", "ceil"):
+            raise ValueError(f"{self.name}: mx_scale_rounding must be floor or ceil, got "
+                             f"{self.mx_scale_rounding!r}")
 
     @property
     def bits(self) -> int:
@@ -151,6 +160,7 @@ class FormatSpec:
             "calibration_max": self.calibration_max,
             "torch_dtype": self.torch_dtype,
             "mx_block": self.mx_block,
+            "mx_scale_rounding": self.mx_scale_rounding if self.mx_block else None,
             "description": self.description,
         }
 
