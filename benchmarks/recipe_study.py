@@ -168,7 +168,7 @@ E4M3 = {
 FLOAT_WEIGHTS = {"a-only-fp8-dynamic", "a-only-fp8-group", "a-only-mxfp8", "a-only-mxfp8-ru"}
 # Rows whose MX scales (weights and dynamic activations) take the round-up exponent of
 # TensorRT-LLM / FlashInfer's MXFP8 quantizer, which vLLM's MXFP8 path calls, instead of the OCP
-# spec's floor (``fp8ptq.mx.shared_exponent_round_up``). Analysis only: no fp8ptq option yet.
+# spec's floor (``fp8ptq.mx.shared_exponent_round_up``; ``--format mxfp8-ceil`` is the option).
 MX_ROUND_UP = {"a-only-mxfp8-ru", "mxfp8-ru", "mxfp8-ru-gptq-seq-ao-docs"}
 
 
