@@ -57,8 +57,8 @@ def formats(name, codes, as_json):
         Column("-0", cells(lambda d: yes(d["has_negative_zero"])), drop=5),
         Column("binades", cells(lambda d: str(d["binades"])), drop=2),
         Column("rounding", cells(lambda d: d["rounding"]), "left", drop=1),
-        Column("scales", cells(lambda d: f"E8M0/{d['mx_block']}" if d["mx_block"] else "-"),
-               drop=6),
+        Column("scales", cells(lambda d: f"E8M0/{d['mx_block']} {d['mx_scale_rounding']}"
+                               if d["mx_block"] else "-"), drop=6),
     ]
     console = Console()
     table, hidden = fitted_table(console, columns, title="fp8ptq number formats")
