@@ -143,10 +143,10 @@ E4M3 = {
     "mxfp8-gptq-seq-ao-docs": dict(format="mxfp8", weight_calib="gptq", gptq_sequential=True,
                                    gptq_act_order=True, calib_windows="documents"),
     "a-only-mxfp8": dict(format="mxfp8"),  # FLOAT_WEIGHTS: MX's 1x32 E8M0 activation floor
-    # MX_ROUND_UP: the same with the E8M0 exponent NVIDIA's kernels pick (no saturation)
-    "a-only-mxfp8-ru": dict(format="mxfp8"),
-    "mxfp8-ru": dict(format="mxfp8"),
-    "mxfp8-ru-gptq-seq-ao-docs": dict(format="mxfp8", weight_calib="gptq",
+    # the same with the E8M0 exponent NVIDIA's kernels pick (no saturation): --format mxfp8-ceil
+    "a-only-mxfp8-ru": dict(format="mxfp8-ceil"),
+    "mxfp8-ru": dict(format="mxfp8-ceil"),
+    "mxfp8-ru-gptq-seq-ao-docs": dict(format="mxfp8-ceil", weight_calib="gptq",
                                       gptq_sequential=True, gptq_act_order=True,
                                       calib_windows="documents"),
     "mxfp8-e5m2": dict(format="mxfp8-e5m2"),
@@ -166,10 +166,6 @@ E4M3 = {
 # alone costs (the floor an activation scheme puts under any weight method). Analysis only:
 # no fp8ptq option does this.
 FLOAT_WEIGHTS = {"a-only-fp8-dynamic", "a-only-fp8-group", "a-only-mxfp8", "a-only-mxfp8-ru"}
-# Rows whose MX scales (weights and dynamic activations) take the round-up exponent of
-# TensorRT-LLM / FlashInfer's MXFP8 quantizer, which vLLM's MXFP8 path calls, instead of the OCP
-# spec's floor (``fp8ptq.mx.shared_exponent_round_up``; ``--format mxfp8-ceil`` is the option).
-MX_ROUND_UP = {"a-only-mxfp8-ru", "mxfp8-ru", "mxfp8-ru-gptq-seq-ao-docs"}
 
 
 @contextmanager
@@ -192,21 +188,6 @@ def float_weights(enabled: bool):
         yield
     finally:
         QuantGemm.__init__ = original
-
-
-@contextmanager
-def mx_round_up(enabled: bool):
-    """While active, every MX scale is ``2^ceil(log2(amax / max_elem))`` (no clipping)."""
-    if not enabled:
-        yield
-        return
-    from fp8ptq import mx
-    original = mx.shared_exponent
-    mx.shared_exponent = mx.shared_exponent_round_up
-    try:
-        yield
-    finally:
-        mx.shared_exponent = original
 
 
 MODELS = {
@@ -243,7 +224,7 @@ def run_one(name: str, fields: dict | None, spec: str, base: Recipe, texts, task
     kind = "checkpoint" if checkpoint else "baseline" if fields is None else "quantized"
     variant = Variant(name, kind, checkpoint or spec, recipe)
     t0 = time.perf_counter()
-    with float_weights(name in FLOAT_WEIGHTS), mx_round_up(name in MX_ROUND_UP):
+    with float_weights(name in FLOAT_WEIGHTS):
         rows, protocol, _ = evaluate_variants([variant], base, texts, [task], [], device="cpu",
                                               **eval_kwargs)
     row = rows[0]
