@@ -48,21 +48,31 @@ def shared_exponent(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True
     return shared_exponent_floor(amax, spec, strict=strict)
 
 
-def shared_exponent_floor(amax: torch.Tensor, spec: FormatSpec, *,
-                          strict: bool = True) -> torch.Tensor:
-    """``floor(log2 amax) - emax_elem`` clamped to E8M0's range; an all-zero block gets the
-    smallest scale (its elements are zero whatever the scale). int32 result. A non-finite
-    amax raises (``strict``) or gets the largest scale (the spec would give the block a NaN
-    scale; a running model's activations must not turn into NaN for a stray inf)."""
+def _guarded(amax, strict: bool, exponent) -> torch.Tensor:
+    """``exponent(amax, ok)`` (float64 amax; ``ok``: the finite, positive blocks, whose
+    exponents it must get right) clamped to E8M0's range, the other blocks' settled by the
+    rules both exponent rules share: an all-zero block gets the smallest scale (its elements
+    are zero whatever the scale); a non-finite amax raises (``strict``) or gets the largest
+    scale (the spec would give the block a NaN scale; a running model's activations must not
+    turn into NaN for a stray inf)."""
     amax = torch.as_tensor(amax).double()  # log2 of float32 subnormals and exact floors
     finite = torch.isfinite(amax)
     if strict and not bool(finite.all()):
         raise ValueError("MX scaling: non-finite values in the block")
-    _, frexp_exp = torch.frexp(torch.where(finite, amax, torch.ones_like(amax)))
-    e = (frexp_exp - 1).to(torch.int32) - emax_elem(spec)
+    e = exponent(amax, finite & (amax > 0)).to(torch.int32)
     e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN))
     e = torch.where(finite, e, torch.full_like(e, E8M0_MAX))
     return e.clamp(E8M0_MIN, E8M0_MAX)
+
+
+def shared_exponent_floor(amax: torch.Tensor, spec: FormatSpec, *,
+                          strict: bool = True) -> torch.Tensor:
+    """``floor(log2 amax) - emax_elem`` clamped to E8M0's range (int32), with
+    :func:`_guarded`'s zero / non-finite rules."""
+    def exponent(a, ok):
+        _, frexp_exp = torch.frexp(torch.where(ok, a, torch.ones_like(a)))
+        return frexp_exp - 1 - emax_elem(spec)
+    return _guarded(amax, strict, exponent)
 
 
 def shared_exponent_round_up(amax: torch.Tensor, spec: FormatSpec, *,
@@ -73,16 +83,11 @@ def shared_exponent_round_up(amax: torch.Tensor, spec: FormatSpec, *,
     No element saturates, where the spec's rule clips a block's largest values in
     ``(max_elem, 2^(emax_elem + 1))`` (e4m3: (448, 512) times the scale) to ``max_elem``.
     Same guards as :func:`shared_exponent_floor`. ``--format mxfp8-ceil`` uses it."""
-    amax = torch.as_tensor(amax).double()
-    finite = torch.isfinite(amax)
-    if strict and not bool(finite.all()):
-        raise ValueError("MX scaling: non-finite values in the block")
-    ratio = torch.where(finite & (amax > 0), amax / spec.max, torch.ones_like(amax))
-    mant, frexp_exp = torch.frexp(ratio)  # ratio = mant * 2^exp, mant in [0.5, 1)
-    e = torch.where(mant == 0.5, frexp_exp - 1, frexp_exp).to(torch.int32)
-    e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN))
-    e = torch.where(finite, e, torch.full_like(e, E8M0_MAX))
-    return e.clamp(E8M0_MIN, E8M0_MAX)
+    def exponent(a, ok):
+        ratio = torch.where(ok, a / spec.max, torch.ones_like(a))
+        mant, frexp_exp = torch.frexp(ratio)  # ratio = mant * 2^exp, mant in [0.5, 1)
+        return torch.where(mant == 0.5, frexp_exp - 1, frexp_exp)
+    return _guarded(amax, strict, exponent)
 
 
 def mx_scale(amax: torch.Tensor, spec: FormatSpec, *, strict: bool = True) -> torch.Tensor:

@@ -8,8 +8,8 @@ import random
 
 from rich.console import Console
 
-from cli.tables import Column, fitted_table
 from fp8ptq.cli import tables
+from fp8ptq.cli.tables import Column, fitted_table
 
 
 def _brute_force(console, columns, **kw):
