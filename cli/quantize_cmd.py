@@ -21,7 +21,7 @@ from fp8ptq.route import Selection
 from fp8ptq.schemes import scheme_flags
 from fp8ptq.sensitivity import parse_target
 from fp8ptq.sequential import quantize_folder
-from fp8ptq.target import HIGH_PRECISION, check_target_recipe
+from fp8ptq.target import HIGH_PRECISION, check_metric, check_target_recipe
 from fp8ptq.usage import usage
 from fp8ptq.validate import static_violations
 
@@ -71,10 +71,15 @@ from .quantize_report import print_report
 @click.option("--target-verify-tokens", type=click.IntRange(min=0), default=16384,
               show_default=True, help="Held-out tokens the final model is checked on again "
               "(windows of 2048; 0: not).")
+@click.option("--target-metric", default="ppl", show_default=True,
+              help="How --target-delta measures a unit's sensitivity: kl (mean KL of the "
+                   "next-token distributions against the unquantized model: non-negative per "
+                   "token, low variance; predicted perplexity ratio exp(sum)) or ppl (the "
+                   "perplexity delta, summed).")
 @recipe_options
 def command(model, fmt, output, force, device, as_json, runtime, sequential, propagate,
             model_free, target_delta, fallback_format, target_level, target_data, target_tokens,
-            target_verify_tokens, **flags):
+            target_verify_tokens, target_metric, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     budget = None  # a plain --max-memory SIZE: the process's budget (accelerate's CPU budget
@@ -85,7 +90,7 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     load_options = loading_from(flags)
     recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
-                             target_tokens, sequential, target_verify_tokens)
+                             target_tokens, sequential, target_verify_tokens, target_metric)
     # Everything that can be checked without the model fails here, before a long load.
     if distributed.launched_rank() == 0:  # the writer (torchrun stops the others if it fails);
         check_output(output, force)  # a late rank of a model-free run may find its output made
@@ -133,8 +138,10 @@ def _emit(report: dict, path: Selection, as_json: bool) -> None:
         print_report(report)
 
 
-def target_request(recipe, target, fallback, level, data, tokens, sequential, verify_tokens):
+def target_request(recipe, target, fallback, level, data, tokens, sequential, verify_tokens,
+                   metric="ppl"):
     """The --target-delta request, checked before anything loads (None without the flag)."""
+    check_metric(metric)
     if target is None:
         return None
     parse_target(target)
@@ -146,7 +153,7 @@ def target_request(recipe, target, fallback, level, data, tokens, sequential, ve
     if distributed.active():
         raise UsageError("--target-delta runs in one process (not under torchrun)")
     return job.TargetRequest(target, fallback, level, tokens, data=data,
-                             verify_tokens=verify_tokens)
+                             verify_tokens=verify_tokens, metric=metric)
 
 
 def _run(model, output, force, device, load_options, as_json, recipe, runtime, propagate,

@@ -92,11 +92,18 @@ def target_lines(t: dict) -> list[str]:
              f"modules per rung: {rungs}",
              f"  predicted {t['predicted']:+.3g} ({t['predicted_pct']:+.2f}%; all on the base "
              f"rung {t['predicted_base']:+.3g}), measured {measured}"]
+    if t.get("metric") == "kl":
+        kl = "-" if t.get("measured_metric") is None else f"{t['measured_metric']:.4g}"
+        lines.append(f"  by KL against the unquantized model (nats/token): budget "
+                     f"{t['budget_metric']:.4g}, summed per unit {t['predicted_metric']:.4g}, "
+                     f"whole model {kl}")
     if t.get("verify"):
         v = t["verify"]
-        lines.append(f"  on {v['tokens']:,} more held-out tokens ({v['windows']} x "
+        where = "held-out documents not chosen on" if v.get("disjoint") else \
+            "held-out tokens, overlapping the selection slice"
+        lines.append(f"  verified on {v['tokens']:,} {where} ({v['windows']} x "
                      f"{v['seq_len']}): {v['baseline']:.4g} -> {v['measured']:.4g} "
-                     f"({v['delta_pct']:+.2f}%)")
+                     f"({v['delta_pct']:+.2f}%; predicted {t['predicted_pct']:+.2f}%)")
     changed = [u for u in t["units"] if u["rung"] != "base"]
     for u in changed[:8]:
         lines.append(f"  {u['unit']}: {u['rung']} (alone: base {u['deltas']['base']:+.3g} -> "

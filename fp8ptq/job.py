@@ -125,6 +125,18 @@ class TargetRequest:
     # ``verify_seq_len`` (0: not): a slice the choices were not made on.
     verify_tokens: int = 16384
     verify_seq_len: int = 2048
+    # a unit's sensitivity: "kl" (KL against the unquantized model) or "ppl" (fp8ptq.target)
+    metric: str = "ppl"
+
+
+def selection_and_verify(heldout: list[str], verify: bool) -> tuple[list[str], list[str]]:
+    """(documents the choices are made on, documents the result is verified on): alternate
+    held-out documents, so the verification measures tokens the choice never saw (choosing
+    on noisy per-unit deltas and measuring on the same tokens reports the winner's luck).
+    Without verification, or with a single document, everything selects."""
+    if not verify or len(heldout) < 2:
+        return heldout, []
+    return heldout[0::2], heldout[1::2]
 
 
 def target_texts(recipe: Recipe, request: TargetRequest, texts: list[str]
@@ -147,16 +159,23 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
     if not isinstance(loaded.model, PreTrainedModel) or calib is None:
         raise UsageError("--target-delta needs a causal language model and calibration text")
     source = request.data or "held-out calibration documents"
-    windows = eval_windows(heldout, loaded.tokenizer, tokens=request.tokens,
+    selection, verification = selection_and_verify(heldout, bool(request.verify_tokens))
+    need = min(request.tokens, request.seq_len) + 1
+    if verification and min(corpus_tokens(selection, loaded.tokenizer),
+                            corpus_tokens(verification, loaded.tokenizer)) < need:
+        selection = verification = heldout  # too little text to halve: both read it all
+    windows = eval_windows(selection, loaded.tokenizer, tokens=request.tokens,
                            seq_len=request.seq_len, seed=recipe.seed, source=source,
                            windows=request.windows)
-    verify_ids = _verify_windows(heldout, loaded.tokenizer, recipe, request, source)
+    verify_ids = _verify_windows(verification, loaded.tokenizer, recipe, request, source) \
+        if verification else None
     batches = _batches(loaded.model, calib, recipe.batch_size)
     with timings.timed("target: sensitivity"):
         decision = choose_target(loaded.model, recipe, batches, windows.input_ids,
                                  target=request.target, fallback=request.fallback,
                                  level=request.level, eval_batch_size=request.eval_batch_size,
-                                 progress=progress, spill_dir=spill_dir)
+                                 progress=progress, spill_dir=spill_dir,
+                                 metric=request.metric)
     if verify_ids is not None:
         with timings.timed("target: verify baseline"):
             verify_baseline = perplexity(loaded.model, verify_ids, request.eval_batch_size)
@@ -170,6 +189,7 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
         if verify_ids is not None:
             verify_target(loaded.model, verify_ids, verify_baseline, decision,
                           request.eval_batch_size)
+            decision.verify["disjoint"] = verification is not heldout
     result.extras["target_delta"] = decision.to_dict()
     return result
 
@@ -202,4 +222,4 @@ def _batches(model, calib, batch_size: int) -> list:
 
 __all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded",
            "needs_calibration", "peak_rss_mb", "resolve_device", "DTYPES", "TargetRequest",
-           "target_texts", "quantize_to_target"]
+           "target_texts", "quantize_to_target", "selection_and_verify"]

@@ -9,17 +9,22 @@ within a target, then the real loss measured.
    per-tensor -> per-channel weights: a little runtime), ``fallback`` (``--fallback-format``:
    ``bf16`` keeps the module in high precision -- memory and speed -- or another format).
 3. Every unit (a GEMM, or a decoder block with ``--target-level block``) is quantized alone with
-   every rung and its perplexity delta on the held-out slice measured (the sensitivity sweep,
-   with replay of the unchanged layers).
+   every rung and measured on the held-out slice (the sensitivity sweep, with replay of the
+   unchanged layers): its perplexity delta (metric ``ppl``), or its mean KL against the
+   unquantized model's next-token distributions (metric ``kl``, ``lm_probes.KLProbe``: never
+   negative per token, so a small effect does not drown in the signed noise of a perplexity
+   delta; units add in nats, the prediction is exp(sum) - 1).
 4. Greedy assignment: while the summed predicted delta exceeds the target, the move with the
    largest predicted gain per unit of cost (any higher rung of any unit) is taken.
 5. The decisions become partial-plan overrides (``{weight_calib: gptq}``, ``{act_granularity:
    token}``, ``none``), the model is quantized with them by the normal pipeline, and the final
    model's delta is measured on the same held-out slice: predicted vs measured, both recorded in
    fp8ptq.json (``extras.target_delta``) and the report.
-6. The final model is also checked on a larger held-out slice the choices were not made on
+6. The final model is also checked on a verification slice the choices were not made on
    (``verify``: 2048-token windows, each opening a held-out document after the BOS, like the
-   evaluation's articles), which says how far the prediction carries beyond its own slice.
+   evaluation's articles; ``job.selection_and_verify`` gives it every other held-out document,
+   so it shares no token with the selection slice), which says how far the prediction carries
+   beyond its own slice; it is the headline (``TargetResult.headline``).
 
 Summing per-unit deltas assumes they add up (first-order: small, independent perturbations);
 the measured number says how well that held (docs/results.md has the measurement).
@@ -27,6 +32,7 @@ the measured number says how well that held (docs/results.md has the measurement
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -36,7 +42,7 @@ from torch import nn
 from .calibrators import registry as calibrators
 from .errors import UsageError
 from .formats import get_format
-from .lm_probes import PerplexityProbe
+from .lm_probes import KLProbe, PerplexityProbe
 from .pipeline import plan_targets
 from .recipe import Recipe
 from .sensitivity import LEVELS, Session, parse_target, target_value
@@ -45,6 +51,7 @@ from .sensitivity import LEVELS, Session, parse_target, target_value
 HIGH_PRECISION = ("bf16", "bfloat16", "fp16", "float16", "fp32", "float32", "none", "skip")
 COSTS = {"base": 0.0, "gptq": 1.0, "finer": 2.0, "fallback": 4.0}
 HELDOUT_EVERY = 10  # with the calibration text as target data: every 10th document held out
+METRICS = ("kl", "ppl")  # --target-metric: what a unit's sensitivity is measured by
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,10 @@ class UnitDecision:
     pattern: str  # the --override glob of the unit
     modules: list[str]
     rung: str
-    deltas: dict[str, float]  # perplexity delta of the unit alone, per rung
+    deltas: dict[str, float]  # the unit alone, per rung: KL (nats/token) or perplexity delta
+    # the unit alone, per rung, its perplexity delta on the same slice (with metric "kl" the
+    # probe scores both from the same logits: the diagnostics of docs/results.md)
+    ppl_deltas: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -133,8 +143,8 @@ class TargetResult:
     target: str  # as given, e.g. "1%"
     budget: float  # allowed perplexity delta (absolute)
     baseline: float  # held-out perplexity, unquantized
-    predicted: float  # summed unit deltas of the decisions
-    predicted_base: float  # summed unit deltas with every unit on the base rung
+    predicted: float  # perplexity delta predicted for the decisions (absolute)
+    predicted_base: float  # the same with every unit on the base rung
     level: str
     rungs: list[dict]
     units: list[UnitDecision]
@@ -144,6 +154,14 @@ class TargetResult:
     # the larger verification slice: windows, seq_len, tokens, baseline, measured, delta_pct
     verify: dict | None = None
     seconds: dict = field(default_factory=dict)
+    # what units were measured by: "kl" (mean KL against the unquantized model, nats per token:
+    # predicted perplexity ratio exp(sum)) or "ppl" (perplexity deltas, summed)
+    metric: str = "ppl"
+    budget_metric: float | None = None  # the budget in the metric's units (kl: log(1 + b/ppl))
+    predicted_metric: float | None = None  # the decisions' summed metric
+    # kl: the final model's mean KL against the unquantized one on the selection slice (how
+    # far the per-unit KLs add up: compare with predicted_metric)
+    measured_metric: float | None = None
 
     @property
     def measured_delta(self) -> float | None:
@@ -161,8 +179,23 @@ class TargetResult:
         data.update(measured_delta=self.measured_delta, modules_per_rung=self.counts(),
                     predicted_pct=100 * self.predicted / self.baseline,
                     measured_delta_pct=None if self.measured is None else
-                    100 * self.measured_delta / self.baseline)
+                    100 * self.measured_delta / self.baseline,
+                    headline=self.headline())
         return data
+
+    def headline(self) -> dict:
+        """Predicted against measured where the measurement is honest: on the verification
+        slice (held-out documents the choices were not made on) when there is one, else on the
+        selection slice (optimistic: a choice made on noisy deltas looks best on the tokens
+        that chose it)."""
+        pct = 100 * self.predicted / self.baseline
+        if self.verify:
+            return {"slice": "verify", "predicted_pct": pct,
+                    "measured_pct": self.verify["delta_pct"], "tokens": self.verify["tokens"],
+                    "disjoint": bool(self.verify.get("disjoint"))}
+        return {"slice": "selection", "predicted_pct": pct,
+                "measured_pct": None if self.measured is None else
+                100 * self.measured_delta / self.baseline, "tokens": self.eval["tokens"]}
 
     def recipe(self, recipe: Recipe) -> Recipe:
         """``recipe`` with the decisions as overrides (ahead of the recipe's own: the first
@@ -177,15 +210,35 @@ def check_target_recipe(recipe: Recipe) -> None:
                          "--rotate, --bn-retune, --quantize-attention or --quantize-residual")
 
 
+def check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise UsageError(f"--target-metric must be one of {', '.join(METRICS)}, got {metric!r}")
+
+
+def metric_budget(metric: str, budget: float, baseline: float) -> float:
+    """The perplexity budget in the metric's units: KL sums to the log of the perplexity
+    ratio, so a delta ``budget`` is ``log(1 + budget / baseline)`` nats per token."""
+    return math.log1p(budget / baseline) if metric == "kl" else budget
+
+
+def predicted_delta(metric: str, total: float, baseline: float) -> float:
+    """The perplexity delta a summed metric predicts (kl: baseline x (exp(sum) - 1))."""
+    return baseline * math.expm1(total) if metric == "kl" else total
+
+
 def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tensor, *,
            target: str = "1%", fallback: str = "bf16", level: str = "module",
-           eval_batch_size: int = 4, progress=None, spill_dir=None) -> TargetResult:
+           eval_batch_size: int = 4, progress=None, spill_dir=None,
+           metric: str = "ppl") -> TargetResult:
     """Measure every unit on every rung and assign rungs to meet ``target`` (a perplexity
     delta, ``"1%"`` relative or ``"0.5"`` absolute) on ``eval_ids`` [windows, seq_len]. The
     model is left unquantized; apply ``result.recipe(recipe)`` and quantize. GPTQ's Hessians
     (when a rung needs them) wait on disk, under ``spill_dir``, between the calibration pass
-    and the sweeps, which read one unit's at a time."""
+    and the sweeps, which read one unit's at a time. ``metric``: a unit's sensitivity as its
+    perplexity delta ("ppl", summed) or its mean KL against the unquantized model ("kl",
+    ``KLProbe``: non-negative per token, so small effects do not drown in signed noise)."""
     check_target_recipe(recipe)
+    check_metric(metric)
     parse_target(target)
     if level not in LEVELS:
         raise UsageError(f"--target-level must be one of {', '.join(LEVELS)}, got {level!r}")
@@ -204,34 +257,48 @@ def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tens
             session.hessians.offload(spill_dir)
         times["calibrate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        probe = PerplexityProbe(model, eval_ids, eval_batch_size, session.stack)
+        probe = (KLProbe if metric == "kl" else PerplexityProbe)(
+            model, eval_ids, eval_batch_size, session.stack)
         baseline = probe.baseline()
         times["baseline"] = time.perf_counter() - t0
         deltas: dict[str, dict[str, float]] = {u.name: {} for u in session.units}
+        ppl: dict[str, dict[str, float]] = {u.name: {} for u in session.units}
         for rung in rungs:
             t0 = time.perf_counter()
             if rung.skip:
                 for u in session.units:
-                    deltas[u.name][rung.name] = 0.0
+                    deltas[u.name][rung.name] = ppl[u.name][rung.name] = 0.0
                 continue
             session.plan(rung.name, rung.recipe(recipe))
-            for name, m in session.sweep(rung.name, probe, "ppl", baseline).items():
+            session.probe_ppl.clear()
+            for name, m in session.sweep(rung.name, probe, metric, baseline).items():
                 deltas[name][rung.name] = m.delta
+                side = session.probe_ppl.get(name)
+                ppl[name][rung.name] = m.delta if metric == "ppl" else \
+                    (0.0 if side is None else side - baseline)
             times[f"sweep {rung.name}"] = time.perf_counter() - t0
         budget = target_value(target, "ppl", baseline)
-        choice = assign(deltas, rungs, budget)
+        choice = assign(deltas, rungs, metric_budget(metric, budget, baseline))
         by_name = {r.name: r for r in rungs}
-        units = [UnitDecision(u.name, u.pattern, list(u.modules), choice[u.name], deltas[u.name])
-                 for u in session.units]
+        units = [UnitDecision(u.name, u.pattern, list(u.modules), choice[u.name], deltas[u.name],
+                              ppl[u.name]) for u in session.units]
         overrides = {u.pattern: by_name[u.rung].override() for u in units if u.rung != "base"}
-        return TargetResult(
+        total = sum(max(u.deltas[u.rung], 0.0) for u in units)
+        total_base = sum(max(u.deltas["base"], 0.0) for u in units)
+        probe.cache = None  # the replayed layer outputs: not needed past the sweep
+        result = TargetResult(
             target=target, budget=budget, baseline=baseline,
-            predicted=sum(max(u.deltas[u.rung], 0.0) for u in units),
-            predicted_base=sum(max(u.deltas["base"], 0.0) for u in units), level=level,
+            predicted=predicted_delta(metric, total, baseline),
+            predicted_base=predicted_delta(metric, total_base, baseline), level=level,
             rungs=[asdict(r) for r in rungs], units=units, overrides=overrides,
             eval={"windows": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
                   "tokens": int(eval_ids.numel()), "replay": probe.cache is not None},
-            seconds=times)
+            seconds=times, metric=metric,
+            budget_metric=metric_budget(metric, budget, baseline), predicted_metric=total)
+        # not a field (not serialized): ``measure`` scores the final model's KL against the
+        # reference distributions it recorded
+        result.probe = probe if metric == "kl" else None
+        return result
     finally:
         if session.hessians is not None:
             session.hessians.release()  # and the files offload wrote
@@ -241,7 +308,12 @@ def measure(model: nn.Module, eval_ids: torch.Tensor, result: TargetResult,
             eval_batch_size: int = 4) -> TargetResult:
     """The quantized ``model``'s perplexity on the held-out slice, into ``result``."""
     t0 = time.perf_counter()
-    result.measured = perplexity(model, eval_ids, eval_batch_size)
+    probe = getattr(result, "probe", None)
+    if isinstance(probe, KLProbe):  # the same windows: KL and perplexity from one pass
+        result.measured_metric = probe()
+        result.measured = probe.last_ppl
+    else:
+        result.measured = perplexity(model, eval_ids, eval_batch_size)
     result.seconds["verify"] = time.perf_counter() - t0
     return result
 
@@ -275,6 +347,7 @@ def split_heldout(texts: list[str], every: int = HELDOUT_EVERY) -> tuple[list[st
     return [t for i, t in enumerate(texts) if i % every != every - 1], held
 
 
-__all__ = ["Rung", "ladder", "assign", "choose", "measure", "perplexity", "verify",
+__all__ = ["Rung", "ladder", "assign", "choose", "METRICS", "check_metric", "metric_budget",
+           "predicted_delta", "measure", "perplexity", "verify",
            "split_heldout", "TargetResult",
            "UnitDecision", "HIGH_PRECISION"]

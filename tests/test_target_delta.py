@@ -264,7 +264,7 @@ def test_cli_target_delta(llama_dir, tmp_path):
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert "target-delta 2%" in text and "predicted" in text and "measured" in text
-    assert "more held-out tokens (1 x" in text
+    assert "verified on" in text and "(1 x" in text
 
 
 @pytest.mark.parametrize("args,message", [

@@ -82,6 +82,9 @@ class Session:
                                             summarize_input(self.collector.stats.get(t.name)))
                         for t in targets}
         self._plans: dict[str, FormatPlan] = {}
+        # per unit, the perplexity a probe that also scores it (``KLProbe.last_ppl``) measured
+        # in the latest sweep
+        self.probe_ppl: dict[str, float] = {}
 
     def plan(self, fmt: str, recipe: Recipe | None = None,
              part: QuantPlan | None = None) -> FormatPlan:
@@ -110,6 +113,8 @@ class Session:
             with self.quantized(u, fmt) as swaps:
                 stats = [format_stats(s, self.rows.get(s.name)) for s in swaps]
                 value = probe(u.layer) if probe is not None and swaps else None
+            if value is not None and getattr(probe, "last_ppl", None) is not None:
+                self.probe_ppl[u.name] = probe.last_ppl
             for s, st in zip(swaps, stats):
                 self.modules[s.name].formats[fmt] = st
             if metric is not None:
@@ -134,6 +139,8 @@ class Session:
 
 
 def unit_measure(metric: str, value, baseline, stats: list[FormatStats]) -> Measure:
+    if metric == "kl":  # a KLProbe's mean KL against the unquantized model: its own delta
+        return Measure(0.0, 0.0) if value is None else Measure(value, value)
     if metric == "ppl":
         if value is None:
             return Measure(baseline, 0.0)
