@@ -157,3 +157,34 @@ def test_run_order_comes_from_one_sequence():
         assert rows == [1, 4] and [t.name for t in groups[-1]] == ["lost"]
     finally:
         handle.remove()
+
+
+def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
+    """The per-group Hessian forwards run ``lean_forwards``' rotary / RMSNorm / MLP (the
+    statistics pass's code), and the codes are bit for bit those of transformers' own code
+    (``FP8PTQ_LEAN_FORWARDS=0``)."""
+    from fp8ptq import gptq_sequential
+    from fp8ptq.model import lean
+
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    gptq_act_order=True, dtype="float32")
+    entered = []
+    original = lean.lean_forwards
+
+    def counting(model, enabled=True):
+        entered.append(type(model).__name__)
+        return original(model, enabled)
+
+    monkeypatch.setattr(gptq_sequential, "lean_forwards", counting)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FP8PTQ_LEAN_FORWARDS", flag)
+        model = tiny("llama").float()
+        quantize_model(model, recipe, BATCHES)
+        runs[flag] = {n: m.weight_codes for n, m in model.named_modules()
+                      if isinstance(m, QuantGemm)}
+    # 2 blocks x 4 GEMM groups (q/k/v, o, gate/up, down), twice
+    assert entered.count("LlamaDecoderLayer") == 2 * 8
+    assert runs["1"].keys() == runs["0"].keys() and len(runs["1"]) == 14
+    for name, codes in runs["1"].items():
+        assert torch.equal(codes, runs["0"][name]), name
