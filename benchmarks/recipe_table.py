@@ -97,6 +97,9 @@ ROWS = {
     # (its --json report cached as target-1pct-quantize.json); mixed precision
     "target-1pct": ("the default + `--target-delta 1%` (mixed: some GEMMs kept bf16)",
                     "row-wise scaled_mm + bf16 GEMMs"),
+    # the same with --target-metric kl (target-1pct-kl-quantize.json)
+    "target-1pct-kl": ("the default + `--target-delta 1% --target-metric kl` (mixed)",
+                       "row-wise scaled_mm + bf16 GEMMs"),
     "hif8-dynamic": ("HiF8, channel W + dynamic token A (`fp8-dynamic`'s rule)",
                      "- (no HiF8 kernels)"),
     "hfp8-dynamic": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A",
@@ -187,15 +190,16 @@ def table(folder: Path) -> str:
         seconds, rss = _quantize_facts(folder, row["name"], row)
         lines.append(f"| {what} | {tool} | {value:.3f} | {cell} | {seconds} | {rss} | {vllm} |")
     text = "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
-    target = target_line(folder)
-    return text + ("\n\n" + target if target else "")
+    targets = [line for line in map(lambda n: target_line(folder, n), TARGETS) if line]
+    return text + "".join("\n\n" + line for line in targets)
 
 
-def target_line(folder: Path) -> str:
+def target_line(folder: Path, name: str = "target-1pct") -> str:
     """What ``quantize --target-delta 1%`` decided and predicted, from its cached ``--json``
-    report (``target-1pct-quantize.json``): modules per rung, the GEMMs kept in high precision,
-    predicted against measured delta on its own held-out slice."""
-    path = folder / "target-1pct-quantize.json"
+    report (``NAME-quantize.json``): modules per rung, the GEMMs kept in high precision,
+    predicted against measured delta on its own held-out slice and on the verification
+    slice."""
+    path = folder / f"{name}-quantize.json"
     if not path.exists() or not path.stat().st_size:
         return ""
     t = json.loads(path.read_text())["target_delta"]
@@ -204,9 +208,10 @@ def target_line(folder: Path) -> str:
     ev = t["eval"]
     measured = "not measured" if t["measured_delta_pct"] is None else \
         f"{t['measured_delta_pct']:+.2f}%"
-    return (f"`--target-delta {t['target']}` (row `target-1pct`): GEMMs per rung {per_rung}; "
-            f"on its held-out slice ({ev['tokens']:,} tokens of every 10th calibration "
-            f"document, {ev['windows']} x {ev['seq_len']}) predicted "
+    metric = f" --target-metric {t['metric']}" if t.get("metric", "ppl") != "ppl" else ""
+    return (f"`--target-delta {t['target']}{metric}` (row `{name}`): GEMMs per rung "
+            f"{per_rung}; on its selection slice ({ev['tokens']:,} tokens of held-out "
+            f"calibration documents, {ev['windows']} x {ev['seq_len']}) predicted "
             f"{t['predicted_pct']:+.2f}% (all on the base rung: "
             f"{100 * t['predicted_base'] / t['baseline']:+.2f}%), measured {measured}. "
             f"Kept in high precision: {', '.join(f'`{m}`' for m in kept) or 'none'}."
@@ -216,13 +221,16 @@ def target_line(folder: Path) -> str:
 def _verify_sentence(v: dict | None) -> str:
     if not v:
         return ""
-    return (f" On the larger verification slice ({v['tokens']:,} held-out tokens, "
+    which = "other held-out documents, not chosen on" if v.get("disjoint") else \
+        "held-out tokens, overlapping the selection's documents"
+    return (f" On the verification slice ({v['tokens']:,} tokens of {which}; "
             f"{v['windows']} x {v['seq_len']}, windows opening documents) measured "
             f"{v['delta_pct']:+.2f}%.")
 
 
 W8A16 = ("w-only", "w-only-gptq", "w-only-gptq-seq-ao", "w-only-gptq-seq-ao-docs")
-MIXED = ("target-1pct",)  # some GEMMs stay in high precision: not an all-FP8 recipe
+MIXED = ("target-1pct", "target-1pct-kl")  # some GEMMs stay in high precision: not all-FP8
+TARGETS = MIXED  # rows with a cached `quantize --json` report (target_line)
 
 
 def head_to_head(rows: list[dict], key: str, mode: str) -> str:

@@ -285,6 +285,7 @@ def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tens
         overrides = {u.pattern: by_name[u.rung].override() for u in units if u.rung != "base"}
         total = sum(max(u.deltas[u.rung], 0.0) for u in units)
         total_base = sum(max(u.deltas["base"], 0.0) for u in units)
+        replay = probe.cache is not None
         probe.cache = None  # the replayed layer outputs: not needed past the sweep
         result = TargetResult(
             target=target, budget=budget, baseline=baseline,
@@ -292,7 +293,7 @@ def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tens
             predicted_base=predicted_delta(metric, total_base, baseline), level=level,
             rungs=[asdict(r) for r in rungs], units=units, overrides=overrides,
             eval={"windows": int(eval_ids.shape[0]), "seq_len": int(eval_ids.shape[1]),
-                  "tokens": int(eval_ids.numel()), "replay": probe.cache is not None},
+                  "tokens": int(eval_ids.numel()), "replay": replay},
             seconds=times, metric=metric,
             budget_metric=metric_budget(metric, budget, baseline), predicted_metric=total)
         # not a field (not serialized): ``measure`` scores the final model's KL against the

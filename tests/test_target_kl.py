@@ -153,7 +153,7 @@ def test_cli_target_metric_kl(kl_dir, tmp_path):
         "--json"])
     assert res.exit_code == 0, res.output
     t = json.loads(res.stdout)["target_delta"]
-    assert t["metric"] == "kl"
+    assert t["metric"] == "kl" and t["eval"]["replay"]  # the sweep replayed layer 0
     assert t["budget_metric"] == pytest.approx(math.log1p(t["budget"] / t["baseline"]))
     assert all(u["deltas"]["base"] >= 0 for u in t["units"])  # KL: never negative
     assert all(set(u["ppl_deltas"]) == set(u["deltas"]) for u in t["units"])
