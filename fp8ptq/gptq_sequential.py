@@ -42,6 +42,7 @@ from .model.forward import micro_batches, run_batch
 from .model.gemm import weight_2d
 from .model.lean import lean_forwards
 from .plan import hessian_diagonal_only
+from .reuse import PartialForwards
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
 Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
@@ -59,18 +60,21 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     Hessian. ``asym_damp``: asymmetric GPTQ (``fp8ptq.gptaq``) with that dampening, a float
     stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
     None). Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
-    facts for the report (``blocks``, ``groups``, ``forwards``, ``max_hessian_bytes``,
+    facts for the report (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module
+    outputs ``fp8ptq.reuse`` replayed instead of recomputing), ``max_hessian_bytes``,
     ``outside``: the names left to the caller; ``asym_correction``: the largest and mean
     ``||W* - W0|| / ||W0||``)."""
     found = find_blocks(model)
     outside = outside_blocks(model, targets)
-    facts = {"blocks": 0, "groups": 0, "forwards": 0, "max_hessian_bytes": 0, "outside": []}
+    facts = {"blocks": 0, "groups": 0, "forwards": 0, "replayed_outputs": 0,
+             "max_hessian_bytes": 0, "outside": []}
     if asym_damp is not None:
         facts["asym_correction"] = []
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, asym_damp)
-        _quantize_unit(model, targets, gptq, batches, quantize, facts, floats)
+        _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
+                       activation_budget)
         _summarise(facts)
         return facts
     list_name, blocks = found
@@ -96,7 +100,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
             floats = _Floats(block, float_batches, asym_damp)
             _quantize_unit(block, local, {t.name for t in local if t.target.name in gptq},
                            block_batches, lambda lt, h, aim: quantize(lt.target, h, aim),
-                           facts, floats)
+                           facts, floats, max(0, activation_budget - store.resident_bytes))
             facts["blocks"] += 1
             if i + 1 < len(blocks):
                 nxt = ActivationStore(activation_budget, spill_dir)
@@ -153,19 +157,26 @@ class _Local:
 
 
 def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
-                   quantize: Quantize, facts: dict, floats: _Floats) -> None:
+                   quantize: Quantize, facts: dict, floats: _Floats,
+                   reuse_budget: int = 1 << 30) -> None:
     """The targets of one unit (a block, or a model without blocks) group by group in run
     order; each GPTQ group's Hessian from a forward through the unit as quantized so far
     (and, asymmetric, the float copy's forward on the float stream)."""
     if not targets:
         return
+    # what one group's forward computed before reaching that group, replayed in the next
+    # group's (``fp8ptq.reuse``); not beside asymmetric GPTQ's float stream
+    partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
     for group in _groups_in_run_order(unit, targets, batches):
         wanted = [t for t in group if t.name in gptq]
         hessians = None
         if wanted and any(b is not None for b in batches):
-            hessians = _group_hessians(unit, wanted, batches, floats)
+            hessians = _group_hessians(unit, wanted, batches, floats, partial,
+                                       [t.module for t in group])
             facts["forwards"] += 1 + (floats.unit is not None)
             facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
+        elif partial is not None:
+            partial.clear()  # this group changes without a forward that records past it
         facts["groups"] += 1
         for t in group:
             h = hessians.hessian(t.name) if hessians and t.name in gptq else None
@@ -176,6 +187,8 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
                 facts["asym_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
             quantize(t, h, aim)
+    if partial is not None:
+        facts["replayed_outputs"] += partial.replayed
 
 
 def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:
@@ -223,8 +236,9 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
     return [ts for _, ts in order], seen
 
 
-def _group_hessians(unit: nn.Module, group: list, batches: list,
-                    floats: _Floats) -> HessianCollector:
+def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats,
+                    partial: PartialForwards | None = None,
+                    members: list | None = None) -> HessianCollector:
     """The group's Hessians from every batch, each forward stopped once the group's last
     member has seen its input (nothing after it is needed); reduced across ranks. With a
     float stream each batch first runs the float copy to the same point, for the cross
@@ -254,7 +268,11 @@ def _group_hessians(unit: nn.Module, group: list, batches: list,
                     continue
                 if floats.unit is not None:
                     _run_to_stop(floats.unit, floats.batches[j])
-                _run_to_stop(unit, batch)
+                if partial is None:
+                    _run_to_stop(unit, batch)
+                else:  # ``members``: the whole group, quantized before the next forward
+                    partial.run(j, members or [t.module for t in group],
+                                lambda b=batch: _run_to_stop(unit, b))
         except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
             error = e
         finally:

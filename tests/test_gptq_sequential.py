@@ -188,3 +188,70 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
     assert runs["1"].keys() == runs["0"].keys() and len(runs["1"]) == 14
     for name, codes in runs["1"].items():
         assert torch.equal(codes, runs["0"][name]), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
+    """``fp8ptq.reuse``: the later groups' forwards replay what the previous forward finished
+    (q/k/v outputs, then the whole attention), and every Hessian and code is bit for bit
+    what recomputing gives (budget 0: nothing kept)."""
+    from fp8ptq import gptq_sequential
+
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    dtype="float32")
+    runs = {}
+    real = gptq_sequential._quantize_unit
+    for budget in (1 << 30, 0):
+        monkeypatch.setattr(gptq_sequential, "_quantize_unit",
+                            lambda *a, b=budget, f=real: f(*a[:7], b))
+        model = tiny(arch).float()
+        result, seen = recorded_run(monkeypatch, model, recipe)
+        codes = {n: m.weight_codes for n, m in model.named_modules()
+                 if isinstance(m, QuantGemm)}
+        runs[budget] = (result.extras["gptq"]["sequential"], seen, codes)
+    (facts, seen, codes), (facts0, seen0, codes0) = runs[1 << 30], runs[0]
+    assert facts0["replayed_outputs"] == 0
+    assert facts["replayed_outputs"] >= 2 * facts["blocks"]  # qkv, attention
+    assert seen.keys() == seen0.keys() and codes.keys() == codes0.keys()
+    for name in seen:
+        assert torch.equal(seen[name], seen0[name]), name
+        assert torch.equal(codes[name], codes0[name]), name
+
+
+def test_replay_skips_the_attention_in_the_down_projection_forward():
+    """In a Llama block the down_proj group's forward runs no attention: ``self_attn`` returns
+    the output recorded in the gate/up forward (counted by a hook on its q_proj, which would
+    run if the attention did)."""
+    from fp8ptq.reuse import PartialForwards
+
+    model = tiny("llama").float().eval()
+    block = model.model.layers[0]
+    batch = {"input_ids": IDS[:2]}
+    partial = PartialForwards(model, 1 << 30)
+    q_calls = []
+    block.self_attn.q_proj.register_forward_hook(lambda *a: q_calls.append(1))
+    mlp = block.mlp
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_args):
+        raise Stop
+
+    def to(module):
+        def run():
+            h = module.register_forward_pre_hook(stop)
+            try:
+                with torch.inference_mode():
+                    run_batch(model, batch, logits=False)
+            except Stop:
+                pass
+            finally:
+                h.remove()
+        return run
+
+    partial.run(0, [mlp.gate_proj, mlp.up_proj], to(mlp.gate_proj))
+    assert q_calls == [1]
+    assert any(n.endswith("layers.0.self_attn") for n in partial.kept[0])
+    partial.run(0, [mlp.down_proj], to(mlp.down_proj))
+    assert q_calls == [1] and partial.replayed >= 1
