@@ -71,7 +71,7 @@ from .quantize_report import print_report
 @click.option("--target-verify-tokens", type=click.IntRange(min=0), default=16384,
               show_default=True, help="Held-out tokens the final model is checked on again "
               "(windows of 2048; 0: not).")
-@click.option("--target-metric", default="ppl", show_default=True,
+@click.option("--target-metric", default="kl", show_default=True,
               help="How --target-delta measures a unit's sensitivity: kl (mean KL of the "
                    "next-token distributions against the unquantized model: non-negative per "
                    "token, low variance; predicted perplexity ratio exp(sum)) or ppl (the "
@@ -139,7 +139,7 @@ def _emit(report: dict, path: Selection, as_json: bool) -> None:
 
 
 def target_request(recipe, target, fallback, level, data, tokens, sequential, verify_tokens,
-                   metric="ppl"):
+                   metric="kl"):
     """The --target-delta request, checked before anything loads (None without the flag)."""
     check_metric(metric)
     if target is None:

@@ -126,7 +126,7 @@ class TargetRequest:
     verify_tokens: int = 16384
     verify_seq_len: int = 2048
     # a unit's sensitivity: "kl" (KL against the unquantized model) or "ppl" (fp8ptq.target)
-    metric: str = "ppl"
+    metric: str = "kl"
 
 
 def selection_and_verify(heldout: list[str], verify: bool) -> tuple[list[str], list[str]]:

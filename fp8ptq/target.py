@@ -229,7 +229,7 @@ def predicted_delta(metric: str, total: float, baseline: float) -> float:
 def choose(model: nn.Module, recipe: Recipe, batches: list, eval_ids: torch.Tensor, *,
            target: str = "1%", fallback: str = "bf16", level: str = "module",
            eval_batch_size: int = 4, progress=None, spill_dir=None,
-           metric: str = "ppl") -> TargetResult:
+           metric: str = "kl") -> TargetResult:
     """Measure every unit on every rung and assign rungs to meet ``target`` (a perplexity
     delta, ``"1%"`` relative or ``"0.5"`` absolute) on ``eval_ids`` [windows, seq_len]. The
     model is left unquantized; apply ``result.recipe(recipe)`` and quantize. GPTQ's Hessians
