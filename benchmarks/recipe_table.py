@@ -100,6 +100,10 @@ ROWS = {
     # the same with --target-metric kl (target-1pct-kl-quantize.json)
     "target-1pct-kl": ("the default + `--target-delta 1% --target-metric kl` (mixed)",
                        "row-wise scaled_mm + bf16 GEMMs"),
+    # control: the blocks the perplexity-delta metric keeps on the KL run's selection slice,
+    # skipped by hand (`quantize --skip`, same calibration documents)
+    "target-1pct-pplchoice": ("control: the 6 blocks perplexity deltas pick on that slice, "
+                              "`--skip`ped (mixed)", "row-wise scaled_mm + bf16 GEMMs"),
     "hif8-dynamic": ("HiF8, channel W + dynamic token A (`fp8-dynamic`'s rule)",
                      "- (no HiF8 kernels)"),
     "hfp8-dynamic": ("HFP8 (E4M3 W / E5M2 A), channel W + dynamic token A",
@@ -202,7 +206,9 @@ def target_line(folder: Path, name: str = "target-1pct") -> str:
     path = folder / f"{name}-quantize.json"
     if not path.exists() or not path.stat().st_size:
         return ""
-    t = json.loads(path.read_text())["target_delta"]
+    t = json.loads(path.read_text()).get("target_delta")
+    if not t:
+        return ""
     kept = [u["unit"] for u in t["units"] if u["rung"] == "fallback"]
     per_rung = ", ".join(f"{k} {v}" for k, v in t["modules_per_rung"].items())
     ev = t["eval"]
@@ -229,8 +235,8 @@ def _verify_sentence(v: dict | None) -> str:
 
 
 W8A16 = ("w-only", "w-only-gptq", "w-only-gptq-seq-ao", "w-only-gptq-seq-ao-docs")
-MIXED = ("target-1pct", "target-1pct-kl")  # some GEMMs stay in high precision: not all-FP8
-TARGETS = MIXED  # rows with a cached `quantize --json` report (target_line)
+TARGETS = ("target-1pct", "target-1pct-kl")  # rows with a `quantize --target-delta --json`
+MIXED = (*TARGETS, "target-1pct-pplchoice")  # some GEMMs kept in high precision: not all-FP8
 
 
 def head_to_head(rows: list[dict], key: str, mode: str) -> str:
