@@ -5,7 +5,6 @@ fp8ptq.json, the recorded recipe and the report."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -20,7 +19,7 @@ from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.target import Rung, assign, choose, ladder, measure, perplexity, split_heldout, verify
-from tiny_models import IDS, VOCAB, tiny
+from tiny_models import IDS, VOCAB, saved_with_documents, target_delta_report, tiny
 
 SENSITIVE = "model.layers.0.mlp.down_proj"
 
@@ -225,27 +224,14 @@ def test_partial_plan_overrides_reach_the_pipeline():
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory, word_tokenizer):
-    root = tmp_path_factory.mktemp("target")
-    sensitive_llama().save_pretrained(root / "llama")
-    word_tokenizer.save_pretrained(root / "llama")
     # the word tokenizer's ids are not the sequence's; the CLI test checks the plumbing
-    words = "the quick brown fox jumps over the lazy dog a small model reads".split()
-    g = torch.Generator().manual_seed(0)
-    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=g).tolist())
-            for _ in range(40)]
-    (root / "calib.txt").write_text("\n".join(docs) + "\n")
-    return root
+    return saved_with_documents(tmp_path_factory.mktemp("target"), sensitive_llama(),
+                                word_tokenizer, 40)
 
 
 def test_cli_target_delta(llama_dir, tmp_path):
     out = tmp_path / "q"
-    res = CliRunner().invoke(main, [
-        "quantize", str(llama_dir / "llama"), "-o", str(out), "--calib-data",
-        str(llama_dir / "calib.txt"), "--num-samples", "4", "--seq-len", "32", "--dtype",
-        "float32", "--target-delta", "0", "--target-metric", "ppl", "--target-tokens", "128",
-        "--json"])
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout)["target_delta"]
+    report = target_delta_report(llama_dir, out, "--target-delta", "0", "--target-metric", "ppl")
     # a zero budget moves every unit with a positive delta off the base rung (by KL, the
     # default, every unit: nothing would be left to quantize)
     assert report["predicted"] == 0 and report["measured"] is not None

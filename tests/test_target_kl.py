@@ -5,7 +5,6 @@ the CLI option with its fp8ptq.json fields."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -19,7 +18,7 @@ from fp8ptq.lm_probes import KLProbe, PerplexityProbe, coarse_kl
 from fp8ptq.recipe import Recipe
 from fp8ptq.target import assign, ladder, metric_budget, predicted_delta
 from test_target_delta import sensitive_llama, windows
-from tiny_models import VOCAB
+from tiny_models import VOCAB, saved_with_documents, target_delta_report
 
 
 def test_coarse_kl_hand_case():
@@ -132,27 +131,14 @@ def test_selection_and_verify_documents_are_disjoint():
 
 @pytest.fixture(scope="module")
 def kl_dir(tmp_path_factory, word_tokenizer, trained):
-    root = tmp_path_factory.mktemp("target_kl")
-    trained.save_pretrained(root / "llama")
-    word_tokenizer.save_pretrained(root / "llama")
-    words = "the quick brown fox jumps over the lazy dog a small model reads".split()
-    g = torch.Generator().manual_seed(0)
     # 200 documents: 20 held out, 10 to choose on and 10 to verify on
-    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (40,), generator=g).tolist())
-            for _ in range(200)]
-    (root / "calib.txt").write_text("\n".join(docs) + "\n")
-    return root
+    return saved_with_documents(tmp_path_factory.mktemp("target_kl"), trained, word_tokenizer,
+                                200)
 
 
 def test_cli_target_metric_kl(kl_dir, tmp_path):
     out = tmp_path / "q"
-    res = CliRunner().invoke(main, [
-        "quantize", str(kl_dir / "llama"), "-o", str(out), "--calib-data",
-        str(kl_dir / "calib.txt"), "--num-samples", "4", "--seq-len", "32", "--dtype",
-        "float32", "--target-delta", "2%", "--target-metric", "kl", "--target-tokens", "128",
-        "--json"])
-    assert res.exit_code == 0, res.output
-    t = json.loads(res.stdout)["target_delta"]
+    t = target_delta_report(kl_dir, out, "--target-delta", "2%", "--target-metric", "kl")
     assert t["metric"] == "kl" and t["eval"]["replay"]  # the sweep replayed layer 0
     assert t["budget_metric"] == pytest.approx(math.log1p(t["budget"] / t["baseline"]))
     assert all(u["deltas"]["base"] >= 0 for u in t["units"])  # KL: never negative

@@ -1,6 +1,8 @@
 """Shared by the tests: tiny randomly initialised models of every architecture family we claim,
 and the in-process CLI runner."""
 
+import json
+
 import torch
 from click.testing import CliRunner
 from transformers import (
@@ -105,3 +107,35 @@ def saved_llama_with_calib(tmp_path, tokenizer):
     calib = tmp_path / "calib.txt"
     calib.write_text("the quick brown fox jumps over the lazy dog hello world again\n" * 8)
     return src, calib
+
+
+def word_documents(path, count: int, words: int = 40, seed: int = 0) -> None:
+    """``count`` seeded documents of ``words`` random words (the word tokenizer's vocabulary),
+    one per line, written to ``path``: calibration text whose every 10th document
+    ``--target-delta`` holds out."""
+    vocab = "the quick brown fox jumps over the lazy dog a small model reads".split()
+    g = torch.Generator().manual_seed(seed)
+    docs = [" ".join(vocab[i] for i in torch.randint(0, len(vocab), (words,), generator=g).tolist())
+            for _ in range(count)]
+    path.write_text("\n".join(docs) + "\n")
+
+
+def saved_with_documents(root, model, tokenizer, count: int):
+    """``model`` and ``tokenizer`` saved under ``root / "llama"`` beside ``count`` word
+    documents in ``root / "calib.txt"`` (``word_documents``); returns ``root``."""
+    model.save_pretrained(root / "llama")
+    tokenizer.save_pretrained(root / "llama")
+    word_documents(root / "calib.txt", count)
+    return root
+
+
+def target_delta_report(root, out, *flags: str) -> dict:
+    """``fp8ptq quantize`` of ``saved_with_documents``' model on its documents (4 x 32 tokens,
+    float32, ``--target-tokens 128``) with ``flags`` (the ``--target-*`` ones), into ``out``;
+    returns the ``--json`` report's ``target_delta``."""
+    res = CliRunner().invoke(main, [
+        "quantize", str(root / "llama"), "-o", str(out), "--calib-data", str(root / "calib.txt"),
+        "--num-samples", "4", "--seq-len", "32", "--dtype", "float32", "--target-tokens", "128",
+        *flags, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)["target_delta"]
