@@ -193,7 +193,6 @@ class LogitsProbe:
 
 
 # ---------------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------------
 # KL divergence against the unquantized model's next-token distributions
 
 TOP_K = 256  # reference log-probs kept per position (the rest as one tail bucket)
