@@ -167,12 +167,14 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
     # what one group's forward computed before reaching that group, replayed in the next
     # group's (``fp8ptq.reuse``); not beside asymmetric GPTQ's float stream
     partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
-    for group in _groups_in_run_order(unit, targets, batches):
+    groups = _groups_in_run_order(unit, targets, batches)
+    for g, group in enumerate(groups):
         wanted = [t for t in group if t.name in gptq]
         hessians = None
         if wanted and any(b is not None for b in batches):
+            # the unit's last group records nothing: no forward of this unit follows
             hessians = _group_hessians(unit, wanted, batches, floats, partial,
-                                       [t.module for t in group])
+                                       [t.module for t in group], record=g + 1 < len(groups))
             facts["forwards"] += 1 + (floats.unit is not None)
             facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
         elif partial is not None:
@@ -238,7 +240,7 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
 
 def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats,
                     partial: PartialForwards | None = None,
-                    members: list | None = None) -> HessianCollector:
+                    members: list | None = None, record: bool = True) -> HessianCollector:
     """The group's Hessians from every batch, each forward stopped once the group's last
     member has seen its input (nothing after it is needed); reduced across ranks. With a
     float stream each batch first runs the float copy to the same point, for the cross
@@ -272,7 +274,7 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
                     _run_to_stop(unit, batch)
                 else:  # ``members``: the whole group, quantized before the next forward
                     partial.run(j, members or [t.module for t in group],
-                                lambda b=batch: _run_to_stop(unit, b))
+                                lambda b=batch: _run_to_stop(unit, b), record)
         except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
             error = e
         finally:

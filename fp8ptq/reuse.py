@@ -14,12 +14,17 @@ same batch makes the outermost of them return the recorded output instead of run
 q/k/v projections in the gate/up forward, the whole attention in the down forward).
 
 Bit for bit the same Hessians and codes: a replayed module returns the very values it computed
-on the same batch with the same weights (``tests/test_gptq_sequential.py``). Kept only for
-modules called once per forward that contain a GEMM (a norm's output costs memory and saves
-next to nothing) and whose output is a tensor or a tuple of tensors / None (copied on record
-and on replay, so that in-place updates downstream cannot touch the record), and only up to
-``budget`` bytes (what the sequential activation budget leaves beside the block inputs held
-in memory): past it a batch recomputes, as before. Not used with asymmetric GPTQ's float stream.
+on the same batch with the same weights (``tests/test_gptq_sequential.py``). What is kept:
+- modules called once per forward that contain a GEMM (a norm's output costs memory and saves
+  next to nothing) and are not a module's sole child (a ``QuantGemm``'s inner ``Linear``: the
+  wrapper's output is the one replayed);
+- outputs that are a tensor or a tuple of tensors / None, copied on record and on replay, so
+  that in-place updates downstream cannot touch the record;
+- nothing in a unit's last group (no forward follows it: recording there held ~0.5 GB of
+  SmolLM2's 128 x 512 run for nothing);
+- at most ``budget`` bytes (what the sequential activation budget leaves beside the block
+  inputs held in memory): past it a batch recomputes, as before.
+Not used with asymmetric GPTQ's float stream.
 """
 
 from __future__ import annotations
@@ -57,8 +62,13 @@ class PartialForwards:
     def __init__(self, unit: nn.Module, budget: int):
         self.unit, self.budget = unit, budget
         self.names = {m: n for n, m in unit.named_modules() if n}
-        # only outputs that took a GEMM to make are worth their memory (a norm's is not)
-        self.costly = {n for m, n in self.names.items() if any(_is_gemm(x) for x in m.modules())}
+        # only outputs that took a GEMM to make are worth their memory (a norm's is not), and
+        # not the sole child of a module (a QuantGemm's inner Linear): its parent's output is
+        # the one that would be replayed
+        costly = {n for m, n in self.names.items() if any(_is_gemm(x) for x in m.modules())}
+        sole = {n for m, n in self.names.items() if n.rpartition(".")[0] and
+                len(list(unit.get_submodule(n.rpartition(".")[0]).children())) == 1}
+        self.wanted = costly - sole
         self.kept: dict[int, dict[str, object]] = {}  # batch -> {module name: output}
         self.replayed = 0  # module outputs replayed (for tests and the report)
 
@@ -68,7 +78,9 @@ class PartialForwards:
     def _bytes(self) -> int:
         return sum(_nbytes(o) for outs in self.kept.values() for o in outs.values())
 
-    def run(self, j: int, stop_group: list[nn.Module], fn) -> None:
+    def run(self, j: int, stop_group: list[nn.Module], fn, record: bool = True) -> None:
+        """``fn`` with the outputs recorded for batch ``j`` replayed; ``record``: keep what
+        this forward finishes for the next (False for a unit's last group: nothing follows)."""
         replay = self.kept.pop(j, {})
         done: dict[str, object] = {}  # name -> output copy, of modules done before the entry
         calls: dict[str, int] = {}
@@ -79,7 +91,8 @@ class PartialForwards:
             if name is None:
                 return
             calls[name] = calls.get(name, 0) + 1
-            if not entered:  # after the stop group was entered nothing is kept
+            # after the stop group was entered nothing is kept; nor what is not worth keeping
+            if record and not entered and name in self.wanted:
                 done[name] = _copy(output)
 
         def on_enter(_module, _args):
@@ -115,8 +128,7 @@ class PartialForwards:
 
     def _keep(self, j: int, done: dict, calls: dict) -> None:
         """The outermost recordable modules called once, within the budget."""
-        ok = {n: out for n, out in done.items()
-              if out is not None and calls[n] == 1 and n in self.costly}
+        ok = {n: out for n, out in done.items() if out is not None and calls[n] == 1}
         outer = {n: out for n, out in ok.items()
                  if not any(n.startswith(p + ".") for p in ok if p != n)}
         size = sum(_nbytes(o) for o in outer.values())

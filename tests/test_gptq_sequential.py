@@ -255,3 +255,39 @@ def test_replay_skips_the_attention_in_the_down_projection_forward():
     assert any(n.endswith("layers.0.self_attn") for n in partial.kept[0])
     partial.run(0, [mlp.down_proj], to(mlp.down_proj))
     assert q_calls == [1] and partial.replayed >= 1
+
+
+def test_replay_records_what_a_later_forward_can_use_only():
+    """Nothing is recorded where no forward follows (``record=False``: a unit's last group),
+    and a ``QuantGemm``'s inner ``Linear`` is never recorded beside the wrapper."""
+    from fp8ptq.reuse import PartialForwards
+
+    model = tiny("llama").float().eval()
+    quantize_model(model, Recipe(format="e4m3", act_format="none", dtype="float32"), BATCHES)
+    partial = PartialForwards(model, 1 << 30)
+    assert "model.layers.0.self_attn.q_proj" in partial.wanted
+    assert "model.layers.0.self_attn.q_proj.inner" not in partial.wanted
+    assert "model.layers.0.input_layernorm" not in partial.wanted  # no GEMM inside
+    mlp = model.model.layers[0].mlp
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_args):
+        raise Stop
+
+    def to_down():
+        h = mlp.down_proj.register_forward_pre_hook(stop)
+        try:
+            with torch.inference_mode():
+                run_batch(model, {"input_ids": IDS[:2]}, logits=False)
+        except Stop:
+            pass
+        finally:
+            h.remove()
+
+    partial.run(0, [mlp.down_proj], to_down, record=False)
+    assert partial.kept == {}
+    partial.run(0, [mlp.down_proj], to_down)
+    assert set(partial.kept[0]) == {"model.layers.0.self_attn", "model.layers.0.mlp.gate_proj",
+                                    "model.layers.0.mlp.up_proj"}
