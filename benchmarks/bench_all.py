@@ -118,9 +118,20 @@ class Rows:
         self.console.print(f"[{time.perf_counter() - self.t0:5.0f} s] {text}")
 
 
+def abba(a, b, repeat: int) -> tuple[list, list]:
+    """``a()`` and ``b()`` called alternately in ABBA order (a, b, b, a, ...), ``repeat``
+    times each, so that both sides have the same number of calls and the same neighbours;
+    their return values, one list per side."""
+    runs: tuple[list, list] = ([], [])
+    for i in range(2 * repeat):
+        second = i % 4 in (1, 2)
+        runs[second].append((b if second else a)())
+    return runs
+
+
 def paired_seconds(ref, fn, repeat: int) -> tuple[float, float]:
-    """(fastest ``ref``, fastest ``fn``) timed alternately in ABBA order, ``repeat`` calls
-    each after one warm-up call of both.
+    """(fastest ``ref``, fastest ``fn``) timed alternately (``abba``), ``repeat`` calls each
+    after one warm-up call of both.
 
     Why: a codec and its copy are both 2-thread, memory-bound passes of ~5-15 ms; whenever any
     other process is runnable, one thread waits on the other and both read up to 2x slow
@@ -129,13 +140,16 @@ def paired_seconds(ref, fn, repeat: int) -> tuple[float, float]:
     side of a ratio only, as the copy measured once at the start of the section did."""
     ref()
     fn()
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for i in range(2 * repeat):
-        side = i % 4 in (1, 2)
-        t0 = time.perf_counter()
-        (fn if side else ref)()
-        times[side].append(time.perf_counter() - t0)
-    return min(times[False]), min(times[True])
+
+    def timed(f):
+        def call():
+            t0 = time.perf_counter()
+            f()
+            return time.perf_counter() - t0
+        return call
+
+    refs, fns = abba(timed(ref), timed(fn), repeat)
+    return min(refs), min(fns)
 
 
 def codec_rows(out: Rows, repeat: int) -> None:
@@ -249,10 +263,8 @@ def eval_seconds(model, tokenizer, data: str, articles: int, repeat: int) -> flo
 
 
 def paired_evals(base_model, model, tokenizer, data: str, articles: int, repeat: int) -> dict:
-    """The baseline and a variant timed alternately in ABBA order (base, variant, variant,
-    base, ...: ``repeat`` timings each), so that both sides have the same number of timings
-    and the same neighbours. Returns the fastest wall of each side and the CPU seconds of
-    that same timing.
+    """The baseline and a variant timed alternately (``abba``: ``repeat`` timings each).
+    Returns the fastest wall of each side and the CPU seconds of that same timing.
 
     Why: on the 2-core machine a 2-thread forward slows several-fold whenever any other
     process is runnable (one OpenMP thread is descheduled and the other waits at every
@@ -262,13 +274,9 @@ def paired_evals(base_model, model, tokenizer, data: str, articles: int, repeat:
     (number of variants) baseline timings; under such heavy-tailed noise the minimum of more
     draws is lower, so every variant read slow (1.3-1.7x) although the work per eval differed
     by 0-7% (session 11, 1 thread, quiet)."""
-    runs: dict[str, list[tuple[float, float]]] = {"base": [], "variant": []}
-    order = ("base", "variant", "variant", "base")
-    for i in range(2 * repeat):
-        side = order[i % 4]
-        runs[side].append(eval_timing(base_model if side == "base" else model, tokenizer,
-                                      data, articles))
-    base, variant = min(runs["base"]), min(runs["variant"])
+    bases, variants = abba(lambda: eval_timing(base_model, tokenizer, data, articles),
+                           lambda: eval_timing(model, tokenizer, data, articles), repeat)
+    base, variant = min(bases), min(variants)
     return {"base": base[0], "base_cpu": base[1], "variant": variant[0],
             "variant_cpu": variant[1]}
 

@@ -194,7 +194,7 @@ def table(folder: Path) -> str:
         seconds, rss = _quantize_facts(folder, row["name"], row)
         lines.append(f"| {what} | {tool} | {value:.3f} | {cell} | {seconds} | {rss} | {vllm} |")
     text = "\n".join(lines) + "\n\n" + head_to_head(rows, key, mode)
-    targets = [line for line in map(lambda n: target_line(folder, n), TARGETS) if line]
+    targets = [line for line in (target_line(folder, n) for n in TARGETS) if line]
     return text + "".join("\n\n" + line for line in targets)
 
 

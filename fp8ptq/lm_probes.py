@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .errors import DataError, UsageError
+from .model.forward import clone_output, output_nbytes
 from .model.gemm32 import float32_gemms
 from .model.lm_head import (
     body_and_head,
@@ -54,20 +55,6 @@ class _Replay(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_layer"], name)
-
-
-def _clone(out):
-    if torch.is_tensor(out):
-        return out.detach().clone()
-    if isinstance(out, tuple):
-        return tuple(_clone(o) for o in out)
-    return out
-
-
-def _nbytes(out) -> int:
-    if torch.is_tensor(out):
-        return out.numel() * out.element_size()
-    return sum(_nbytes(o) for o in out) if isinstance(out, tuple) else 0
 
 
 class PerplexityProbe:
@@ -130,9 +117,9 @@ class PerplexityProbe:
 
         def capture(j):
             def hook(_module, _args, out):
-                size[0] += _nbytes(out)
+                size[0] += output_nbytes(out)
                 if size[0] <= REPLAY_CACHE_BYTES:
-                    cache[j].append(_clone(out))
+                    cache[j].append(clone_output(out))
             return hook
 
         handles = [layer.register_forward_hook(capture(j))

@@ -34,22 +34,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .model.gemm import kind
+from .model.forward import clone_output, output_nbytes
+from .model.gemm import is_gemm
 
 
 def _copy(out):
-    """A copy of a module output that can be recorded, or None when it cannot."""
-    if torch.is_tensor(out):
-        return out.detach().clone()
-    if isinstance(out, tuple) and all(o is None or torch.is_tensor(o) for o in out):
-        return tuple(None if o is None else o.detach().clone() for o in out)
+    """A copy of a module output that can be recorded (a tensor, or a tuple of tensors /
+    None), or None when it cannot."""
+    if torch.is_tensor(out) or (isinstance(out, tuple)
+                                and all(o is None or torch.is_tensor(o) for o in out)):
+        return clone_output(out)
     return None
-
-
-def _nbytes(out) -> int:
-    if torch.is_tensor(out):
-        return out.numel() * out.element_size()
-    return sum(_nbytes(o) for o in out if o is not None)
 
 
 class PartialForwards:
@@ -65,7 +60,7 @@ class PartialForwards:
         # only outputs that took a GEMM to make are worth their memory (a norm's is not), and
         # not the sole child of a module (a QuantGemm's inner Linear): its parent's output is
         # the one that would be replayed
-        costly = {n for m, n in self.names.items() if any(_is_gemm(x) for x in m.modules())}
+        costly = {n for m, n in self.names.items() if any(is_gemm(x) for x in m.modules())}
         sole = {n for m, n in self.names.items() if n.rpartition(".")[0] and
                 len(list(unit.get_submodule(n.rpartition(".")[0]).children())) == 1}
         self.wanted = costly - sole
@@ -76,7 +71,7 @@ class PartialForwards:
         self.kept.clear()
 
     def _bytes(self) -> int:
-        return sum(_nbytes(o) for outs in self.kept.values() for o in outs.values())
+        return sum(output_nbytes(o) for outs in self.kept.values() for o in outs.values())
 
     def run(self, j: int, stop_group: list[nn.Module], fn, record: bool = True) -> None:
         """``fn`` with the outputs recorded for batch ``j`` replayed; ``record``: keep what
@@ -131,17 +126,9 @@ class PartialForwards:
         ok = {n: out for n, out in done.items() if out is not None and calls[n] == 1}
         outer = {n: out for n, out in ok.items()
                  if not any(n.startswith(p + ".") for p in ok if p != n)}
-        size = sum(_nbytes(o) for o in outer.values())
+        size = sum(output_nbytes(o) for o in outer.values())
         if outer and self._bytes() + size <= self.budget:
             self.kept[j] = outer
-
-
-def _is_gemm(module: nn.Module) -> bool:
-    try:
-        kind(module)
-    except TypeError:
-        return False
-    return True
 
 
 def _replayer(out):

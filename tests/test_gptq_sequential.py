@@ -196,14 +196,14 @@ def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
     (q/k/v outputs, then the whole attention), and every Hessian and code is bit for bit
     what recomputing gives (budget 0: nothing kept)."""
     from fp8ptq import gptq_sequential
+    from fp8ptq.reuse import PartialForwards
 
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
                     dtype="float32")
     runs = {}
-    real = gptq_sequential._quantize_unit
     for budget in (1 << 30, 0):
-        monkeypatch.setattr(gptq_sequential, "_quantize_unit",
-                            lambda *a, b=budget, f=real: f(*a[:7], b))
+        monkeypatch.setattr(gptq_sequential, "PartialForwards",
+                            lambda unit, _budget, b=budget: PartialForwards(unit, b))
         model = tiny(arch).float()
         result, seen = recorded_run(monkeypatch, model, recipe)
         codes = {n: m.weight_codes for n, m in model.named_modules()
@@ -216,6 +216,27 @@ def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
     for name in seen:
         assert torch.equal(seen[name], seen0[name]), name
         assert torch.equal(codes[name], codes0[name]), name
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*_args):
+    raise _Stop
+
+
+def _forward_to(model, module, batch) -> None:
+    """One forward of ``batch`` through ``model``, stopped on entering ``module`` (what a
+    sequential GPTQ group forward does)."""
+    h = module.register_forward_pre_hook(_stop)
+    try:
+        with torch.inference_mode():
+            run_batch(model, batch, logits=False)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
 
 
 def test_replay_skips_the_attention_in_the_down_projection_forward():
@@ -232,28 +253,11 @@ def test_replay_skips_the_attention_in_the_down_projection_forward():
     block.self_attn.q_proj.register_forward_hook(lambda *a: q_calls.append(1))
     mlp = block.mlp
 
-    class Stop(Exception):
-        pass
-
-    def stop(*_args):
-        raise Stop
-
-    def to(module):
-        def run():
-            h = module.register_forward_pre_hook(stop)
-            try:
-                with torch.inference_mode():
-                    run_batch(model, batch, logits=False)
-            except Stop:
-                pass
-            finally:
-                h.remove()
-        return run
-
-    partial.run(0, [mlp.gate_proj, mlp.up_proj], to(mlp.gate_proj))
+    partial.run(0, [mlp.gate_proj, mlp.up_proj],
+                lambda: _forward_to(model, mlp.gate_proj, batch))
     assert q_calls == [1]
     assert any(n.endswith("layers.0.self_attn") for n in partial.kept[0])
-    partial.run(0, [mlp.down_proj], to(mlp.down_proj))
+    partial.run(0, [mlp.down_proj], lambda: _forward_to(model, mlp.down_proj, batch))
     assert q_calls == [1] and partial.replayed >= 1
 
 
@@ -270,21 +274,8 @@ def test_replay_records_what_a_later_forward_can_use_only():
     assert "model.layers.0.input_layernorm" not in partial.wanted  # no GEMM inside
     mlp = model.model.layers[0].mlp
 
-    class Stop(Exception):
-        pass
-
-    def stop(*_args):
-        raise Stop
-
     def to_down():
-        h = mlp.down_proj.register_forward_pre_hook(stop)
-        try:
-            with torch.inference_mode():
-                run_batch(model, {"input_ids": IDS[:2]}, logits=False)
-        except Stop:
-            pass
-        finally:
-            h.remove()
+        _forward_to(model, mlp.down_proj, {"input_ids": IDS[:2]})
 
     partial.run(0, [mlp.down_proj], to_down, record=False)
     assert partial.kept == {}

@@ -181,7 +181,7 @@ def test_block_level_and_replay(hard_model, data):
 def test_replay_that_does_not_reproduce_the_baseline_is_dropped(hard_model, data, monkeypatch):
     from fp8ptq import lm_probes
 
-    monkeypatch.setattr(lm_probes, "_clone", torch.zeros_like)
+    monkeypatch.setattr(lm_probes, "clone_output", torch.zeros_like)
     probe = PerplexityProbe(hard_model, data["eval"], 4, hard_model.model.layers)
     base = probe.baseline()
     assert probe.cache is None and "did not reproduce" in probe.notes[0]

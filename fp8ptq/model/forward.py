@@ -118,3 +118,23 @@ def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Ite
     for i in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[i:i + batch_size].to(device)
         yield {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def clone_output(out):
+    """A detached copy of a module's output: tensors cloned, tuples element by element,
+    anything else (None, flags) as it is. For outputs recorded now and handed out later
+    (``lm_probes``' layer replay, ``fp8ptq.reuse``), which later in-place updates must not
+    reach."""
+    if torch.is_tensor(out):
+        return out.detach().clone()
+    if isinstance(out, tuple):
+        return tuple(clone_output(o) for o in out)
+    return out
+
+
+def output_nbytes(out) -> int:
+    """Bytes of the tensors in a module's output (tuples summed, anything else 0)."""
+    if torch.is_tensor(out):
+        return out.numel() * out.element_size()
+    return sum(output_nbytes(o) for o in out) if isinstance(out, tuple) else 0
+
