@@ -11,7 +11,7 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
   e4m3fnuz, e5m2fnuz (target >= 50% of the copy), hfp8, hif8, the generic ExMy e3m4 and e2m5
   and int8 (>= 25%); each codec into a preallocated tensor (``out=``) against a copy into a
   preallocated one, and into a new tensor against ``clone()`` (``codec_rows``).
-- the C kernels' first-call build (``fp8ptq.native`` into an empty cache folder): seconds.
+- the C kernels' first-call build (``fp8ptq.runtime.native`` into an empty cache folder): seconds.
 - calibration: the statistics pass of ``quantize`` (``pipeline.collect_stats``; SmolLM2-135M,
   e4m3, channel weights, static per-tensor activations, batch 8, N x 512 tokens of
   calib/wiki-paragraphs.txt) against two floors, a plain forward pass over the same batches
@@ -33,9 +33,10 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
   load, write), which at 4 windows would be most of the comparison.
 
 Allocator: every model row runs with glibc's mmap threshold fixed at 1 MiB
-(``fp8ptq.usage.bound_heap``), as the ``fp8ptq`` command and ``quantize_model`` run, so baseline
+(``fp8ptq.runtime.usage.bound_heap``), as the ``fp8ptq`` command and ``quantize_model`` run, so
+baseline
 and variants pay the same page faults, and, like the command, the bench re-executes itself with
-glibc's huge-page tunable (``fp8ptq.usage.exec_with_hugepages``) before importing torch; one
+glibc's huge-page tunable (``fp8ptq.runtime.usage.exec_with_hugepages``) before importing torch; one
 extra row times the float32 eval with glibc's own threshold first, before ``bound_heap``, and
 gives the memory bound's time cost as a ratio.
 
@@ -64,7 +65,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from fp8ptq.usage import exec_with_hugepages
+from fp8ptq.runtime.usage import exec_with_hugepages
 
 # Before torch is imported, as the ``fp8ptq`` command does: the in-process rows (calibration,
 # eval) then run with the command's allocator, 2 MiB pages for ``bound_heap``'s mappings.
@@ -75,16 +76,17 @@ import torch  # noqa: E402
 from _common import ASSETS, CALIB, SMOLLM2, WIKITEXT, best_seconds, emit  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from fp8ptq import job, native  # noqa: E402
+from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import run_tasks  # noqa: E402
 from fp8ptq.evals.wikitext import split_articles  # noqa: E402
+from fp8ptq.execution import job  # noqa: E402
+from fp8ptq.execution.in_memory import build_plan, collect_stats  # noqa: E402
 from fp8ptq.formats import encode, fake_quantize, get_format  # noqa: E402
 from fp8ptq.model.forward import run_batch, token_batches  # noqa: E402
 from fp8ptq.model.gemm32 import float32_gemms  # noqa: E402
 from fp8ptq.model.lean import lean_forwards  # noqa: E402
-from fp8ptq.pipeline import build_plan, collect_stats  # noqa: E402
-from fp8ptq.recipe import Recipe  # noqa: E402
-from fp8ptq.usage import bound_heap  # noqa: E402
+from fp8ptq.runtime import native  # noqa: E402
+from fp8ptq.runtime.usage import bound_heap  # noqa: E402
 
 CODEC_TARGETS = {"e4m3": 0.5, "e5m2": 0.5, "e4m3fnuz": 0.5, "e5m2fnuz": 0.5, "hfp8": 0.25,
                  "hif8": 0.25, "e3m4": 0.25, "e2m5": 0.25, "int8": 0.25}

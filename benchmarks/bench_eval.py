@@ -18,9 +18,9 @@ import time
 import torch
 from _common import CALIB, SMOLLM2, WIKITEXT, emit
 
-from fp8ptq import job
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.evals import run_tasks
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution import job
 
 
 def eval_seconds(model, tokenizer, args) -> tuple[float, dict]:

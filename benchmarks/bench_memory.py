@@ -25,7 +25,7 @@ logging each block's calibration pass with the RSS then and the peak so far (std
 2048 (target: model bytes + 2 GB).
 
 Allocator: like ``fp8ptq quantize``, the quantize modes re-execute the bench with glibc's
-huge-page tunable before importing torch (``fp8ptq.usage.exec_with_hugepages``; its child
+huge-page tunable before importing torch (``fp8ptq.runtime.usage.exec_with_hugepages``; its child
 processes inherit the environment), so the peaks are the command's; ``--only eval`` does not
 (``fp8ptq eval`` keeps 4 KiB pages: huge pages raised its peak here).
 """
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from fp8ptq.usage import HUGEPAGE_COMMANDS, exec_with_hugepages
+from fp8ptq.runtime.usage import HUGEPAGE_COMMANDS, exec_with_hugepages
 
 
 def _only(argv: list[str]) -> str | None:
@@ -122,13 +122,14 @@ def run_one(mode: str, folder: str, samples: int, seq: int, max_memory: str | No
             ) -> dict:
     """One quantize job in this process: e4m3, channel weights, static per-tensor activations
     (``STATIC``), bf16, calibrated on ``samples`` x ``seq`` random tokens. ``sequential`` goes
-    through ``fp8ptq.route`` as ``quantize --sequential --max-memory SIZE`` does (activation
+    through ``fp8ptq.execution.strategy`` as ``quantize --sequential --max-memory SIZE`` does
+    (activation
     budget and output shard size from SIZE) and writes the checkpoint block by block; each
     block's end is logged to stderr with the RSS then and the peak so far."""
-    from fp8ptq.pipeline import quantize_model, token_batches
-    from fp8ptq.recipe import Recipe
-    from fp8ptq.route import by_budget, parse_size
-    from fp8ptq.sequential import write_sequential
+    from fp8ptq.config.recipe import Recipe
+    from fp8ptq.execution.in_memory import quantize_model, token_batches
+    from fp8ptq.execution.strategy import by_budget, parse_size
+    from fp8ptq.execution.streaming import write_sequential
 
     recipe = Recipe(dtype="bfloat16", num_samples=samples, seq_len=seq, **STATIC)
     ids = torch.randint(10, 30000, (samples, seq), generator=torch.Generator().manual_seed(1))
@@ -195,8 +196,8 @@ def copy_floor(folder: Path, out: Path) -> dict:
 
 def model_free(folder: Path, out: Path, act: str, workers: int) -> dict:
     """``quantize --model-free``: e4m3 channel weights, dynamic per-token or no activations."""
-    from fp8ptq.model_free_run import quantize_checkpoint
-    from fp8ptq.recipe import Recipe
+    from fp8ptq.config.recipe import Recipe
+    from fp8ptq.execution.model_free_run import quantize_checkpoint
 
     recipe = Recipe(act_granularity="token") if act == "token" else Recipe(act_format="none")
     t0 = time.perf_counter()

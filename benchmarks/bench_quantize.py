@@ -19,10 +19,10 @@ import tempfile
 import torch
 from _common import CALIB, SMOLLM2, emit, peak_rss_mb, timed
 
-from fp8ptq import job
 from fp8ptq.checkpoint import save_quantized
-from fp8ptq.pipeline import run_batch, token_batches
-from fp8ptq.recipe import Recipe
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import job
+from fp8ptq.execution.in_memory import run_batch, token_batches
 
 
 def plain_forward(model, batches) -> float:

@@ -15,7 +15,7 @@ Steps:
 
 1. The model as a float32 Hugging Face folder (the SmolLM2 GGUF dequantized once; MiniLM's folder
    as it is) and the calibration windows. ``--windows fp8ptq`` (default): llm-compressor gets
-   fp8ptq's own token windows (``fp8ptq.data.build_calibration_set`` on
+   fp8ptq's own token windows (``fp8ptq.io.data.build_calibration_set`` on
    ``calib/wiki-paragraphs.txt``: ``--num-samples`` windows of 512 tokens, seed 0) as a
    pre-tokenized dataset, so both tools calibrate on the same tokens (their sha256 is written
    to ``llmc_run.json``). ``--windows paragraphs``: the first ``--num-samples`` paragraphs cut
@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import recipe_study as study  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from fp8ptq.data import build_calibration_set, load_texts  # noqa: E402
+from fp8ptq.io.data import build_calibration_set, load_texts  # noqa: E402
 
 VENV = Path.home() / ".cache/fp8ptq-bench/llmc-venv"
 LLMC_VERSION = "0.14.0.1"

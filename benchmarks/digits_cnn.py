@@ -23,7 +23,7 @@ import time
 import torch
 from _common import emit
 
-from fp8ptq.recipe import Recipe
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.vision import (
     accuracy,
     image_batches,

@@ -4,7 +4,7 @@ fresh processes (the speed row of ``bench_all.py``).
 The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
 nearest (``--weight-calib max``: llm-compressor's ``QuantizationModifier`` runs no GPTQ), static
 per-tensor input scales, lm_head kept, batch 8, the same ``N`` token windows of ``seq_len`` tokens
-for both tools. The windows are fp8ptq's own (``fp8ptq.data.build_calibration_set`` over
+for both tools. The windows are fp8ptq's own (``fp8ptq.io.data.build_calibration_set`` over
 calib/wiki-paragraphs.txt with the folder's tokenizer); llm-compressor gets them as a
 pre-tokenized data set, so it runs exactly the same tokens (given the paragraphs themselves it
 would truncate each to ``seq_len`` and run ~3x fewer tokens: most paragraphs are ~150 tokens).
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from fp8ptq.data import build_calibration_set, load_texts
+from fp8ptq.io.data import build_calibration_set, load_texts
 
 BENCH_CACHE = Path.home() / ".cache/fp8ptq-bench"
 LLMC_PY = BENCH_CACHE / "llmc-venv/bin/python"

@@ -5,7 +5,8 @@
         [--num-samples 32] [--quick]
 
 Every recipe is a ``Recipe`` (the same object ``quantize`` builds from its flags); each is
-quantized in memory through ``fp8ptq.job`` and scored by ``fp8ptq.evals.compare`` exactly as
+quantized in memory through ``fp8ptq.execution.job`` and scored by ``fp8ptq.evals.compare`` exactly
+as
 ``fp8ptq eval --compare`` would, against one baseline evaluated once. One row per recipe is
 cached under ``--out/MODEL/NAME.json`` (metrics, timings and the per-sample records the paired
 bootstrap intervals need), so an interrupted study resumes and new recipes add rows without
@@ -31,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fp8ptq import job  # noqa: E402
+from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
 from fp8ptq.evals.compare import Variant, evaluate_variants  # noqa: E402
 from fp8ptq.evals.stats import Records  # noqa: E402
-from fp8ptq.recipe import Recipe  # noqa: E402
+from fp8ptq.execution import job  # noqa: E402
 
 # name -> recipe fields on top of the study's base recipe (format e4m3, calibration flags)
 E4M3 = {
@@ -82,7 +83,8 @@ E4M3 = {
                                                    weight_calib="gptq-hmse",
                                                    gptq_sequential=True, gptq_act_order=True,
                                                    calib_windows="documents"),
-    # asymmetric GPTQ (GPTAQ): each GEMM aims at the float model's output (fp8ptq.gptaq)
+    # asymmetric GPTQ (GPTAQ): each GEMM aims at the float model's output
+    # (fp8ptq.algorithms.gptq.asym)
     "fp8-dynamic-gptq-seq-ao-docs-asym": dict(scheme="fp8-dynamic", weight_calib="gptq",
                                               gptq_sequential=True, gptq_act_order=True,
                                               calib_windows="documents", gptq_asym=True),
@@ -174,7 +176,7 @@ def float_weights(enabled: bool):
     if not enabled:
         yield
         return
-    from fp8ptq.qmodules import QuantGemm
+    from fp8ptq.nn.quant_gemm import QuantGemm
     original = QuantGemm.__init__
 
     def keep_float(self, inner, **kwargs):

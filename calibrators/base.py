@@ -2,7 +2,7 @@
 
 Activation calibrators read a ``TensorStats`` from the single calibration pass; weight
 calibrators read the weight itself (grouped by a granularity). Both return amax; turning amax
-into a scale is ``fp8ptq.scales``' job, so every calibrator gets the same guards.
+into a scale is ``fp8ptq.formats.scales``' job, so every calibrator gets the same guards.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from fp8ptq.formats import FormatSpec
-from fp8ptq.observers import TensorStats
+from fp8ptq.observe.observers import TensorStats
 
 
 class ActivationCalibrator(Protocol):

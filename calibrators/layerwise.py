@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from fp8ptq.formats import fake_quantize
-from fp8ptq.granularity import PerTensor
+from fp8ptq.formats.granularity import PerTensor
+from fp8ptq.formats.scales import amax_to_scale
 from fp8ptq.model.forward import head_observed, run_batch
 from fp8ptq.model.gemm import CONV_TYPES, input_channel_dim, weight_2d, weight_from_2d
-from fp8ptq.observers import sample_rows
-from fp8ptq.scales import amax_to_scale
+from fp8ptq.observe.observers import sample_rows
 
 from .registry import activation_entry
 

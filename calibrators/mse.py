@@ -13,8 +13,8 @@ import math
 import torch
 
 from fp8ptq.formats import fake_quantize, quantize_values
-from fp8ptq.observers import bin_centers
-from fp8ptq.scales import TINY
+from fp8ptq.formats.scales import TINY
+from fp8ptq.observe.observers import bin_centers
 
 # Candidate clip ranges as fractions of amax: fine steps near amax, coarser far below.
 ACT_RATIOS = torch.exp2(-torch.arange(0, 48) / 8.0)  # 1 .. ~0.016

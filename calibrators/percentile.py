@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8ptq.observers import bin_edges
+from fp8ptq.observe.observers import bin_edges
 
 
 class PercentileCalibrator:

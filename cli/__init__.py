@@ -1,7 +1,7 @@
 """``python -m fp8ptq.cli``: the same command as the ``fp8ptq`` console script.
 
 Imported by ``fp8ptq quantize`` (the console script or ``python -m fp8ptq.cli``), this package
-first re-executes the process with glibc's huge-page tunable (``fp8ptq.usage.
+first re-executes the process with glibc's huge-page tunable (``fp8ptq.runtime.usage.
 exec_with_hugepages``: fewer page faults under ``bound_heap``), before ``.main`` imports torch.
 It binds no ``main`` itself: ``fp8ptq.cli.main`` stays the module (the console script's
 ``fp8ptq.cli.main:main``).
@@ -10,7 +10,7 @@ Imported by any other program (tests, a user's script) it changes nothing."""
 import os
 import sys
 
-from fp8ptq.usage import hugepages_for
+from fp8ptq.runtime.usage import hugepages_for
 
 # The group's options that take a value (none today: --verbose, --debug, --version, --help are
 # flags); tests/test_usage.py checks this set against the click group, so a new one cannot

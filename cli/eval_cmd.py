@@ -25,9 +25,8 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from fp8ptq import job
-from fp8ptq.atomic import check_writable, write_file
 from fp8ptq.checkpoint.card import update_evaluation
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, GateFailure, UsageError
 from fp8ptq.evals import report, runner
 from fp8ptq.evals.compare import (  # noqa: F401
@@ -41,9 +40,10 @@ from fp8ptq.evals.compare import (  # noqa: F401
     protocol_lines,
 )
 from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table, to_markdown
-from fp8ptq.loading import check_model_spec
-from fp8ptq.recipe import Recipe
-from fp8ptq.usage import time_line, usage
+from fp8ptq.execution import job
+from fp8ptq.io.atomic import check_writable, write_file
+from fp8ptq.io.loading import check_model_spec
+from fp8ptq.runtime.usage import time_line, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars

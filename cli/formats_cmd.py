@@ -11,9 +11,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from fp8ptq.config.schemes import SCHEMES, scheme_flags
 from fp8ptq.formats import PRESETS, decode, get_format
 from fp8ptq.numbers import json_number
-from fp8ptq.schemes import SCHEMES, scheme_flags
 
 from .tables import Column, fitted_table
 

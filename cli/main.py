@@ -18,9 +18,10 @@ import warnings
 
 import click
 
-from fp8ptq import __version__, distributed
+from fp8ptq import __version__
 from fp8ptq.errors import Fp8ptqError, first_line
-from fp8ptq.usage import bound_heap
+from fp8ptq.execution import distributed
+from fp8ptq.runtime.usage import bound_heap
 
 # name -> (module of this package, attribute). A command's module is imported when that command
 # runs (click's documented "lazily loading subcommands" pattern), not all five at start-up:
@@ -159,6 +160,6 @@ def _fail(message: str, code: int):
               help="Show full tracebacks instead of one error line (also FP8PTQ_DEBUG=1).")
 def main(verbose, debug):
     """FP8 post-training quantization of PyTorch / Hugging Face models."""
-    bound_heap()  # large tensors mapped and unmapped: see fp8ptq.usage.bound_heap
+    bound_heap()  # large tensors mapped and unmapped: see fp8ptq.runtime.usage.bound_heap
     if not verbose:
         quiet_libraries()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import click
 
 from fp8ptq.calibrators import registry as calibrators
+from fp8ptq.config.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe
+from fp8ptq.config.schemes import scheme_names
 from fp8ptq.errors import UsageError
+from fp8ptq.execution.placement import parse_placement
 from fp8ptq.formats import ROUNDINGS
-from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
-from fp8ptq.placement import parse_placement
-from fp8ptq.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe
-from fp8ptq.schemes import scheme_names
+from fp8ptq.formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 
 
 def _opt(*decls: str, **attrs):
@@ -148,7 +148,8 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None):
 
 def loading_options(f):
     """How a model is loaded: ``--device-map``, ``--max-memory``, ``--offload-folder`` (handed to
-    accelerate, see ``fp8ptq.placement``), ``--trust-pickle`` and ``--trust-remote-code``; the
+    accelerate, see ``fp8ptq.execution.placement``), ``--trust-pickle`` and
+    ``--trust-remote-code``; the
     command reads them with ``loading_from``."""
     options = [
         click.option("--trust-pickle", is_flag=True, default=False,

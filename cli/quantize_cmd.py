@@ -9,21 +9,22 @@ from pathlib import Path
 
 import click
 
-from fp8ptq import __version__, distributed, job, route
-from fp8ptq.atomic import check_writable, scratch_dir
+from fp8ptq import __version__
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.checkpoint.validate import static_violations
+from fp8ptq.config.schemes import scheme_flags
 from fp8ptq.errors import UsageError
+from fp8ptq.execution import distributed, job, strategy
+from fp8ptq.execution.model_free_run import quantize_checkpoint
+from fp8ptq.execution.strategy import Selection
+from fp8ptq.execution.streaming import quantize_folder
 from fp8ptq.formats import get_format
-from fp8ptq.loading import check_model_spec
-from fp8ptq.model_free_run import quantize_checkpoint
+from fp8ptq.io.atomic import check_writable, scratch_dir
+from fp8ptq.io.loading import check_model_spec
 from fp8ptq.numbers import finite_or_none
-from fp8ptq.route import Selection
-from fp8ptq.schemes import scheme_flags
+from fp8ptq.runtime.usage import usage
 from fp8ptq.sensitivity import parse_target
-from fp8ptq.sequential import quantize_folder
-from fp8ptq.target import HIGH_PRECISION, check_metric, check_target_recipe
-from fp8ptq.usage import usage
-from fp8ptq.validate import static_violations
+from fp8ptq.sensitivity.budget import HIGH_PRECISION, check_metric, check_target_recipe
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
@@ -84,7 +85,7 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
     budget = None  # a plain --max-memory SIZE: the process's budget (accelerate's CPU budget
     if flags.get("device_map") is None:  # with --device-map, as on eval and sensitivity)
-        budget = route.process_budget(flags.get("max_memory"))
+        budget = strategy.process_budget(flags.get("max_memory"))
         if budget is not None:
             flags["max_memory"] = None
     load_options = loading_from(flags)
@@ -98,7 +99,7 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     job.resolve_device(device)
     timings = job.JobTimings()
     with timings.timed("plan"):
-        path = route.choose(model, recipe, sequential=sequential, model_free=model_free,
+        path = strategy.choose(model, recipe, sequential=sequential, model_free=model_free,
                             max_memory=budget,
                             trust_remote_code=load_options.get("trust_remote_code", False),
                             whole_model=request and "--target-delta measures the quantized "
@@ -123,7 +124,7 @@ def _run_model_free(model, output, force, recipe, runtime, path: Selection, timi
         with timings.timed("quantize+write"):
             result, sizes = quantize_checkpoint(
                 path.folder, recipe, output, force=force, job=path.job, progress=tick,
-                max_shard_bytes=route.shard_bytes(path.budget), extras=path.facts(),
+                max_shard_bytes=strategy.shard_bytes(path.budget), extras=path.facts(),
                 source={"model": model, "kind": path.kind, "path": str(path.folder)},
                 tool_version=__version__,
                 check_factory=lambda r: runtime_check(r, runtime))
@@ -169,7 +170,7 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime, p
         calib, data_warnings, result, sizes = None, [], None, None
         if path.path == "sequential":  # each block written as it is quantized, then freed
             def close_kwargs(result, calib):
-                route.record(result, path)  # fp8ptq.json's extras say which path ran
+                strategy.record(result, path)  # fp8ptq.json's extras say which path ran
                 return dict(source={"model": model, "kind": path.kind or "local",
                                     "path": str(path.folder or model)},
                             calib=calib_facts(calib), tool_version=__version__,
@@ -198,7 +199,7 @@ def _run(model, output, force, device, load_options, as_json, recipe, runtime, p
         if result is None:
             result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                          progress=bars.counter("calibrating"))
-        route.record(result, path)
+        strategy.record(result, path)
         result.warnings[:0] = data_warnings
         error = None
         if main_rank and sizes is None:

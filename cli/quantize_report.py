@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fp8ptq.numbers import fmt_bytes, fmt_num, fmt_short
-from fp8ptq.usage import time_line
+from fp8ptq.runtime.usage import time_line
 
 from .tables import Column, fitted_table
 

@@ -12,19 +12,19 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fp8ptq import job, route
 from fp8ptq import sensitivity as sens
-from fp8ptq.atomic import check_writable, write_text
-from fp8ptq.data import FILE_SUFFIXES, load_texts
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.execution import job, strategy
+from fp8ptq.execution.in_memory import token_batches
+from fp8ptq.execution.placement import materialize_offloaded
+from fp8ptq.execution.streaming import calibration_from_folder
 from fp8ptq.formats import get_format
-from fp8ptq.loading import check_model_spec
+from fp8ptq.io.atomic import check_writable, write_text
+from fp8ptq.io.data import FILE_SUFFIXES, load_texts
+from fp8ptq.io.loading import check_model_spec
 from fp8ptq.numbers import fmt_num
-from fp8ptq.pipeline import token_batches
-from fp8ptq.placement import materialize_offloaded
+from fp8ptq.runtime.usage import time_line, timed, usage
 from fp8ptq.sensitivity.stream import analyze_streamed
-from fp8ptq.sequential import calibration_from_folder
-from fp8ptq.usage import time_line, timed, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars, stderr_console
@@ -107,7 +107,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     """Quantize one module (or block) of MODEL at a time and rank the modules by the damage."""
     budget = None  # a plain --max-memory SIZE: the process's budget (as on quantize)
     if flags.get("device_map") is None:
-        budget = route.process_budget(flags.get("max_memory"))
+        budget = strategy.process_budget(flags.get("max_memory"))
         if budget is not None:
             flags["max_memory"] = None
     load_options = loading_from(flags)
@@ -172,9 +172,9 @@ def _streamed(model: str, recipe, metric: str, sequential: bool, budget: int | N
     if not sequential and budget is None:
         return None
     if budget is None:
-        chosen = route.choose(model, recipe, sequential=True)
+        chosen = strategy.choose(model, recipe, sequential=True)
     else:
-        chosen = route.by_budget(model, recipe, budget, forced_sequential=sequential)
+        chosen = strategy.by_budget(model, recipe, budget, forced_sequential=sequential)
         if chosen.path == "in-memory":
             return None
     if metric == "ppl":

@@ -8,8 +8,8 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from fp8ptq import validate as v
-from fp8ptq.usage import time_line, timed, usage
+from fp8ptq.checkpoint import validate as v
+from fp8ptq.runtime.usage import time_line, timed, usage
 
 INVALID = 4
 

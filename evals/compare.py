@@ -3,7 +3,8 @@
 ``plan_variants`` turns a model and ``--compare`` items into ``Variant``s (baseline, other
 dtypes, formats quantized on the fly, checkpoint folders); ``calibration_files`` /
 ``check_calib_overlap`` apply the policy that calibrating on evaluation text is refused unless
-allowed (it flatters the numbers); ``evaluate_variants`` loads, quantizes (through ``fp8ptq.job``,
+allowed (it flatters the numbers); ``evaluate_variants`` loads, quantizes (through
+``fp8ptq.execution.job``,
 exactly as ``quantize`` would), evaluates and frees each variant in turn.
 """
 
@@ -19,13 +20,13 @@ from pathlib import Path
 import torch
 from huggingface_hub import try_to_load_from_cache
 
-from fp8ptq import job
 from fp8ptq.checkpoint.reader import check_checkpoint
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.config.schemes import get_scheme
 from fp8ptq.errors import UsageError
+from fp8ptq.execution import job
 from fp8ptq.formats import get_format
-from fp8ptq.loading import hub_offline
-from fp8ptq.recipe import Recipe
-from fp8ptq.schemes import get_scheme
+from fp8ptq.io.loading import hub_offline
 
 from . import wikitext
 from .extractive_qa import is_extractive_qa

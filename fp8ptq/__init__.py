@@ -1,7 +1,8 @@
 """fp8ptq: FP8 post-training quantization for PyTorch / Hugging Face models.
 
 The package itself imports nothing heavy (no torch): the ``fp8ptq`` command re-executes itself
-with glibc's huge-page tunable before torch is imported (``fp8ptq.usage.exec_with_hugepages``),
+with glibc's huge-page tunable before torch is imported
+(``fp8ptq.runtime.usage.exec_with_hugepages``),
 which only pays off if importing ``fp8ptq.cli`` has not imported torch yet."""
 
 import importlib

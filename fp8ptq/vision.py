@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .errors import DataError, UsageError
-from .pipeline import quantize_model
+from .execution.in_memory import quantize_model
 
 TEST_FRACTION = 0.2
 BUILTIN_ARCHITECTURE = "digits-cnn"  # TinyMobileNet
@@ -102,7 +102,7 @@ def _read_npz(p: Path) -> torch.Tensor:
 
 
 def image_batches(images: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """Calibration batches for ``fp8ptq.pipeline.quantize_model``."""
+    """Calibration batches for ``fp8ptq.execution.in_memory.quantize_model``."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     return list(images.split(batch_size))
@@ -116,7 +116,7 @@ def is_image_spec(spec: str | None) -> bool:
 
 @dataclass
 class ImageCalibrationSet:
-    """Calibration images; the text-only facts of ``fp8ptq.data.CalibrationSet`` are None."""
+    """Calibration images; the text-only facts of ``fp8ptq.io.data.CalibrationSet`` are None."""
 
     images: torch.Tensor  # float32 [num_samples, C, H, W]
     source: str

@@ -2,19 +2,20 @@
 tests/test_distributed.py; not a test module itself). ``FP8PTQ_TEST_FAULT`` says which:
 
 - ``calibrate`` (default): rank 1's calibration forwards fail;
-- ``propagate``: rank 1 fails carrying the second block's inputs on (sequential mode: after
+- ``propagate``: rank 1 fails carrying the second block's inputs on (streaming mode: after
   rank 0 has written the first block into its temporary folder);
-- ``write``: rank 0 fails writing the second block (sequential mode);
+- ``write``: rank 0 fails writing the second block (streaming mode);
 - ``spy``: ranks other than 0 fail if they ever open a checkpoint writer or move a folder
   into place, so a clean exit shows that rank 0 alone wrote.
 """
 
 import os
 
-from fp8ptq import atomic, pipeline, sequential
 from fp8ptq.checkpoint.writer import CheckpointWriter
 from fp8ptq.cli.main import main
 from fp8ptq.errors import NumericsError
+from fp8ptq.execution import in_memory, streaming
+from fp8ptq.io import atomic
 
 FAULT = os.environ.get("FP8PTQ_TEST_FAULT", "calibrate")
 RANK = os.environ.get("RANK")
@@ -40,9 +41,9 @@ def _forbidden(what: str):
 
 
 if FAULT == "calibrate" and RANK == "1":
-    pipeline.run_batch = _nth_call_fails(pipeline.run_batch, 1, "injected failure on this rank")
+    in_memory.run_batch = _nth_call_fails(in_memory.run_batch, 1, "injected failure on this rank")
 elif FAULT == "propagate" and RANK == "1":
-    sequential.run_block = _nth_call_fails(sequential.run_block, 2,
+    streaming.run_block = _nth_call_fails(streaming.run_block, 2,
                                            "injected failure on this rank")
 elif FAULT == "write" and RANK == "0":
     CheckpointWriter.add_block = _nth_call_fails(CheckpointWriter.add_block, 2,

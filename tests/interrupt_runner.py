@@ -9,8 +9,8 @@ import sys
 
 import safetensors.torch
 
-from fp8ptq import job, pipeline
 from fp8ptq.cli.main import main
+from fp8ptq.execution import in_memory, job
 
 PHASE, SIGNUM = sys.argv[1], int(sys.argv[2])
 
@@ -28,13 +28,13 @@ if PHASE == "load":
 
     job.load = load
 elif PHASE == "calibrate":
-    _run = pipeline.run_batch
+    _run = in_memory.run_batch
 
     def run_batch(model, batch, **kwargs):
         _signal()
         return _run(model, batch, **kwargs)
 
-    pipeline.run_batch = run_batch
+    in_memory.run_batch = run_batch
 else:  # write: the temporary output folder exists by now
     _save = safetensors.torch.save_file
 

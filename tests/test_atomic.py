@@ -1,4 +1,4 @@
-"""fp8ptq.atomic: every output appears complete or not at all (one mechanism for all writers)."""
+"""fp8ptq.io.atomic: every output appears complete or not at all (one mechanism for all writers)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from fp8ptq.atomic import (
+from fp8ptq.errors import Fp8ptqError, UsageError
+from fp8ptq.io.atomic import (
     atomic_dir,
     atomic_file,
     check_writable,
@@ -22,7 +23,6 @@ from fp8ptq.atomic import (
     write_file,
     write_text,
 )
-from fp8ptq.errors import Fp8ptqError, UsageError
 
 
 def names(folder):
@@ -157,7 +157,7 @@ def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
 # runners, `cmd &`) inherits SIGINT as ignored, and then Python installs no KeyboardInterrupt.
 WRITER = """
 import signal, sys, time
-from fp8ptq.atomic import atomic_dir
+from fp8ptq.io.atomic import atomic_dir
 signal.signal(signal.SIGINT, signal.default_int_handler)
 with atomic_dir(sys.argv[1]) as tmp:
     (tmp / "half.bin").write_bytes(b"x" * 1000)

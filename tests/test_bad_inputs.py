@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import fp8ptq
-import fp8ptq.loading  # fp8ptq.loading.load_model below: the package imports no submodule itself
+import fp8ptq.io.loading  # fp8ptq.io.loading.load_model below: the package imports no submodule
 from fp8ptq.errors import DataError, Fp8ptqError, UsageError
 from tiny_models import STATIC, invoke, tiny
 
@@ -545,10 +545,10 @@ def test_python_load_refuses_the_same_checkpoints(A, tmp_path, case):
 def test_hostile_pickle_runs_only_with_trust(A, tmp_path):
     f = hostile_pt(tmp_path, A)
     with pytest.raises(DataError, match="--trust-pickle"):
-        fp8ptq.loading.load_model(str(f))
+        fp8ptq.io.loading.load_model(str(f))
     assert not (tmp_path / "MARKER").exists()
     with pytest.raises(Fp8ptqError):  # it runs (and is then not a module): only when asked
-        fp8ptq.loading.load_model(str(f), trust_pickle=True)
+        fp8ptq.io.loading.load_model(str(f), trust_pickle=True)
     assert (tmp_path / "MARKER").exists()
 
 
@@ -622,7 +622,7 @@ def test_quiet_by_default(A, tmp_path):
 
 
 def test_stale_temporary_of_a_killed_run_is_removed(A, tmp_path):
-    from fp8ptq.atomic import remove_stale_temporaries
+    from fp8ptq.io.atomic import remove_stale_temporaries
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -659,7 +659,7 @@ def test_format_names_never_traceback(name):
                                                  max_size=2)),
                        max_size=4))
 def test_recipe_loader_never_tracebacks(data):
-    from fp8ptq.recipe import Recipe
+    from fp8ptq.config.recipe import Recipe
 
     try:
         Recipe.from_dict(data)
@@ -675,7 +675,7 @@ def test_recipe_loader_never_tracebacks(data):
 def test_recipe_files_never_traceback(text):
     import tempfile
 
-    from fp8ptq.recipe import Recipe
+    from fp8ptq.config.recipe import Recipe
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(text)
@@ -692,7 +692,7 @@ def test_recipe_files_never_traceback(text):
 def test_gate_override_and_placement_parsers_never_traceback(text):
     from fp8ptq.cli.options import parse_overrides
     from fp8ptq.evals.report import parse_gate
-    from fp8ptq.placement import parse_device_map, parse_max_memory
+    from fp8ptq.execution.placement import parse_device_map, parse_max_memory
 
     for parse in (lambda: parse_gate(text, ["wikitext.word_perplexity", "squad.f1"]),
                   lambda: parse_overrides([text]), lambda: parse_max_memory(text),

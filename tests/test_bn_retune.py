@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp8ptq
-from fp8ptq import job
-from fp8ptq.bn_retune import retune_batchnorm
+from fp8ptq.algorithms.bn_retune import retune_batchnorm
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.checkpoint.skeleton import SKELETON_NAME
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, UsageError
-from fp8ptq.pipeline import plan_targets, quantize_model
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution import job
+from fp8ptq.execution.in_memory import plan_targets, quantize_model
 from fp8ptq.vision import (
     TinyMobileNet,
     accuracy,

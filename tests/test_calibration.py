@@ -8,9 +8,9 @@ import torch
 from fp8ptq.calibrators import activation_calibrator, weight_calibrator
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import get_format, quantize_values
-from fp8ptq.granularity import PerBlock, PerChannel, PerTensor, PerToken
-from fp8ptq.observers import TensorStats, bin_edges, histogram_index
-from fp8ptq.scales import amax_to_scale, sqnr_db
+from fp8ptq.formats.granularity import PerBlock, PerChannel, PerTensor, PerToken
+from fp8ptq.formats.scales import amax_to_scale, sqnr_db
+from fp8ptq.observe.observers import TensorStats, bin_edges, histogram_index
 
 E4M3, INT8 = get_format("e4m3"), get_format("int8")
 

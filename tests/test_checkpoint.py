@@ -18,10 +18,10 @@ from fp8ptq.checkpoint import (
     save_quantized,
 )
 from fp8ptq.checkpoint import writer as ckpt_writer
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import Fp8ptqError, NumericsError, UsageError
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import STATIC_RECIPE, tiny
 
 transformers = pytest.importorskip("transformers")
@@ -197,7 +197,7 @@ def test_load_dtype_override_and_tokenizer(tmp_path, word_tokenizer):
     for name, q in _qmods(loaded.model).items():
         assert torch.equal(q.inner.weight, q.dequantized_weight_2d()), name
 
-    from fp8ptq.loading import load_model
+    from fp8ptq.io.loading import load_model
 
     via_loading = load_model(str(tmp_path / "c"))
     assert via_loading.kind == "fp8ptq" and _qmods(via_loading.model)

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from fp8ptq import job
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.evals.compare import Variant, evaluate_variants
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution import job
 from tiny_models import invoke, tiny
 
 SENTENCES = [

@@ -18,10 +18,10 @@ import yaml
 from safetensors import safe_open
 
 import fp8ptq
-from fp8ptq import job
 from fp8ptq.checkpoint import read_metadata
-from fp8ptq.data import token_sha256
-from fp8ptq.recipe import Recipe
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import job
+from fp8ptq.io.data import token_sha256
 from tiny_models import STATIC, STATIC_RECIPE, invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",

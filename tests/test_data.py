@@ -10,7 +10,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from fp8ptq.data import (
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.errors import DataError, UsageError
+from fp8ptq.io.data import (
     DEFAULT_CALIB,
     CalibrationSet,
     build_calibration_set,
@@ -18,8 +20,6 @@ from fp8ptq.data import (
     resolve_calib_spec,
     token_sha256,
 )
-from fp8ptq.errors import DataError, UsageError
-from fp8ptq.recipe import Recipe
 
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
 MINILM = ASSETS / "models" / "minilm-squad"

@@ -12,11 +12,11 @@ import textwrap
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fp8ptq import lm_probes
 from fp8ptq.evals.harness import ChunkedLogitsMixin, make_lm
 from fp8ptq.evals.wikitext import evaluate_wikitext, prefix_effect, wikitext_detokenizer
-from fp8ptq.lm_probes import PerplexityProbe
 from fp8ptq.model import lm_head
+from fp8ptq.sensitivity import probes
+from fp8ptq.sensitivity.probes import PerplexityProbe
 from tiny_models import tiny
 
 SCRIPT = textwrap.dedent("""
@@ -144,7 +144,7 @@ def test_perplexity_probe_scores_without_the_batch_logits(monkeypatch):
     with torch.no_grad():
         want = float(torch.exp(model(input_ids=ids, labels=ids).loss))
     monkeypatch.setattr(lm_head, "CHUNK_ELEMENTS", 1 << 20)
-    monkeypatch.setattr(lm_probes, "next_token_nll",
+    monkeypatch.setattr(probes, "next_token_nll",
                         lambda m, x: lm_head.next_token_nll(m, x, 1 << 20))
     probe = PerplexityProbe(model, ids, batch_size=BATCH, stack=model.model.layers)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -5,9 +5,9 @@ simulates is what vLLM serves."""
 import pytest
 import torch
 
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import fused_groups, quantize_model, token_batches
 from fp8ptq.formats import encode, get_format
-from fp8ptq.pipeline import fused_groups, quantize_model, token_batches
-from fp8ptq.recipe import Recipe
 from tiny_models import IDS, tiny
 
 QKV = [f"model.layers.0.self_attn.{s}_proj" for s in "qkv"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8ptq.lm_probes import LogitsProbe, PerplexityProbe
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.model import gemm32
 from fp8ptq.model.gemm32 import float32_gemms, linear32
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.recipe import Recipe
+from fp8ptq.sensitivity.probes import LogitsProbe, PerplexityProbe
 from tiny_models import IDS, STATIC_RECIPE, tiny
 
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fp8ptq import gguf_convert, loading, route
-from fp8ptq.gguf_convert import convert_gguf
-from fp8ptq.recipe import Recipe
-from fp8ptq.source import SafetensorsSource
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import strategy
+from fp8ptq.io import gguf_convert, loading
+from fp8ptq.io.gguf_convert import convert_gguf
+from fp8ptq.io.source import SafetensorsSource
 from test_sequential import checkpoint_tensors
 from tiny_gguf import tiny_llama_gguf, tiny_qwen2moe_gguf
 from tiny_models import STATIC, invoke
@@ -143,4 +144,4 @@ def test_sequential_needs_a_safetensors_or_gguf_source(tmp_path):
     pt.write_bytes(b"")
     with pytest.raises(Exception, match="--sequential reads a safetensors checkpoint or a "
                                         ".gguf file"):
-        route.choose(str(pt), Recipe(), sequential=True)
+        strategy.choose(str(pt), Recipe(), sequential=True)

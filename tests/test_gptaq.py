@@ -1,4 +1,5 @@
-"""Asymmetric GPTQ (``fp8ptq.gptaq``, ``--gptq-asym``): the target ``W*`` is the least-squares
+"""Asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``, ``--gptq-asym``): the target ``W*`` is the
+least-squares
 fit of the float model's output on the quantized model's inputs (hand-checked), the Hessian and
 cross term handed to each GEMM are what the final quantized model and the float model feed it,
 and the layer / model output error against the float model drops below plain GPTQ's."""
@@ -11,20 +12,20 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fp8ptq import pipeline
-from fp8ptq.calibrators.gptq import gptq_codes
+from fp8ptq.algorithms.gptq.asym import asymmetric_target, input_quantizer
+from fp8ptq.algorithms.gptq.sweep import gptq_codes
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
+from fp8ptq.execution import in_memory
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.formats import decode, get_format
-from fp8ptq.gptaq import asymmetric_target, input_quantizer
-from fp8ptq.granularity import weight_granularity
+from fp8ptq.formats.granularity import weight_granularity
 from fp8ptq.model.gemm import weight_2d
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import IDS, invoke, saved_llama_with_calib, tiny
 
 BATCHES = list(token_batches(IDS, 4))
-QUANTIZE_TARGET = pipeline.quantize_target
+QUANTIZE_TARGET = in_memory.quantize_target
 E4M3 = get_format("e4m3")
 
 
@@ -114,7 +115,7 @@ def _recorded(monkeypatch, model, recipe):
         seen[t.name] = (hessian, aim)
         return QUANTIZE_TARGET(model_, t, *args, hessian=hessian, aim=aim, **kwargs)
 
-    monkeypatch.setattr(pipeline, "quantize_target", spy)
+    monkeypatch.setattr(in_memory, "quantize_target", spy)
     return quantize_model(model, recipe, BATCHES), seen
 
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import fp8ptq
-from fp8ptq.calibrators.gptq import gptq_codes, output_error
+from fp8ptq.algorithms.gptq.sweep import gptq_codes, output_error
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.formats import decode, encode, get_format
-from fp8ptq.granularity import weight_granularity
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.recipe import Recipe
+from fp8ptq.formats.granularity import weight_granularity
 from tiny_models import IDS, tiny
 
 
@@ -91,7 +91,7 @@ def test_pipeline_gptq_lowers_the_model_error_and_round_trips(tmp_path):
 def test_gptq_needs_calibration_data_even_with_dynamic_activations():
     with pytest.raises(UsageError, match="needs calibration data"):
         quantize_model(tiny("llama"), Recipe(weight_calib="gptq", act_granularity="token"))
-    from fp8ptq import job
+    from fp8ptq.execution import job
 
     assert job.needs_calibration(Recipe(weight_calib="gptq", act_granularity="token"))
 
@@ -99,7 +99,7 @@ def test_gptq_needs_calibration_data_even_with_dynamic_activations():
 def _mx_scales(W: torch.Tensor, fmt):
     """MX weight scales the pipeline chooses before the sweep: OCP's E8M0 rule per 32 values
     along K (``amax_to_scale`` on a group-32 amax), expanded to one scale per weight."""
-    from fp8ptq.scales import amax_to_scale
+    from fp8ptq.formats.scales import amax_to_scale
 
     g = weight_granularity("group", fmt.mx_block)
     s = amax_to_scale(g.amax(W), fmt)
@@ -113,7 +113,7 @@ def test_mx_gptq_keeps_e8m0_groups_and_beats_round_to_nearest():
     its codes times those scales are an MX tensor; round to nearest with the same scales is
     bit-identical to the OCP rule (``mx_fake_quantize``), and GPTQ's layer-output error is
     lower, plain and in activation order (a K that is not a multiple of 32 included)."""
-    from fp8ptq.mx import mx_fake_quantize
+    from fp8ptq.formats.mx import mx_fake_quantize
 
     fmt = get_format("mxfp8")
     for seed, k in ((0, 96), (1, 80)):
@@ -167,7 +167,7 @@ def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
     """``--format mxfp8 --weight-calib gptq`` end to end: the QuantGemms hold group-32
     power-of-two weight scales, the model error is below round to nearest's, and the
     checkpoint reloads bit-identically."""
-    from fp8ptq.qmodules import QuantGemm
+    from fp8ptq.nn.quant_gemm import QuantGemm
 
     common = dict(format="mxfp8", dtype="float32")
     _, _, rtn = model_error(Recipe(**common))
@@ -188,7 +188,7 @@ def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
 
 GPTQ_MEMORY = r"""
 import torch
-from fp8ptq.calibrators.gptq import gptq_codes
+from fp8ptq.algorithms.gptq.sweep import gptq_codes
 from fp8ptq.formats import get_format
 n, out = 2048, 2048
 torch.manual_seed(0)

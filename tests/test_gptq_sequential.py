@@ -1,4 +1,5 @@
-"""Sequential GPTQ (``fp8ptq.gptq_sequential``): every Hessian is the one the FINAL quantized
+"""Sequential GPTQ (``fp8ptq.algorithms.gptq.sequential``): every Hessian is the one the FINAL
+quantized
 model gives that GEMM on the calibration batches (the errors of the GEMMs before it included),
 the first group's equals one-pass GPTQ bit for bit, GPTQ's output error on those rows is never
 above round-to-nearest's, and GEMMs outside the blocks keep the one-pass Hessian."""
@@ -8,18 +9,18 @@ import json
 import pytest
 import torch
 
-from fp8ptq import pipeline
-from fp8ptq.calibrators.gptq import gptq_codes
+from fp8ptq.algorithms.gptq.sweep import gptq_codes
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import in_memory
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.formats import decode, encode
-from fp8ptq.hessian import HessianCollector
 from fp8ptq.model.forward import run_batch
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
+from fp8ptq.nn.quant_gemm import QuantGemm
+from fp8ptq.observe.hessian import HessianCollector
 from tiny_models import IDS, invoke, saved_llama_with_calib, tiny
 
 BATCHES = list(token_batches(IDS, 4))
-QUANTIZE_TARGET = pipeline.quantize_target
+QUANTIZE_TARGET = in_memory.quantize_target
 
 
 def recorded_run(monkeypatch, model, recipe):
@@ -29,7 +30,7 @@ def recorded_run(monkeypatch, model, recipe):
         seen[t.name] = hessian
         return QUANTIZE_TARGET(model_, t, *args, hessian=hessian, **kwargs)
 
-    monkeypatch.setattr(pipeline, "quantize_target", spy)
+    monkeypatch.setattr(in_memory, "quantize_target", spy)
     return quantize_model(model, recipe, BATCHES), seen
 
 
@@ -135,7 +136,7 @@ def test_run_order_comes_from_one_sequence():
     unreached makes the whole batch run (and, unreached still, it comes last, alone)."""
     from types import SimpleNamespace
 
-    from fp8ptq.gptq_sequential import _groups_in_run_order, _run_order
+    from fp8ptq.algorithms.gptq.sequential import _groups_in_run_order, _run_order
 
     model = tiny("llama").float().eval()
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -163,7 +164,7 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
     """The per-group Hessian forwards run ``lean_forwards``' rotary / RMSNorm / MLP (the
     statistics pass's code), and the codes are bit for bit those of transformers' own code
     (``FP8PTQ_LEAN_FORWARDS=0``)."""
-    from fp8ptq import gptq_sequential
+    from fp8ptq.algorithms.gptq import sequential
     from fp8ptq.model import lean
 
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
@@ -175,7 +176,7 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
         entered.append(type(model).__name__)
         return original(model, enabled)
 
-    monkeypatch.setattr(gptq_sequential, "lean_forwards", counting)
+    monkeypatch.setattr(sequential, "lean_forwards", counting)
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("FP8PTQ_LEAN_FORWARDS", flag)
@@ -192,17 +193,18 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
-    """``fp8ptq.reuse``: the later groups' forwards replay what the previous forward finished
+    """``fp8ptq.algorithms.gptq.replay``: the later groups' forwards replay what the previous
+    forward finished
     (q/k/v outputs, then the whole attention), and every Hessian and code is bit for bit
     what recomputing gives (budget 0: nothing kept)."""
-    from fp8ptq import gptq_sequential
-    from fp8ptq.reuse import PartialForwards
+    from fp8ptq.algorithms.gptq import sequential
+    from fp8ptq.algorithms.gptq.replay import PartialForwards
 
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
                     dtype="float32")
     runs = {}
     for budget in (1 << 30, 0):
-        monkeypatch.setattr(gptq_sequential, "PartialForwards",
+        monkeypatch.setattr(sequential, "PartialForwards",
                             lambda unit, _budget, b=budget: PartialForwards(unit, b))
         model = tiny(arch).float()
         result, seen = recorded_run(monkeypatch, model, recipe)
@@ -243,7 +245,7 @@ def test_replay_skips_the_attention_in_the_down_projection_forward():
     """In a Llama block the down_proj group's forward runs no attention: ``self_attn`` returns
     the output recorded in the gate/up forward (counted by a hook on its q_proj, which would
     run if the attention did)."""
-    from fp8ptq.reuse import PartialForwards
+    from fp8ptq.algorithms.gptq.replay import PartialForwards
 
     model = tiny("llama").float().eval()
     block = model.model.layers[0]
@@ -264,7 +266,7 @@ def test_replay_skips_the_attention_in_the_down_projection_forward():
 def test_replay_records_what_a_later_forward_can_use_only():
     """Nothing is recorded where no forward follows (``record=False``: a unit's last group),
     and a ``QuantGemm``'s inner ``Linear`` is never recorded beside the wrapper."""
-    from fp8ptq.reuse import PartialForwards
+    from fp8ptq.algorithms.gptq.replay import PartialForwards
 
     model = tiny("llama").float().eval()
     quantize_model(model, Recipe(format="e4m3", act_format="none", dtype="float32"), BATCHES)

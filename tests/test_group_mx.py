@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from fp8ptq import native
+from fp8ptq.config.plan import build_plan, run_facts
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.formats import encode, fake_quantize, get_format
-from fp8ptq.granularity import PerChannel, PerGroup
-from fp8ptq.mx import mx_fake_quantize
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.plan import build_plan, run_facts
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.scales import amax_to_scale, dynamic_scale
+from fp8ptq.formats.granularity import PerChannel, PerGroup
+from fp8ptq.formats.mx import mx_fake_quantize
+from fp8ptq.formats.scales import amax_to_scale, dynamic_scale
+from fp8ptq.nn.quant_gemm import QuantGemm
+from fp8ptq.runtime import native
 from tiny_models import IDS, run, tiny
 
 E4M3, MXFP8, MXE5M2 = get_format("e4m3"), get_format("mxfp8"), get_format("mxfp8-e5m2")

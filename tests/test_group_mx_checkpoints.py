@@ -18,12 +18,12 @@ from transformers import (
 )
 
 from fp8ptq.checkpoint import load_quantized, read_metadata, save_quantized
+from fp8ptq.checkpoint.validate import static_violations
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError
-from fp8ptq.mx import e8m0_decode
-from fp8ptq.pipeline import quantize_model
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.validate import static_violations
+from fp8ptq.execution.in_memory import quantize_model
+from fp8ptq.formats.mx import e8m0_decode
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import IDS, run, tiny
 
 # vLLM's block-FP8 path needs K and N in whole 128-blocks: a Llama of 256 / 384 features
@@ -134,7 +134,7 @@ def test_mxfp8_ceil_checkpoint_keeps_its_rule(tmp_path):
 
 def test_mxfp8_bf16_model_runs_in_transformers(tmp_path):
     """compressed-tensors' own MX activation scales round the block amax to the nearest power
-    of two before flooring (fp8ptq follows the spec's floor, fp8ptq/mx.py): the logits are
+    of two before flooring (fp8ptq follows the spec's floor, fp8ptq/formats/mx.py): the logits are
     close, not identical. (With a float32 model compressed-tensors 0.20 fails on its bfloat16
     E8M0 scales; dequantize=True loads either.)"""
     model, out = _quantized(tmp_path, Recipe(format="mxfp8"), dtype=torch.bfloat16)
@@ -180,8 +180,8 @@ def test_eval_compares_another_tools_checkpoint_folder(tmp_path, word_tokenizer)
     an FP8_BLOCK checkpoint with its fp8ptq.json removed, as llm-compressor would leave it):
     a checkpoint variant without fp8ptq metadata, loaded by transformers with its quantization
     applied -- the numbers fp8ptq simulates."""
-    from fp8ptq import job
     from fp8ptq.evals.compare import plan_variants
+    from fp8ptq.execution import job
 
     model, out = _quantized(tmp_path, Recipe(scheme="fp8-block", dtype="float32"))
     (out / "fp8ptq.json").unlink()

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import fp8ptq
+from fp8ptq.algorithms.gptq.sweep import gptq_codes, output_error
 from fp8ptq.calibrators import weight_calibrator
-from fp8ptq.calibrators.gptq import gptq_codes, output_error
 from fp8ptq.calibrators.hmse import hmse_ratios
 from fp8ptq.checkpoint import read_metadata
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.formats import decode, encode, get_format
-from fp8ptq.granularity import weight_granularity
-from fp8ptq.recipe import Recipe
-from fp8ptq.scales import amax_to_scale
-from fp8ptq.weight_quant import choose_scale
+from fp8ptq.formats.granularity import weight_granularity
+from fp8ptq.formats.scales import amax_to_scale
+from fp8ptq.formats.weight_quant import choose_scale
 from test_cli_quantize import assets, in_memory, logits, quantize  # noqa: F401
 from tiny_models import IDS
 
@@ -149,8 +149,8 @@ def test_diagonal_collector_keeps_the_full_hessians_diagonal():
     """``HessianCollector(diagonal=True)`` (what ``hmse`` with round to nearest gets): the
     same input energies as the full matrix's diagonal, shared inputs (q/k/v) counted once,
     8 bytes per input; and the one-pass pipeline hands hmse diagonals, GPTQ whole matrices."""
-    from fp8ptq.hessian import HessianCollector
-    from fp8ptq.pipeline import quantize_model, token_batches
+    from fp8ptq.execution.in_memory import quantize_model, token_batches
+    from fp8ptq.observe.hessian import HessianCollector
     from tiny_models import tiny
 
     model = tiny("llama")

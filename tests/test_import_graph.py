@@ -125,9 +125,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_every_module_and_its_imports():
     graph = import_graph()
-    assert {"fp8ptq.plan", "fp8ptq.calibrators.registry", "fp8ptq.cli.eval_cmd",
+    assert {"fp8ptq.config.plan", "fp8ptq.calibrators.registry", "fp8ptq.cli.eval_cmd",
             "fp8ptq.evals.compare", "fp8ptq.model.forward"} <= set(graph)
-    assert "fp8ptq.plan" in graph["fp8ptq.pipeline"]
+    assert "fp8ptq.config.plan" in graph["fp8ptq.execution.in_memory"]
     assert "fp8ptq.model.forward" in graph["fp8ptq.calibrators.layerwise"]
 
 

@@ -27,11 +27,11 @@ from fp8ptq.checkpoint import (
 )
 from fp8ptq.checkpoint.contents import gemm_quant, plain_tensors
 from fp8ptq.checkpoint.layouts.native import NativeLayout
+from fp8ptq.config.plan import build_plan
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import Fp8ptqError, UsageError
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.plan import build_plan
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import IDS, run, tiny
 
 BUILD = {"llama": lambda: tiny("llama"), "gpt2": lambda: tiny("gpt2"),

@@ -8,10 +8,10 @@ import torch
 import transformers.models.llama.modeling_llama as llama
 import transformers.models.qwen2.modeling_qwen2 as qwen2
 
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.model import lean
 from fp8ptq.model.lean import lean_forwards
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.recipe import Recipe
 from tiny_models import IDS, STATIC_RECIPE, tiny
 
 

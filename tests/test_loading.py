@@ -15,9 +15,9 @@ from transformers import (
     LlamaModel,
 )
 
-from fp8ptq import loading
 from fp8ptq.errors import UsageError
-from fp8ptq.loading import LoadedModel, gguf_cache_dir, load_model, model_class
+from fp8ptq.io import loading
+from fp8ptq.io.loading import LoadedModel, gguf_cache_dir, load_model, model_class
 from tiny_gguf import tiny_llama_gguf
 from tiny_models import tiny
 

@@ -1,16 +1,17 @@
 """The statistics pass in micro-batches (``fp8ptq.model.forward.micro_batches``): the same
 statistics bit for bit as whole batches, smaller forwards, and heap memory handed back between
-batches (``fp8ptq.usage.release_free_memory``)."""
+batches (``fp8ptq.runtime.usage.release_free_memory``)."""
 
 import pytest
 import torch
 
-from fp8ptq import pipeline, usage
-from fp8ptq.activations import ActivationStore, capture_block_inputs, run_block
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import in_memory
+from fp8ptq.execution.block_inputs import ActivationStore, capture_block_inputs, run_block
+from fp8ptq.execution.in_memory import collect_stats, plan_targets
 from fp8ptq.model import forward
 from fp8ptq.model.forward import micro_batch_spans, micro_batches, token_batches
-from fp8ptq.pipeline import collect_stats, plan_targets
-from fp8ptq.recipe import Recipe
+from fp8ptq.runtime import usage
 from tiny_models import IDS, tiny
 
 
@@ -124,7 +125,7 @@ def test_statistics_equal_whole_batches_bit_for_bit(arch, dtype, monkeypatch):
     batches = list(token_batches(IDS, 4))
     runs = []
     real = forward.run_batch
-    monkeypatch.setattr(pipeline, "run_batch",
+    monkeypatch.setattr(in_memory, "run_batch",
                         lambda m, b, **kw: runs.append(b["input_ids"].shape[0]) or
                         real(m, b, **kw))
     whole, whole_rows = _stats(model, targets, batches, sample_batches=1)
@@ -147,14 +148,14 @@ def test_statistics_equal_whole_batches_bit_for_bit(arch, dtype, monkeypatch):
 def test_gptq_hessians_are_collected_from_whole_batches(monkeypatch):
     """X^T X sums would add in another order across pieces: with Hessians collected the
     batches are not split."""
-    from fp8ptq.hessian import HessianCollector
+    from fp8ptq.observe.hessian import HessianCollector
 
     model = tiny("llama").eval()
     targets, _ = plan_targets(model, Recipe(format="e4m3"))
     monkeypatch.setattr(forward, "MICRO_TOKENS", 32)
     runs = []
     real = forward.run_batch
-    monkeypatch.setattr(pipeline, "run_batch",
+    monkeypatch.setattr(in_memory, "run_batch",
                         lambda m, b, **kw: runs.append(b["input_ids"].shape[0]) or
                         real(m, b, **kw))
     hessians = HessianCollector({t.name: t.module for t in targets})
@@ -164,7 +165,7 @@ def test_gptq_hessians_are_collected_from_whole_batches(monkeypatch):
 
 def test_free_memory_is_handed_back_between_batches(monkeypatch):
     calls = []
-    monkeypatch.setattr(pipeline, "release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr(in_memory, "release_free_memory", lambda: calls.append(1))
     model = tiny("llama").eval()
     targets, _ = plan_targets(model, Recipe(format="e4m3", act_granularity="tensor"))
     collect_stats(model, targets, list(token_batches(IDS, 2)))

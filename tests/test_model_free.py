@@ -14,15 +14,15 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from fp8ptq import model_free_run
 from fp8ptq.checkpoint import save_quantized
 from fp8ptq.cli.main import main
-from fp8ptq.loading import load_model
-from fp8ptq.model_free import ModelFreeJob, NotModelFree, refusal
-from fp8ptq.model_free_run import quantize_checkpoint
-from fp8ptq.pipeline import quantize_model
-from fp8ptq.recipe import Recipe
-from fp8ptq.source import SafetensorsSource
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import model_free_run
+from fp8ptq.execution.in_memory import quantize_model
+from fp8ptq.execution.model_free import ModelFreeJob, NotModelFree, refusal
+from fp8ptq.execution.model_free_run import quantize_checkpoint
+from fp8ptq.io.loading import load_model
+from fp8ptq.io.source import SafetensorsSource
 from test_distributed import fp8ptq_cmd
 from tiny_models import tiny
 

@@ -9,11 +9,11 @@ import torch
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.formats import decode, get_format
 from fp8ptq.model.experts import expert_weight, find_experts, router_names
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qexperts import QuantExperts
-from fp8ptq.recipe import Recipe
+from fp8ptq.nn.quant_experts import QuantExperts
 from tiny_models import invoke, tiny
 
 VOCAB, E = 128, 8

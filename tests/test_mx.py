@@ -13,8 +13,8 @@ from compressed_tensors.quantization.utils.mxfp_utils import (
 )
 
 from fp8ptq.formats import FormatSpec, get_format
-from fp8ptq.granularity import PerGroup
-from fp8ptq.mx import (
+from fp8ptq.formats.granularity import PerGroup
+from fp8ptq.formats.mx import (
     e8m0_decode,
     e8m0_encode,
     emax_elem,

@@ -1,4 +1,4 @@
-"""The C kernels (fp8ptq.native) against the pure-torch paths they replace: bit for bit, for
+"""The C kernels (fp8ptq.runtime.native) against the pure-torch paths they replace: bit for bit, for
 every format, rounding mode, source dtype, scale layout and the observer statistics; plus the
 build, the off switch and an end-to-end quantization that must not depend on which path ran."""
 
@@ -11,13 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from fp8ptq import native
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model
 from fp8ptq.formats import binades, codec
 from fp8ptq.formats.registry import get_format, preset_names
 from fp8ptq.model.forward import token_batches
-from fp8ptq.observers import TensorStats
-from fp8ptq.pipeline import quantize_model
-from fp8ptq.recipe import Recipe
+from fp8ptq.observe.observers import TensorStats
+from fp8ptq.runtime import native
 from test_formats_fastcodec import _values
 from tiny_models import IDS, run, tiny
 
@@ -235,7 +235,7 @@ def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, monkeypat
     monkeypatch.setenv("CC", "/nonexistent/cc")
     spec = get_format("e4m3")
     x = torch.randn(300)
-    with caplog.at_level("DEBUG", logger="fp8ptq.native"):
+    with caplog.at_level("DEBUG", logger="fp8ptq.runtime.native"):
         assert native.library() is None
         got = codec.fake_quantize(x, 0.1, spec)
     assert [r.levelname for r in caplog.records if r.levelname != "DEBUG"] == ["INFO"]

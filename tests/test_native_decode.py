@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from fp8ptq import native
 from fp8ptq.formats import codec
+from fp8ptq.formats.granularity import PerToken, weight_granularity
 from fp8ptq.formats.registry import get_format
-from fp8ptq.granularity import PerToken, weight_granularity
-from fp8ptq.qmodules import QuantGemm
+from fp8ptq.nn.quant_gemm import QuantGemm
+from fp8ptq.runtime import native
 from test_native import FORMATS, _both, _inputs, _same, needs_native
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

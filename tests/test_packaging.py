@@ -20,7 +20,7 @@ def test_wheel_maps_the_top_level_folders_into_fp8ptq(tmp_path):
     assert tops == {"fp8ptq"}
     for module in ("fp8ptq/calibrators/max.py", "fp8ptq/cli/main.py", "fp8ptq/evals/runner.py",
                    "fp8ptq/formats/codec.py", "fp8ptq/checkpoint/writer.py",
-                   "fp8ptq/csrc/codec.c", "fp8ptq/csrc/common.h"):
+                   "fp8ptq/runtime/csrc/codec.c", "fp8ptq/runtime/csrc/common.h"):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()

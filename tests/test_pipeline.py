@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import NumericsError, UsageError
+from fp8ptq.execution.in_memory import plan_targets, quantize_model, token_batches
 from fp8ptq.formats import decode, fake_quantize, get_format
 from fp8ptq.model.gemm import weight_2d
-from fp8ptq.pipeline import plan_targets, quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import IDS, run, tiny
 
 EXPECTED_GEMMS = {"llama": 14, "gpt2": 8, "opt": 12, "bert": 13}
@@ -170,14 +170,15 @@ def test_pow2_search_leaves_fp_weights_untouched_before_quantization():
 
 
 def test_shared_inputs_are_fake_quantized_once_and_never_served_stale(monkeypatch):
-    from fp8ptq import qmodules
+    from fp8ptq.nn import quant_gemm
 
     model = tiny("llama")
     quantize_model(model, Recipe(act_granularity="tensor",
                                  format="e4m3", dtype="float32"), token_batches(IDS, 4))
     calls = []
-    real = qmodules.fake_quantize
-    monkeypatch.setattr(qmodules, "fake_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = quant_gemm.fake_quantize
+    monkeypatch.setattr(quant_gemm, "fake_quantize",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         cached = run(model, IDS)
     # per layer: q/k/v share one input and gate/up another (max calibration gives them one scale)
@@ -188,6 +189,6 @@ def test_shared_inputs_are_fake_quantized_once_and_never_served_stale(monkeypatc
     x.mul_(3.0)  # same object, new version: must be re-quantized
     assert not torch.equal(attn.k_proj.quantize_input(x), attn.q_proj.quantize_input(x / 3.0))
     assert torch.equal(attn.q_proj(x / 3.0), before)
-    monkeypatch.setattr(qmodules._SharedInput, "key_of", staticmethod(lambda q, x: None))
+    monkeypatch.setattr(quant_gemm._SharedInput, "key_of", staticmethod(lambda q, x: None))
     with torch.no_grad():
         assert torch.equal(run(model, IDS), cached)

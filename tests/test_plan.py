@@ -1,19 +1,20 @@
-"""The plan (``fp8ptq.plan``): one place decides what every module gets and what the run needs;
-the job, the pipeline and the calibrator registry all read it."""
+"""The plan (``fp8ptq.config.plan``): one place decides what every module gets and what the run
+needs;
+the job, the in_memory and the calibrator registry all read it."""
 
 import json
 
 import pytest
 import torch
 
-from fp8ptq import job, pipeline
 from fp8ptq.calibrators import registry
 from fp8ptq.calibrators.layerwise import choose_layerwise
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.config.plan import build_plan, run_facts
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.plan import build_plan, run_facts
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution import in_memory, job
+from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.vision import TinyMobileNet
 from tiny_models import IDS, invoke, tiny
 
@@ -53,8 +54,8 @@ def test_the_statistics_pass_runs_exactly_when_the_plan_says(flags, needed, monk
     plan = build_plan(model, recipe)
     assert plan.facts.needs_statistics_pass is needed
     calls = []
-    real = pipeline.collect_stats
-    monkeypatch.setattr(pipeline, "collect_stats",
+    real = in_memory.collect_stats
+    monkeypatch.setattr(in_memory, "collect_stats",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     quantize_model(model, recipe, list(token_batches(IDS, 4)), plan=plan)
     assert bool(calls) is needed

@@ -6,12 +6,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import fp8ptq
+from fp8ptq.algorithms.rotation import keep_ones, random_hadamard, rotate_model
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.recipe import Recipe
-from fp8ptq.rotation import keep_ones, random_hadamard, rotate_model
-from fp8ptq.sequential import quantize_sequential
+from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.execution.streaming import quantize_sequential
 from tiny_models import IDS, tiny
 
 

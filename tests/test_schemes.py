@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from fp8ptq.checkpoint import read_metadata
 from fp8ptq.cli.main import main
+from fp8ptq.config.plan import build_plan
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.config.schemes import SCHEMES, expand_scheme, get_scheme, scheme_flags
 from fp8ptq.errors import UsageError
 from fp8ptq.evals.compare import plan_variants
-from fp8ptq.plan import build_plan
-from fp8ptq.recipe import Recipe
-from fp8ptq.schemes import SCHEMES, expand_scheme, get_scheme, scheme_flags
 from tiny_models import tiny
 
 # scheme -> (weight format, weight granularity, input format, input granularity, dynamic)

@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from fp8ptq import sensitivity as sens
-from fp8ptq.atomic import write_file
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import SAMPLE_BATCHES, collect_stats, plan_targets, token_batches
 from fp8ptq.formats import fake_quantize, get_format
-from fp8ptq.lm_probes import PerplexityProbe
+from fp8ptq.formats.scales import histogram_sqnr_db, sqnr_db
+from fp8ptq.io.atomic import write_file
 from fp8ptq.model.gemm import weight_2d
-from fp8ptq.observers import StatsCollector
-from fp8ptq.pipeline import SAMPLE_BATCHES, collect_stats, plan_targets, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.scales import histogram_sqnr_db, sqnr_db
+from fp8ptq.nn.quant_gemm import QuantGemm
+from fp8ptq.observe.observers import StatsCollector
+from fp8ptq.sensitivity.probes import PerplexityProbe
 from test_pipeline import tiny
 from tiny_models import invoke
 
@@ -179,9 +179,9 @@ def test_block_level_and_replay(hard_model, data):
 
 
 def test_replay_that_does_not_reproduce_the_baseline_is_dropped(hard_model, data, monkeypatch):
-    from fp8ptq import lm_probes
+    from fp8ptq.sensitivity import probes
 
-    monkeypatch.setattr(lm_probes, "clone_output", torch.zeros_like)
+    monkeypatch.setattr(probes, "clone_output", torch.zeros_like)
     probe = PerplexityProbe(hard_model, data["eval"], 4, hard_model.model.layers)
     base = probe.baseline()
     assert probe.cache is None and "did not reproduce" in probe.notes[0]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fp8ptq import sensitivity as sens
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.pipeline import token_batches
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution.in_memory import token_batches
 from fp8ptq.sensitivity.stream import analyze_streamed
 from tiny_models import invoke, tiny
 

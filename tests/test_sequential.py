@@ -1,16 +1,16 @@
 """Sequential (block-by-block) quantization: bit-identical to the in-memory pipeline with
-``propagate='fp'``, at most two blocks resident, activations spilled under a tiny budget."""
+``propagate='fp'``, at most two blocks resident, block_inputs spilled under a tiny budget."""
 
 import pytest
 import torch
 
-from fp8ptq import activations
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution import block_inputs
+from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.execution.streaming import ActivationStore, quantize_sequential
 from fp8ptq.model import forward
 from fp8ptq.model.blocks import find_blocks
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.sequential import ActivationStore, quantize_sequential
+from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import invoke, tiny
 
 VOCAB = 128
@@ -59,7 +59,7 @@ def test_micro_batched_block_forwards_stay_bit_identical(arch, tmp_path, monkeyp
     monkeypatch.setattr(forward, "MICRO_TOKENS", 24)
     rows = []
     real = forward.micro_batch_spans
-    monkeypatch.setattr(activations, "micro_batch_spans",
+    monkeypatch.setattr(block_inputs, "micro_batch_spans",
                         lambda b, *a, **k: rows.extend(
                             p["hidden_states"].shape[0] for _, p in real(b, *a, **k))
                         or real(b, *a, **k))
@@ -130,7 +130,7 @@ def test_activation_store_round_trips_bfloat16(tmp_path):
 def test_quantgemm_holds_the_weight_once(fmt, dtype):
     """Only the dequantized weight (+ scales) is stored; the codes come back bit-exact."""
     from fp8ptq.formats import encode, get_format
-    from fp8ptq.granularity import weight_granularity
+    from fp8ptq.formats.granularity import weight_granularity
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 48).to(dtype)
@@ -155,9 +155,8 @@ def test_quantgemm_makes_no_whole_weight_float32_temporary(granularity, monkeypa
     The chunk is made 16x smaller than this weight (the real one is 2^22 elements)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fp8ptq import weight_quant
-    from fp8ptq.formats import decode, encode, get_format
-    from fp8ptq.granularity import weight_granularity
+    from fp8ptq.formats import decode, encode, get_format, weight_quant
+    from fp8ptq.formats.granularity import weight_granularity
 
     monkeypatch.setattr(weight_quant, "BY_ROWS_ELEMENTS", 1 << 15)
 
@@ -238,7 +237,7 @@ def test_blocks_written_as_quantized_equal_the_whole_model_saved(arch, recipe, t
     sequential result, and a freed block never comes back: at most one quantized block plus
     the one loading hold real tensors."""
     from fp8ptq.checkpoint import save_quantized
-    from fp8ptq.sequential import BlockLoader, write_sequential
+    from fp8ptq.execution.streaming import BlockLoader, write_sequential
 
     model = tiny(arch, **({"tie_word_embeddings": True} if arch == "llama" else {}),
                  **{"num_hidden_layers": 3})
@@ -278,7 +277,7 @@ def test_blocks_written_as_quantized_equal_the_whole_model_saved(arch, recipe, t
 def test_a_failing_block_write_leaves_nothing(tmp_path, monkeypatch):
     from fp8ptq.checkpoint.writer import CheckpointWriter
     from fp8ptq.errors import Fp8ptqError
-    from fp8ptq.sequential import write_sequential
+    from fp8ptq.execution.streaming import write_sequential
 
     folder = _saved("llama", tmp_path)
     calls = []
@@ -303,7 +302,7 @@ def test_the_writer_holds_at_most_one_shard_of_the_size_asked(tmp_path, monkeypa
     ``route.shard_bytes``): every shard written stays under ``max_shard_bytes``, and the
     tensors are those of the one-shard checkpoint."""
     from fp8ptq.checkpoint.shards import ShardWriter
-    from fp8ptq.sequential import write_sequential
+    from fp8ptq.execution.streaming import write_sequential
 
     folder = _saved("llama", tmp_path)
     recipe, batches = Recipe(act_granularity="tensor", dtype="float32"), list(token_batches(IDS, 3))

@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 
 import fp8ptq
 from fp8ptq.checkpoint import save_quantized
-from fp8ptq.pipeline import quantize_model
-from fp8ptq.qexperts import QuantExperts
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.sequential import quantize_sequential, write_sequential
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model
+from fp8ptq.execution.streaming import quantize_sequential, write_sequential
+from fp8ptq.nn.quant_experts import QuantExperts
+from fp8ptq.nn.quant_gemm import QuantGemm
 from test_moe import batches, logits
 from test_sequential import checkpoint_tensors
 from tiny_models import tiny

@@ -1,4 +1,5 @@
-"""SmoothQuant (``fp8ptq.smoothquant``) on tiny Llama / GPT-2 / OPT / BERT models."""
+"""SmoothQuant (``fp8ptq.algorithms.smoothquant.norms``) on tiny Llama / GPT-2 / OPT / BERT
+models."""
 
 import copy
 import json
@@ -7,19 +8,24 @@ import math
 import pytest
 import torch
 
+from fp8ptq.algorithms.smoothquant.norms import (
+    FACTOR_MAX,
+    FACTOR_MIN,
+    apply_smoothquant,
+    smoothing_factors,
+)
 from fp8ptq.checkpoint import load_quantized, read_metadata, save_quantized
-from fp8ptq.formats import fake_quantize, get_format
-from fp8ptq.model.gemm import weight_2d
-from fp8ptq.pipeline import (
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import (
     SAMPLE_BATCHES,
     collect_stats,
     plan_targets,
     quantize_model,
     token_batches,
 )
-from fp8ptq.recipe import Recipe
-from fp8ptq.scales import amax_to_scale
-from fp8ptq.smoothquant import FACTOR_MAX, FACTOR_MIN, apply_smoothquant, smoothing_factors
+from fp8ptq.formats import fake_quantize, get_format
+from fp8ptq.formats.scales import amax_to_scale
+from fp8ptq.model.gemm import weight_2d
 from tiny_models import IDS, run, tiny
 
 LAYERS = (0, 1)

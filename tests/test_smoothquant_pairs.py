@@ -1,5 +1,6 @@
 """SmoothQuant into GEMM -> GEMM pairs (``--smoothquant-into gemms|all``,
-``fp8ptq.smoothquant_pairs``) on tiny Llama / Qwen2 (grouped-query attention) / GPT-2 models."""
+``fp8ptq.algorithms.smoothquant.pairs``) on tiny Llama / Qwen2 (grouped-query attention) / GPT-2
+models."""
 
 import copy
 import json
@@ -7,16 +8,16 @@ import json
 import pytest
 import torch
 
-from fp8ptq.model.gemm import weight_2d
-from fp8ptq.pipeline import (
+from fp8ptq.algorithms.smoothquant.norms import apply_smoothquant
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.in_memory import (
     SAMPLE_BATCHES,
     collect_stats,
     plan_targets,
     quantize_model,
     token_batches,
 )
-from fp8ptq.recipe import Recipe
-from fp8ptq.smoothquant import apply_smoothquant
+from fp8ptq.model.gemm import weight_2d
 from tiny_models import IDS, invoke, run, saved_llama_with_calib, tiny
 
 LAYERS = (0, 1)

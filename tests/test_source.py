@@ -1,5 +1,5 @@
-"""Reading checkpoints without building models: ``fp8ptq.source`` (shards, headers, where MODEL
-lives), ``fp8ptq.weight_map`` (transformers' key rules) and ``fp8ptq.weight_quant`` (the
+"""Reading checkpoints without building models: ``fp8ptq.io.source`` (shards, headers, where MODEL
+lives), ``fp8ptq.io.weight_map`` (transformers' key rules) and ``fp8ptq.formats.weight_quant`` (the
 one-sweep round-to-nearest every weight goes through)."""
 
 import json
@@ -9,17 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8ptq import loading
 from fp8ptq.errors import DataError, NumericsError
 from fp8ptq.formats import decode, encode, get_format
+from fp8ptq.formats.granularity import weight_granularity
 from fp8ptq.formats.registry import preset_names
-from fp8ptq.granularity import weight_granularity
-from fp8ptq.loading import resolve_safetensors
-from fp8ptq.scales import sqnr_db
-from fp8ptq.source import SafetensorsSource
-from fp8ptq.weight_map import SourceMap
-from fp8ptq.weight_quant import _decoder, half_layout, quantize_weight
-from fp8ptq.weights import build_empty
+from fp8ptq.formats.scales import sqnr_db
+from fp8ptq.formats.weight_quant import _decoder, half_layout, quantize_weight
+from fp8ptq.io import loading
+from fp8ptq.io.loading import resolve_safetensors
+from fp8ptq.io.source import SafetensorsSource
+from fp8ptq.io.weight_map import SourceMap
+from fp8ptq.io.weights import build_empty
 from tiny_gguf import tiny_llama_gguf
 from tiny_models import tiny
 

@@ -1,4 +1,5 @@
-"""Attention-matmul and residual-add taps (``fp8ptq.taps``) on tiny models built from configs."""
+"""Attention-matmul and residual-add taps (``fp8ptq.observe.taps``) on tiny models built from
+configs."""
 
 import math
 
@@ -6,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import Fp8ptqError, UsageError
 from fp8ptq.formats import fake_quantize, get_format
-from fp8ptq.recipe import Recipe
-from fp8ptq.taps import ATTN_IMPLEMENTATION, ActivationTaps, fp8ptq_eager_attention
+from fp8ptq.observe.taps import ATTN_IMPLEMENTATION, ActivationTaps, fp8ptq_eager_attention
 from tiny_models import tiny as tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -208,8 +209,8 @@ def test_no_attention_or_layers_is_a_usage_error():
 
 
 def test_pipeline_end_to_end():
-    from fp8ptq.pipeline import quantize_model, token_batches
-    from fp8ptq.qmodules import QuantGemm
+    from fp8ptq.execution.in_memory import quantize_model, token_batches
+    from fp8ptq.nn.quant_gemm import QuantGemm
 
     model = tiny("llama", attn=None)
     ids = torch.randint(0, VOCAB, (8, 12), generator=torch.Generator().manual_seed(3))
@@ -232,7 +233,7 @@ def test_pipeline_end_to_end():
     assert isinstance(o_proj, QuantGemm) and o_proj._forward_hooks
     assert "model.layers.1.mlp.down_proj:output" in res.extras["taps"]
     assert torch.isfinite(logits(model, {"input_ids": ids})).all()
-    from fp8ptq.taps import kv_scales_from_report
+    from fp8ptq.observe.taps import kv_scales_from_report
 
     kv = kv_scales_from_report(res.extras["taps"])
     assert list(kv) == [f"model.layers.{i}.self_attn" for i in range(2)]

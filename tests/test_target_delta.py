@@ -13,12 +13,21 @@ from click.testing import CliRunner
 
 from fp8ptq.checkpoint import read_metadata
 from fp8ptq.cli.main import main
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.hessian import HessianCollector
-from fp8ptq.pipeline import quantize_model, token_batches
-from fp8ptq.qmodules import QuantGemm
-from fp8ptq.recipe import Recipe
-from fp8ptq.target import Rung, assign, choose, ladder, measure, perplexity, split_heldout, verify
+from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.nn.quant_gemm import QuantGemm
+from fp8ptq.observe.hessian import HessianCollector
+from fp8ptq.sensitivity.budget import (
+    Rung,
+    assign,
+    choose,
+    ladder,
+    measure,
+    perplexity,
+    split_heldout,
+    verify,
+)
 from tiny_models import IDS, VOCAB, saved_with_documents, target_delta_report, tiny
 
 SENSITIVE = "model.layers.0.mlp.down_proj"

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 from fp8ptq.checkpoint import read_metadata
 from fp8ptq.cli.main import main
-from fp8ptq.job import selection_and_verify
-from fp8ptq.lm_probes import KLProbe, PerplexityProbe, coarse_kl
-from fp8ptq.recipe import Recipe
-from fp8ptq.target import assign, ladder, metric_budget, predicted_delta
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.execution.job import selection_and_verify
+from fp8ptq.sensitivity.budget import assign, ladder, metric_budget, predicted_delta
+from fp8ptq.sensitivity.probes import KLProbe, PerplexityProbe, coarse_kl
 from test_target_delta import sensitive_llama, windows
 from tiny_models import VOCAB, saved_with_documents, target_delta_report
 

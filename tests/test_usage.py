@@ -1,4 +1,5 @@
-"""``fp8ptq.usage``: the one timing line and JSON fields every command reports (quantize, eval,
+"""``fp8ptq.runtime.usage``: the one timing line and JSON fields every command reports (quantize,
+eval,
 sensitivity and validate assert them in their own CLI tests)."""
 
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fp8ptq.usage import _glibc_version, _thp_mode, hugepage_env, time_line, timed, usage
+from fp8ptq.runtime.usage import _glibc_version, _thp_mode, hugepage_env, time_line, timed, usage
 
 
 def test_time_line_and_json_fields():
@@ -36,7 +37,7 @@ def test_peak_rss_is_the_process_high_water_mark():
     (a high-water mark, as /usr/bin/time -v)."""
     code = """
 import json, os
-from fp8ptq.usage import peak_rss_mb
+from fp8ptq.runtime.usage import peak_rss_mb
 import torch
 current = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 before = peak_rss_mb()
@@ -54,7 +55,7 @@ print(json.dumps([current, before, during, peak_rss_mb()]))
 
 _HEAP_PROBE = """
 import ctypes, sys, torch
-from fp8ptq.usage import bound_heap
+from fp8ptq.runtime.usage import bound_heap
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                                               "usmblks", "fsmblks", "uordblks", "fordblks",
@@ -102,7 +103,7 @@ def test_hugepage_env_leaves_what_it_cannot_improve_alone():
 
 
 def test_command_name_skips_options_and_their_values():
-    from fp8ptq.usage import command_name
+    from fp8ptq.runtime.usage import command_name
     assert command_name(["fp8ptq", "--debug", "quantize", "m", "--format", "e4m3"]) == "quantize"
     assert command_name(["fp8ptq", "--verbose", "--debug", "eval", "x"]) == "eval"
     assert command_name(["fp8ptq", "--help"]) is None
@@ -126,7 +127,7 @@ def test_group_value_options_match_the_click_group():
 
 _THP_PROBE = """
 import os
-from fp8ptq.usage import bound_heap, exec_with_hugepages
+from fp8ptq.runtime.usage import bound_heap, exec_with_hugepages
 exec_with_hugepages()
 import torch
 bound_heap()

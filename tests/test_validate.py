@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp8ptq.validate import RULES, validate
+from fp8ptq.checkpoint.validate import RULES, validate
 from tiny_models import STATIC, invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "hello world and hello again"]
@@ -158,7 +158,7 @@ def _args(**kw):
      dict(type="int", strategy="token", dynamic=True), None),
 ])
 def test_vllm_scheme_selection_table(w, a, scheme):
-    from fp8ptq.validate import vllm_linear_scheme
+    from fp8ptq.checkpoint.validate import vllm_linear_scheme
 
     assert vllm_linear_scheme(_args(**w), None if a is None else _args(**a)) == scheme
 

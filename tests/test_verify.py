@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 import fp8ptq
 from fp8ptq.checkpoint import check_checkpoint, save_quantized
 from fp8ptq.checkpoint import verify as V
+from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError
-from fp8ptq.pipeline import quantize_model
-from fp8ptq.recipe import Recipe
+from fp8ptq.execution.in_memory import quantize_model
 from test_moe import batches
 from tiny_models import tiny
 

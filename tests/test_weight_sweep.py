@@ -1,5 +1,7 @@
-"""The weight sweep's C kernels (``fp8ptq.native.weight_sweep`` / ``row_absmax``) against the
-torch path of ``fp8ptq.weight_quant.quantize_weight`` and the granularities' ``amax``: the same
+"""The weight sweep's C kernels (``fp8ptq.runtime.native.weight_sweep`` / ``row_absmax``) against
+the
+torch path of ``fp8ptq.formats.weight_quant.quantize_weight`` and the granularities' ``amax``: the
+same
 codes and scales bit for bit, the same amax, the same SQNR up to the order of a float64 sum,
 for every preset and small ExMy formats, both roundings the kernel takes, float32 and bfloat16
 weights, odd widths (vector tails), rows split across threads, NaN / inf refused."""
@@ -11,9 +13,9 @@ import pytest
 import torch
 
 from fp8ptq.errors import NumericsError
+from fp8ptq.formats.granularity import weight_granularity
 from fp8ptq.formats.registry import get_format, preset_names
-from fp8ptq.granularity import weight_granularity
-from fp8ptq.weight_quant import quantize_weight
+from fp8ptq.formats.weight_quant import quantize_weight
 from test_native import _both, needs_native
 
 FORMATS = sorted(set(preset_names()) | {"e3m4", "e2m5", "e5m2b10", "e3m2", "e2m1"})

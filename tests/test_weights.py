@@ -1,5 +1,5 @@
-"""``fp8ptq.weights``: the model filled from its safetensors tensor by tensor, through the one
-reader (``fp8ptq.source.SafetensorsSource``) and the one key map (``fp8ptq.weight_map``) that
+"""``fp8ptq.io.weights``: the model filled from its safetensors tensor by tensor, through the one
+reader (``fp8ptq.io.source.SafetensorsSource``) and the one key map (``fp8ptq.io.weight_map``) that
 the model-free path uses: every parameter equal to ``from_pretrained``'s, each checkpoint tensor
 read once, tied copies not read at all."""
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fp8ptq.errors import DataError
+from fp8ptq.io.source import SafetensorsSource
+from fp8ptq.io.weights import WeightLoader, build_empty, empty_model, load_streaming
 from fp8ptq.model.auto import load_config, model_class
-from fp8ptq.source import SafetensorsSource
-from fp8ptq.weights import WeightLoader, build_empty, empty_model, load_streaming
 from tiny_models import tiny
 
 

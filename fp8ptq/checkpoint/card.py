@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..atomic import write_text
+from ..io.atomic import write_text
 from .layouts import get_layout
 
 CARD_NAME = "README.md"

@@ -12,9 +12,9 @@ from torch import nn
 
 from ..errors import NumericsError
 from ..formats import decode
-from ..granularity import weight_granularity
-from ..qexperts import ProjectionQuant, QuantExperts
-from ..qmodules import QuantGemm
+from ..formats.granularity import weight_granularity
+from ..nn.quant_experts import ProjectionQuant, QuantExperts
+from ..nn.quant_gemm import QuantGemm
 from .layouts import GemmQuant, ModuleDesc
 from .skeleton import MODULE_KEY, has_hf_config, module_config
 

@@ -26,7 +26,7 @@ import re
 import torch
 from torch import nn
 
-from .layout import ct_type
+from .names import ct_type
 
 SERVABLE = {("tensor", "tensor"), ("channel", "token")}
 

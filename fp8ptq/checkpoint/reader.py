@@ -16,16 +16,16 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import DataError, Fp8ptqError, UsageError
-from ..files import read_json
-from ..granularity import weight_granularity
+from ..formats.granularity import weight_granularity
+from ..io.files import read_json
 from ..model.auto import LoadedModel, model_class
 from ..model.experts import experts_info
 from ..model.gemm import kind as gemm_kind
 from ..model.gemm import set_submodule, weight_2d
-from ..qexperts import ProjectionQuant, QuantExperts
-from ..qmodules import QuantGemm
-from .layout import INDEX_NAME, META_NAME, WEIGHTS_NAME  # noqa: F401 - re-exported
+from ..nn.quant_experts import ProjectionQuant, QuantExperts
+from ..nn.quant_gemm import QuantGemm
 from .layouts import get_layout, names
+from .names import INDEX_NAME, META_NAME, WEIGHTS_NAME  # noqa: F401 - re-exported
 from .skeleton import MODULE_KEY, build_module
 from .taps_io import install_taps, pop_kv_tensors
 from .verify import format_from_facts, verify_checkpoint, weight_files  # noqa: F401
@@ -131,7 +131,7 @@ def load_quantized(path, *, device="cpu", dtype=None, trust_pickle: bool = False
     """Rebuild the quantized model stored in ``path``.
 
     ``dtype`` (default: the dtype it was saved in) is the dtype of the non-quantized tensors and
-    of the dequantized GEMM weights. Returns ``fp8ptq.loading.LoadedModel`` (model in eval mode,
+    of the dequantized GEMM weights. Returns ``fp8ptq.io.loading.LoadedModel`` (model in eval mode,
     tokenizer or None, kind "fp8ptq"); ``read_metadata(path)`` gives the fp8ptq.json contents.
     """
     p = Path(path).expanduser()

@@ -26,7 +26,7 @@ import torch
 from huggingface_hub.constants import SAFETENSORS_WEIGHTS_FILE_PATTERN
 
 from ..errors import UsageError
-from .layout import INDEX_NAME
+from .names import INDEX_NAME
 
 SHARD_BYTES = 2 * 1024**3  # default: split model.safetensors only above this
 _PENDING = "shard-{:05d}.safetensors.part"

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import Fp8ptqError, NumericsError
-from ..taps import ActivationTaps, kv_scales_from_report
+from ..observe.taps import ActivationTaps, kv_scales_from_report
 
 
 def taps_report(result) -> dict | None:

@@ -28,14 +28,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import DataError, UsageError
-from ..files import read_json
 from ..formats import FormatSpec, get_format
-from ..taps import kv_scales_from_report
+from ..io.files import read_json
+from ..observe.taps import kv_scales_from_report
 from .expect import SCALE_CHECKS, SCALE_DTYPES, Expect, dtype_name, scale_problem  # noqa: F401 - re-exported
-from .layout import INDEX_NAME, META_NAME, WEIGHTS_NAME
 from .layouts import Layout, get_layout
+from .names import INDEX_NAME, META_NAME, WEIGHTS_NAME
 
-# tensors that hold scales, whatever module kind they belong to (also read by fp8ptq.validate)
+# tensors that hold scales, whatever module kind they belong to (also read by
+# fp8ptq.checkpoint.validate)
 SCALE_SUFFIXES = ("weight_scale", "input_scale", "k_scale", "v_scale", "_scale")
 FORMAT_FIELDS = ("weight_format", "act_format")
 _SPEC_FIELDS = ("exponent_bits", "mantissa_bits", "bias", "specials", "subnormals", "rounding")

@@ -12,7 +12,7 @@ of ``CheckpointWriter``, the session object that streaming writers use directly:
         ckpt.add_tensors(other_tensors)         # embeddings, final norm, lm_head, ...
         ckpt.close(model, recipe, result=...)   # config.json, fp8ptq.json, card; rename
 
-* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.atomic``).
+* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.io.atomic``).
 * ``add_modules(model_or_block, names, reports, prefix=)`` writes the quantized modules'
   tensors in the layout's form and records their fp8ptq.json entries; ``add_block`` also adds
   the block's other tensors. A model-free writer that holds no module calls ``add_gemm`` /
@@ -39,11 +39,11 @@ from pathlib import Path
 
 from torch import nn
 
-from ..atomic import atomic_dir
 from ..errors import Fp8ptqError, UsageError
+from ..io.atomic import atomic_dir
+from ..nn.quant_experts import ProjectionQuant, QuantExperts
+from ..nn.quant_gemm import QuantGemm
 from ..numbers import dumps, json_safe
-from ..qexperts import ProjectionQuant, QuantExperts
-from ..qmodules import QuantGemm
 from ..version import __version__
 from .card import command_line
 from .card import write as write_card
@@ -61,17 +61,6 @@ from .contents import (
     plain_tensors,
     tied_quantized,
 )
-from .layout import (  # noqa: F401 - re-exported
-    CT_FLOAT,
-    CT_INT,
-    CT_MIXED,
-    CT_NAIVE,
-    INDEX_NAME,
-    LAYOUT_CT,
-    LAYOUT_NATIVE,
-    META_NAME,
-    WEIGHTS_NAME,
-)
 from .layouts import (
     GemmQuant,
     LayoutChoice,
@@ -82,6 +71,17 @@ from .layouts import (
     get_layout,
     model_type_of,
     quantized_modules,
+)
+from .names import (  # noqa: F401 - re-exported
+    CT_FLOAT,
+    CT_INT,
+    CT_MIXED,
+    CT_NAIVE,
+    INDEX_NAME,
+    LAYOUT_CT,
+    LAYOUT_NATIVE,
+    META_NAME,
+    WEIGHTS_NAME,
 )
 from .shards import SHARD_BYTES, ShardWriter
 from .skeleton import SKELETON_NAME

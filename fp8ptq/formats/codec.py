@@ -5,7 +5,8 @@ scale). ``encode`` turns those into integer codes (uint8 tensors), ``decode`` ma
 a 256-entry table. ``fake_quantize`` is quantize-dequantize with a scale. All work elementwise on
 whole tensors, CPU or GPU.
 
-On CPU each of them first asks the C kernels (``fp8ptq.native``: one fused pass, bit-identical
+On CPU each of them first asks the C kernels (``fp8ptq.runtime.native``: one fused pass,
+bit-identical
 to the torch code below, which stays the path for GPUs, autograd and anything the kernels do
 not take).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import native
+from ..runtime import native
 from .binades import binade_tables, exponent_field, native_tables
 from .spec import FormatSpec
 

@@ -42,7 +42,7 @@ class FormatSpec:
     # OCP Microscaling (MX) v1.0: the format is an MX format whose elements (the fields above)
     # share one E8M0 power-of-two scale per ``mx_block`` consecutive values along the GEMM's
     # reduction dimension, for weights and (dynamic) activations alike; the scale follows the
-    # spec's rule, not a calibrator's (``fp8ptq.mx``). None: an ordinary scaled format.
+    # spec's rule, not a calibrator's (``fp8ptq.formats.mx``). None: an ordinary scaled format.
     mx_block: int | None = None
     # how the E8M0 exponent is taken from a block's amax: "floor", the OCP MX v1.0 rule
     # (``floor(log2 amax) - emax_elem``: a block's top values in (max, 2^(emax+1)) x scale

@@ -1,5 +1,5 @@
 """Model configs, model classes and the loaded-model record: a leaf module, so that loading a
-model (``fp8ptq.loading``), building one without weights (``fp8ptq.weights``) and loading an
+model (``fp8ptq.io.loading``), building one without weights (``fp8ptq.io.weights``) and loading an
 fp8ptq checkpoint (``fp8ptq.checkpoint.reader``) share them without importing each other."""
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def token_batches(input_ids: torch.Tensor, batch_size: int, device="cpu") -> Ite
 def clone_output(out):
     """A detached copy of a module's output: tensors cloned, tuples element by element,
     anything else (None, flags) as it is. For outputs recorded now and handed out later
-    (``lm_probes``' layer replay, ``fp8ptq.reuse``), which later in-place updates must not
+    (``lm_probes``' layer replay, ``fp8ptq.algorithms.gptq.replay``), which later in-place updates
+    must not
     reach."""
     if torch.is_tensor(out):
         return out.detach().clone()

@@ -20,11 +20,12 @@ GEMM); it is not bit-identical to torch's bf16 kernel. Every path of a job (in-m
 sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
-float32 activations of a calibration batch that ``fp8ptq.route``'s estimate counts (4 bytes x
+float32 activations of a calibration batch that ``fp8ptq.execution.strategy``'s estimate counts (4
+bytes x
 tokens x (6 hidden + 2 intermediate + vocabulary)). These float32 copies, and attention's
 upcast query / key / value, live in per-thread scratch buffers of at most ``CHUNK_BYTES`` each
 while the mode is active (``_scratch``): allocated afresh at every call they would be mapped
-and faulted in again each time (``fp8ptq.usage.bound_heap``), which is kernel time.
+and faulted in again each time (``fp8ptq.runtime.usage.bound_heap``), which is kernel time.
 
 The same mode runs ``F.scaled_dot_product_attention`` on bf16 / fp16 CPU tensors in float32
 (``attention32``: query, key, value and a floating mask upcast, the output rounded back once):
@@ -108,7 +109,8 @@ def _scratch(name: str, elems: int) -> torch.Tensor:
     """This thread's float32 buffer ``name`` (a weight chunk, an output chunk, an upcast
     input: at most ``CHUNK_BYTES`` each), kept between calls. Allocated afresh, every GEMM of
     every forward would map and fault in its float32 pages again (large tensors are mmapped,
-    ``fp8ptq.usage.bound_heap``): the weight and output chunks alone were 17 s of kernel time
+    ``fp8ptq.runtime.usage.bound_heap``): the weight and output chunks alone were 17 s of kernel
+    time
     in a 28 s SmolLM2 statistics pass over 16 x 512 tokens. Freed when the mode exits."""
     bufs = getattr(_active, "scratch", None)
     if bufs is None:

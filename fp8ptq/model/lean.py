@@ -11,7 +11,7 @@ faults were about a third of the statistics pass (profile, session 11: rotary ~2
 ~14%), against ~45% for the GEMMs themselves.
 
 ``lean_forwards(model)`` replaces, for the duration of a block (the statistics pass,
-``fp8ptq.pipeline.collect_stats``), the forwards it recognises by their source text - the
+``fp8ptq.execution.in_memory.collect_stats``), the forwards it recognises by their source text - the
 ``ast`` of transformers' Llama code, which Qwen2, Mistral and the other "copied from Llama"
 models share - with versions that write into one output tensor and a reused scratch buffer:
 

@@ -6,7 +6,7 @@ of transient memory in every perplexity probe of ``sensitivity`` / ``--target-de
 262,144-token vocabulary at context 2048 and batch 8, 17 GB twice. Here the body runs the
 batch (hidden states are small) and the output layer + log-softmax run on at most
 ``CHUNK_ELEMENTS / vocabulary`` positions at a time. ``fp8ptq.evals``' lm-eval wrapper and
-``fp8ptq.lm_probes`` both score this way.
+``fp8ptq.sensitivity.probes`` both score this way.
 
 The split is only used after a check that body + output layer reproduce the model's own logits
 on a few tokens (a model that post-processes its logits in a way not known here keeps the plain

@@ -27,7 +27,8 @@ The package: ``units`` (grouping GEMMs into units), ``statistics`` (weight / inp
 per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), ``suggest``
 (the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
 (``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
-memory; imported from its module, since it builds on ``fp8ptq.sequential``), ``report`` (the
+memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``report``
+(the
 result, its JSON and plot).
 """
 

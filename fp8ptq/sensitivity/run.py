@@ -11,15 +11,15 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from ..data import build_calibration_set
+from ..config.plan import SAMPLE_BATCHES, QuantPlan
+from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
+from ..execution.in_memory import collect_stats, plan_targets
 from ..formats import get_format
-from ..hessian import HessianCollector
-from ..lm_probes import LogitsProbe, PerplexityProbe
+from ..io.data import build_calibration_set
 from ..model.gemm import kind, weight_2d
-from ..pipeline import collect_stats, plan_targets
-from ..plan import SAMPLE_BATCHES, QuantPlan
-from ..recipe import Recipe
+from ..observe.hessian import HessianCollector
+from .probes import LogitsProbe, PerplexityProbe
 from .report import Measure, SensitivityResult, UnitResult
 from .statistics import FormatStats, ModuleStats, _db, _nsr, summarize_input, summarize_weight
 from .suggest import _cost, _unnan, parse_target, suggest, target_value

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..observers import bin_centers
+from ..observe.observers import bin_centers
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 The SQNR metric needs no model pass per unit: each GEMM's output SQNR on sampled calibration
 rows, per format, from the statistics of one calibration pass. So it streams like sequential
-quantization (``fp8ptq.sequential``, the same loader and activation store): the model is built
+quantization (``fp8ptq.execution.streaming``, the same loader and activation store): the model is
+built
 without weights and planned whole (``--skip`` globs, first / last layers, overrides see full
 names), the calibration batches run once up to block 0, then per block: load its tensors ->
 the same ``Session`` the in-memory analysis runs, on that block alone with its recorded inputs
@@ -25,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from ..activations import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from ..config.plan import build_plan
+from ..config.recipe import Recipe
 from ..errors import UsageError
+from ..execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from ..execution.streaming import BlockLoader
+from ..io.source import SafetensorsSource
+from ..io.weights import build_empty
 from ..model.blocks import block_prefix, find_blocks
-from ..plan import build_plan
-from ..recipe import Recipe
-from ..sequential import BlockLoader
-from ..source import SafetensorsSource
-from ..usage import release_free_memory
-from ..weights import build_empty
+from ..runtime.usage import release_free_memory
 from .report import SensitivityResult, UnitResult
 from .run import (
     SQNR_NOTE,

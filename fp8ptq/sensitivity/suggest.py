@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config.recipe import Recipe
 from ..errors import UsageError
-from ..recipe import Recipe
 
 # The calibration-size flags describe this run's (small) slice; quantize keeps its own defaults.
 NOT_SUGGESTED = ("format", "weight_format", "act_format", "skip", "overrides", "num_samples",

@@ -1,5 +1,5 @@
 """Swapping one unit for the ``QuantGemm`` modules ``quantize`` would build, and back: the
-plan of each format is built once (``fp8ptq.plan``), the swap is measured, nothing is
+plan of each format is built once (``fp8ptq.config.plan``), the swap is measured, nothing is
 reloaded."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from ..calibrators.layerwise import choose_layerwise
-from ..hessian import HessianCollector
+from ..config.plan import SAMPLE_BATCHES, QuantPlan, build_plan, reads_data
+from ..config.recipe import Recipe
+from ..execution.in_memory import quantize_target, target_granularity
+from ..formats.scales import sqnr_db
 from ..model.gemm import set_submodule, weight_2d
-from ..pipeline import quantize_target, target_granularity
-from ..plan import SAMPLE_BATCHES, QuantPlan, build_plan, reads_data
-from ..recipe import Recipe
-from ..scales import sqnr_db
+from ..observe.hessian import HessianCollector
 from .statistics import FormatStats, _db, _nsr
 
 
@@ -40,7 +40,7 @@ def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
 
 def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches,
                 plan: QuantPlan | None = None) -> FormatPlan:
-    """The run's plan (``fp8ptq.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
+    """The run's plan (``fp8ptq.config.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
     with its calibrators built and any layer-aware choice made once. ``plan``: that plan made
     already (streamed analysis: one block's part of the whole model's plan)."""
     if plan is None:

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from ...formats import FormatSpec
+from ...formats.mx import e8m0_decode, e8m0_encode
 from ...model.experts import ExpertsInfo
 from ...model.gemm import kind as gemm_kind
-from ...mx import e8m0_decode, e8m0_encode
-from ...qexperts import ProjectionQuant, QuantExperts
-from ...qmodules import QuantGemm
+from ...nn.quant_experts import ProjectionQuant, QuantExperts
+from ...nn.quant_gemm import QuantGemm
 from ..expect import Expect
 
 
@@ -91,7 +91,8 @@ def describe_model(model: nn.Module) -> list[ModuleDesc]:
 
 
 def describe_plan(plan) -> list[ModuleDesc]:
-    """Descriptions of the modules a ``fp8ptq.plan.QuantPlan`` will quantize (before any of it
+    """Descriptions of the modules a ``fp8ptq.config.plan.QuantPlan`` will quantize (before any of
+    it
     is quantized; the model may be on the meta device)."""
     out = []
     for mp in plan.modules:

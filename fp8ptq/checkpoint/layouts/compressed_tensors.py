@@ -29,10 +29,10 @@ from torch import nn
 
 from ...errors import DataError, Fp8ptqError, first_line
 from ...formats import get_format
-from ...qexperts import ProjectionQuant
+from ...nn.quant_experts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
-from ..layout import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
+from ..names import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
 from .base import (
     GemmQuant,
     Layout,

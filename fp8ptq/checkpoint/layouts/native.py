@@ -16,9 +16,9 @@ from collections.abc import Iterable
 import torch
 
 from ...errors import Fp8ptqError
-from ...qexperts import ProjectionQuant
+from ...nn.quant_experts import ProjectionQuant
 from ..expect import SCALE_DTYPES, Expect
-from ..layout import LAYOUT_NATIVE, META_NAME
+from ..names import LAYOUT_NATIVE, META_NAME
 from .base import (
     GemmQuant,
     Layout,

@@ -1,0 +1,307 @@
+"""Sequential GPTQ: each GEMM's Hessian from the inputs the already-quantized model gives it.
+
+One-pass GPTQ (``HessianCollector`` in the calibration pass) takes every Hessian from the float
+model, so each layer compensates its own rounding but not what the layers before it left in its
+input. Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", 2022, section 4 (and their reference code's ``--true-sequential``) quantize in
+the order the model runs: a GEMM's inputs come from the model whose earlier GEMMs are already
+quantized, so its error compensation also absorbs the error propagated from them (as
+llm-compressor's sequential pipeline does, one decoder layer at a time).
+
+fp8ptq goes one step finer than one layer at a time: inside each block the GEMMs are taken in
+groups, in the order the block runs them (q/k/v, then o, then gate/up, then down: GEMMs fed the
+very same tensor are one group, with one Hessian), and each group's Hessian is gathered with
+every earlier group already quantized, activations included (a ``QuantGemm`` simulates its input
+quantization). Cost and memory stay those of one block: the calibration batches run once up to
+block 0 (``fp8ptq.execution.block_inputs``: in memory up to a budget, spilled to files beyond),
+then per
+block one partial forward per group (stopped at the group's input) and one full forward through
+the quantized block to make the next block's inputs (plus one forward of a single sequence
+that finds the groups). Only one group's Hessians are held at once.
+
+Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
+outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model;
+fused MoE experts are quantized after the blocks, as in the one-pass pipeline (they take no
+GPTQ: rounded to nearest).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from ...config.plan import hessian_diagonal_only
+from ...execution import distributed
+from ...execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from ...model.blocks import block_prefix, find_blocks
+from ...model.forward import micro_batches, run_batch
+from ...model.gemm import weight_2d
+from ...model.lean import lean_forwards
+from ...observe.hessian import HessianCollector
+from .asym import AsymmetricCollector, asymmetric_target, input_quantizer
+from .replay import PartialForwards
+
+# (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
+Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
+
+
+class _Stop(Exception):
+    pass
+
+
+def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
+                      quantize: Quantize, *, activation_budget: int = 1 << 30,
+                      spill_dir=None, asym_damp: float | None = None) -> dict:
+    """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
+    ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
+    Hessian. ``asym_damp``: asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``) with that dampening,
+    a float
+    stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
+    None). Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
+    facts for the report (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module
+    outputs ``fp8ptq.algorithms.gptq.replay`` replayed instead of recomputing),
+    ``max_hessian_bytes``,
+    ``outside``: the names left to the caller; ``asym_correction``: the largest and mean
+    ``||W* - W0|| / ||W0||``)."""
+    found = find_blocks(model)
+    outside = outside_blocks(model, targets)
+    facts = {"blocks": 0, "groups": 0, "forwards": 0, "replayed_outputs": 0,
+             "max_hessian_bytes": 0, "outside": []}
+    if asym_damp is not None:
+        facts["asym_correction"] = []
+    if found is None:
+        facts["blocks"] = 1
+        floats = _Floats(model, batches, asym_damp)
+        _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
+                       activation_budget)
+        _summarise(facts)
+        return facts
+    list_name, blocks = found
+    inside = {i: [t for t in targets if t.name.startswith(block_prefix(list_name, i))]
+              for i in range(len(blocks))}
+    facts["outside"] = outside
+    store = ActivationStore(activation_budget, spill_dir)
+    kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
+                                       distributed.share_indices(len(batches)))
+    # the float stream (asymmetric GPTQ): the float model's hidden states, block by block
+    fstore = store if asym_damp is None else ActivationStore(activation_budget, spill_dir)
+    if asym_damp is not None:
+        for j in range(len(kwargs_list)):
+            if kwargs_list[j] is not None:
+                fstore.put(j, store.get(j))
+    try:
+        for i, block in enumerate(blocks):
+            prefix = block_prefix(list_name, i)
+            local = [_Local(t, prefix) for t in inside[i]]
+            block_batches, float_batches = ([None if kw is None else BlockBatch(s, j, kw)
+                                             for j, kw in enumerate(kwargs_list)]
+                                            for s in (store, fstore))
+            floats = _Floats(block, float_batches, asym_damp)
+            _quantize_unit(block, local, {t.name for t in local if t.target.name in gptq},
+                           block_batches, lambda lt, h, aim: quantize(lt.target, h, aim),
+                           facts, floats, max(0, activation_budget - store.resident_bytes))
+            facts["blocks"] += 1
+            if i + 1 < len(blocks):
+                nxt = ActivationStore(activation_budget, spill_dir)
+                run_block(block, store, kwargs_list, nxt)
+                facts["forwards"] += 1
+                store.close()
+                store = nxt
+                if floats.unit is not None:
+                    fnxt = ActivationStore(activation_budget, spill_dir)
+                    run_block(floats.unit, fstore, kwargs_list, fnxt)
+                    facts["forwards"] += 1
+                    fstore.close()
+                    fstore = fnxt
+    finally:
+        store.close()
+        fstore.close()
+    _summarise(facts)
+    return facts
+
+
+class _Floats:
+    """The float stream of one unit (asymmetric GPTQ): a float copy of the unit taken before
+    any of its GEMMs is quantized, its batches, and the dampening of ``W*``; ``unit`` None
+    when GPTQ is plain."""
+
+    def __init__(self, unit: nn.Module, batches: list, damp: float | None):
+        self.unit = None if damp is None else copy.deepcopy(unit)
+        self.batches, self.damp = batches, damp
+
+
+def _summarise(facts: dict) -> None:
+    sizes = facts.pop("asym_correction", None)
+    if sizes:
+        facts["asym_correction"] = {"max": max(sizes), "mean": sum(sizes) / len(sizes)}
+
+
+def outside_blocks(model: nn.Module, targets: list) -> list[str]:
+    """Names of the targets outside the model's repeated blocks (none if it has no blocks):
+    they keep the one-pass Hessian of the float model."""
+    found = find_blocks(model)
+    if found is None:
+        return []
+    list_name, blocks = found
+    prefixes = tuple(block_prefix(list_name, i) for i in range(len(blocks)))
+    return [t.name for t in targets if not t.name.startswith(prefixes)]
+
+
+class _Local:
+    """A plan entry seen from inside its block: its name relative to the block."""
+
+    def __init__(self, target, prefix: str):
+        self.target, self.name = target, target.name[len(prefix):]
+        self.module = target.module
+
+
+def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
+                   quantize: Quantize, facts: dict, floats: _Floats,
+                   reuse_budget: int = 1 << 30) -> None:
+    """The targets of one unit (a block, or a model without blocks) group by group in run
+    order; each GPTQ group's Hessian from a forward through the unit as quantized so far
+    (and, asymmetric, the float copy's forward on the float stream)."""
+    if not targets:
+        return
+    # what one group's forward computed before reaching that group, replayed in the next
+    # group's (``fp8ptq.algorithms.gptq.replay``); not beside asymmetric GPTQ's float stream
+    partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
+    groups = _groups_in_run_order(unit, targets, batches)
+    for g, group in enumerate(groups):
+        wanted = [t for t in group if t.name in gptq]
+        hessians = None
+        if wanted and any(b is not None for b in batches):
+            # the unit's last group records nothing: no forward of this unit follows
+            hessians = _group_hessians(unit, wanted, batches, floats, partial,
+                                       [t.module for t in group], record=g + 1 < len(groups))
+            facts["forwards"] += 1 + (floats.unit is not None)
+            facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
+        elif partial is not None:
+            partial.clear()  # this group changes without a forward that records past it
+        facts["groups"] += 1
+        for t in group:
+            h = hessians.hessian(t.name) if hessians and t.name in gptq else None
+            aim = None
+            if h is not None and floats.unit is not None:
+                w0 = weight_2d(t.module).detach().double()
+                aim = asymmetric_target(w0, h, hessians.cross_term(t.name), floats.damp)
+                facts["asym_correction"].append(
+                    float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
+            quantize(t, h, aim)
+    if partial is not None:
+        facts["replayed_outputs"] += partial.replayed
+
+
+def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:
+    """Targets in the order one forward reaches them, those fed the same input tensor in one
+    group; targets that forward never reaches come last, one each.
+
+    The order is the block's code, not its data, so the forward runs the first sequence of
+    the first batch alone (1/8 of a default batch: this forward ran once per block over a
+    whole batch, ~6% of a block's forwards at 16 batches, half at 2). Only where that
+    sequence leaves a target unreached (a routed expert) does the whole batch run, as
+    before."""
+    example = next((b for b in batches if b is not None), None)
+    if example is None:
+        return [[t] for t in targets]
+    first = micro_batches(example, tokens=1)[0]
+    groups, seen = _run_order(unit, targets, first)
+    if len(seen) < len(targets) and first is not example:
+        groups, seen = _run_order(unit, targets, example)
+    return groups + [[t] for t in targets if t.name not in seen]
+
+
+def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set[str]]:
+    """(groups in call order, names reached) of one forward of ``example``."""
+    order: list[tuple[object, list]] = []  # (input tensor, targets) in call order
+    seen: set[str] = set()
+
+    def hook_for(t):
+        def hook(_module, args):
+            if t.name in seen or not args or not torch.is_tensor(args[0]):
+                return
+            seen.add(t.name)
+            if order and order[-1][0] is args[0]:
+                order[-1][1].append(t)
+            else:
+                order.append((args[0], [t]))
+        return hook
+
+    handles = [t.module.register_forward_pre_hook(hook_for(t)) for t in targets]
+    try:
+        with torch.inference_mode():
+            run_batch(unit, example, logits=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [ts for _, ts in order], seen
+
+
+def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats,
+                    partial: PartialForwards | None = None,
+                    members: list | None = None, record: bool = True) -> HessianCollector:
+    """The group's Hessians from every batch, each forward stopped once the group's last
+    member has seen its input (nothing after it is needed); reduced across ranks. With a
+    float stream each batch first runs the float copy to the same point, for the cross
+    terms (``AsymmetricCollector``)."""
+    if floats.unit is None:
+        collector = HessianCollector({t.name: t.module for t in group},
+                                     diagonal=hessian_diagonal_only([_entry(t) for t in group]))
+    else:
+        collector = AsymmetricCollector({t.name: t.module for t in group},
+                                        {t.name: input_quantizer(_entry(t)) for t in group})
+    error = None
+    handles = []
+    # the partial forwards run the same fewer-temporaries code as the statistics pass and
+    # ``run_block`` (bit for bit transformers' outputs): under transformers' own rotary and
+    # RMSNorm they were ~10% of a sequential GPTQ quantize of SmolLM2 (profile, session 14)
+    with collector.observing(), torch.inference_mode(), lean_forwards(unit), \
+            lean_forwards(floats.unit) if floats.unit is not None else nullcontext():
+        # registered after the collector's hooks, so it runs after the last one
+        stop = group[-1].module.register_forward_pre_hook(_raise_stop)
+        if floats.unit is not None:
+            handles = collector.float_hooks(floats.unit, {t.name: t.name for t in group})
+            handles.append(floats.unit.get_submodule(group[-1].name)
+                           .register_forward_pre_hook(_raise_stop))
+        try:
+            for j, batch in distributed.shard(batches):
+                if batch is None:
+                    continue
+                if floats.unit is not None:
+                    _run_to_stop(floats.unit, floats.batches[j])
+                if partial is None:
+                    _run_to_stop(unit, batch)
+                else:  # ``members``: the whole group, quantized before the next forward
+                    partial.run(j, members or [t.module for t in group],
+                                lambda b=batch: _run_to_stop(unit, b), record)
+        except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
+            error = e
+        finally:
+            stop.remove()
+            for h in handles:
+                h.remove()
+    distributed.agree(error)
+    distributed.reduce_sums(collector.sums, collector.rows)
+    if floats.unit is not None:
+        distributed.reduce_sums(collector.cross, {})
+    return collector
+
+
+def _run_to_stop(unit: nn.Module, batch) -> None:
+    try:
+        run_batch(unit, batch, logits=False)
+    except _Stop:
+        pass
+
+
+def _entry(t):
+    """The plan entry of ``t`` (a ``_Local`` inside a block, or the entry itself)."""
+    return getattr(t, "target", t)
+
+
+def _raise_stop(_module, _args):
+    raise _Stop

@@ -1,0 +1,347 @@
+"""A quantization recipe: everything the ``quantize`` flags can say, as data.
+
+Recipes load from YAML/JSON (``--recipe``; an ``fp8ptq.json`` works too: its ``recipe`` key is
+used), flags override them, and the merged recipe is recorded in ``fp8ptq.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..calibrators import registry as calibrators
+from ..errors import UsageError
+from ..formats import ROUNDINGS, get_format
+from ..formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from .schemes import expand_scheme
+
+# How calibration samples are cut from the documents (``fp8ptq.io.data.build_calibration_set``):
+# "random": seeded random offsets into the concatenated documents; "documents": each sample
+# opens a seeded random document after the token every sequence opens with.
+CALIB_WINDOWS = ("random", "documents")
+SMOOTHQUANT_INTO = ("norms", "gemms", "all")  # where --smoothquant folds 1/s (smoothquant.py)
+
+# Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
+# compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
+# form ``GLOB: FORMAT`` (``--override GLOB=FORMAT``) sets both formats; ``none`` skips.
+OVERRIDE_KEYS = ("format", "weight_format", "act_format", "weight_calib", "weight_granularity",
+                 "act_granularity")
+# the non-format keys of a partial plan: recipe fields the matching modules take instead
+OVERRIDE_FIELDS = ("weight_calib", "weight_granularity", "act_granularity")
+
+
+class Recipe(BaseModel):
+    """Every field is one line: its type (checked, with a plain message, from the annotation),
+    its default and a comment. Value checks that need more than a type are in ``_check``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False,
+                              arbitrary_types_allowed=True)
+
+    # a named preset (``fp8ptq.config.schemes``): its fields are the defaults under the fields given
+    # explicitly; the name stays recorded
+    scheme: str | None = None
+    format: str = "e4m3"
+    weight_format: str | None = None  # default: ``format``
+    act_format: str | None = None  # default: ``format``; "none" = weight-only
+    weight_granularity: str = "channel"
+    block_size: int = 128
+    # token (dynamic per token: FP8_DYNAMIC, the default) | tensor (static) | group (dynamic);
+    # the default on convolutions is "tensor" (a conv input has no token axis: plan.py)
+    act_granularity: str = "token"
+    act_group_size: int = 128  # features per dynamic activation group (act_granularity group)
+    # "gptq" by default when the recipe has calibration data and names no weight calibrator
+    # (``_default_weight_calib``): the most accurate recipe vLLM serves at full FP8 speed
+    weight_calib: str = "max"
+    act_calib: str = "max"
+    percentile: float = 99.99
+    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
+    gptq_act_order: bool = True  # GPTQ: columns in order of decreasing input energy
+    gptq_block: int = 128  # GPTQ lazy-update block (columns)
+    # GPTQ Hessians from the already-quantized model, group by group in run order
+    # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
+    gptq_sequential: bool = True
+    # asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``, sequential only): each GEMM aims at the
+    # float model's
+    # output on the float model's inputs, not its own output on the quantized model's inputs
+    gptq_asym: bool = False
+    rounding: str | None = None  # default: the format's own
+    scale_pow2: bool = False
+    skip: list[str] = Field(default_factory=list)
+    quantize_lm_head: bool = False
+    # glob -> format name / "none", or a partial plan {format, weight_format, act_format}
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    # where SmoothQuant folds 1/s (SMOOTHQUANT_INTO): "norms" (norm -> q/k/v, gate/up),
+    # "gemms" (GEMM -> GEMM: up -> down, v -> o; fp8ptq.algorithms.smoothquant.pairs) or "all"
+    # (both)
+    smoothquant_into: str = "norms"
+    rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
+    pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
+    bn_retune: bool = False
+    keep_depthwise: bool = False
+    keep_first_last: bool = False
+    quantize_attention: bool = False
+    quantize_residual: bool = False
+    calibrate_all_experts: bool = True  # MoE: every token also observed through every expert
+    quantize_router: bool = False  # MoE: router / shared-expert gate GEMMs quantized too
+    unify_fused_scales: bool | None = None  # None: on for e4m3 / int8 (compressed-tensors)
+    calib_data: str | None = None
+    text_field: str | None = None
+    num_samples: int = 128
+    seq_len: int = 512
+    # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
+    # document after the BOS; the default: on SmolLM2 the default GPTQ recipe +2.08% against
+    # +2.23% with random windows, weight-only GPTQ +0.92% against +1.06%, docs/results.md), or
+    # "random" offsets into the concatenated documents
+    calib_windows: str = "documents"
+    batch_size: int = 8
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+    def __init__(self, *args, **data):
+        if args:  # positional construction, in field order (as the dataclass allowed)
+            data = {**dict(zip(type(self).model_fields, args)), **data}
+        super().__init__(**data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _types(cls, data: Any) -> Any:
+        """Recipe files are hand-written YAML: catch unknown keys and wrong types with a clear
+        ``UsageError`` (a bare string for ``skip`` would otherwise be split into one-character
+        globs). Types come from the annotations, so a new field needs no code here."""
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise UsageError(f"unknown recipe key(s): {', '.join(unknown)}; valid: "
+                             f"{', '.join(sorted(cls.model_fields))}")
+        data = dict(data)
+        for key, value in data.items():
+            data[key] = _check_type(key, value, cls.model_fields[key].annotation)
+        if data.get("scheme") is not None:  # the preset under what this dict says itself
+            data = {**expand_scheme(data["scheme"]), **data}
+            data["scheme"] = expand_scheme(data["scheme"])["scheme"]  # canonical name
+        return data
+
+    @model_validator(mode="after")
+    def _values(self) -> Recipe:
+        self._default_weight_calib()
+        self.check_values()
+        return self
+
+    def _default_weight_calib(self) -> None:
+        """GPTQ (sequential, act-order) when calibration data is given and no weight
+        calibrator was named (a scheme names one): on SmolLM2 it is the most accurate e4m3
+        recipe that vLLM serves at full speed (docs/results.md). Without calibration data the
+        default stays plain round-to-nearest (``max``), which needs no data at all. The field
+        stays "not given" (``model_fields_set``), so ``replace`` / ``merged`` re-decide it
+        when calibration data arrives later."""
+        if "weight_calib" not in self.model_fields_set and self.calib_data is not None:
+            object.__setattr__(self, "weight_calib", "gptq")
+
+    def given(self) -> dict:
+        """The fields set explicitly (by a file, flags or a scheme), as ``to_dict`` writes
+        them; defaults left out, so that a default that depends on other fields (the weight
+        calibrator) is decided again."""
+        return {k: v for k, v in self.to_dict().items() if k in self.model_fields_set}
+
+    def check_values(self) -> None:
+        """The value checks: names, choices, ranges."""
+        for name in (self.format, self.weight_format):
+            if name is not None:
+                get_format(name)
+        if self.act_format not in (None, "none"):
+            get_format(self.act_format)
+        for pattern, value in self.overrides.items():
+            for fmt in override_formats(value).values():
+                if fmt != "none":
+                    try:
+                        get_format(fmt)
+                    except UsageError as e:
+                        raise UsageError(f"override {pattern}={fmt}: {e}") from None
+            if isinstance(value, dict):
+                for key in OVERRIDE_FIELDS:
+                    if key in value:
+                        valid = {"weight_calib": calibrators.names("weight"),
+                                 "weight_granularity": WEIGHT_GRANULARITIES,
+                                 "act_granularity": ACT_GRANULARITIES}[key]
+                        _choice(f"override {pattern} {key}", value[key], valid)
+        _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
+        _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
+        _choice("calib_windows", self.calib_windows, CALIB_WINDOWS)
+        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("act_calib", self.act_calib, calibrators.names("activation"))
+        _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
+        if self.rounding is not None:
+            _choice("rounding", self.rounding, ROUNDINGS)
+        for key in ("block_size", "act_group_size", "num_samples", "seq_len", "batch_size",
+                    "gptq_block"):
+            if getattr(self, key) < 1:
+                raise UsageError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.smoothquant is not None and self.smoothquant != "auto":
+            if not 0 <= self.smoothquant <= 1:
+                raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        _choice("smoothquant_into", self.smoothquant_into, SMOOTHQUANT_INTO)
+        if self.rotate is not None:
+            _choice("rotate", self.rotate, ("hadamard",))
+        if self.pow2_range[0] > self.pow2_range[1]:
+            raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
+        if not 0 < self.percentile <= 100:
+            raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
+        if not 0 <= self.gptq_damp <= 1:
+            raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
+        if self.gptq_asym and not self.gptq_sequential and "gptq_asym" in self.model_fields_set:
+            raise UsageError("gptq_asym needs sequential GPTQ (the float stream runs beside the "
+                             "quantized one); drop --no-gptq-sequential")
+
+    @property
+    def skip_patterns(self) -> list[str]:
+        return list(self.skip) + ([] if self.quantize_lm_head else ["lm_head"])
+
+    def to_dict(self) -> dict:
+        data = self.model_dump()
+        data["pow2_range"] = list(self.pow2_range)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Recipe:
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipe:
+        return cls.from_dict(load_recipe_dict(path))
+
+    def replace(self, **changes) -> Recipe:
+        """A validated copy with ``changes``."""
+        return Recipe.from_dict({**self.given(), **changes})
+
+    def merged(self, **flags) -> Recipe:
+        """A copy with the given (non-None) flag values on top; a ``scheme`` among them goes
+        on top of this recipe first, then the other flags on top of it."""
+        data = self.given()
+        flags = {k: v for k, v in flags.items() if v is not None}
+        if "scheme" in flags:
+            data.update(expand_scheme(flags["scheme"]))
+        data.update(flags)
+        return Recipe.from_dict(data)
+
+
+def override_formats(value) -> dict[str, str]:
+    """An override's formats as ``{weight_format?, act_format?}``: a format name (or "none")
+    sets both; a partial plan sets what it names (``format`` = both)."""
+    if isinstance(value, str):
+        return {"weight_format": value, "act_format": value}
+    out = {k: value["format"] for k in ("weight_format", "act_format")} \
+        if "format" in value else {}
+    out.update({k: value[k] for k in ("weight_format", "act_format") if k in value})
+    return out
+
+
+def load_recipe_dict(path: str | Path) -> dict:
+    p = Path(path)
+    if p.is_dir() and (p / "fp8ptq.json").exists():
+        p = p / "fp8ptq.json"
+    if not p.is_file():
+        raise UsageError(f"recipe file not found: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{e.lineno}:{e.colno}: {e.msg}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UsageError(f"{where}: {what}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"recipe {path} must be a mapping of option: value")
+    if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json
+        data = data["recipe"]
+    named = [k for k in data if not isinstance(k, str)]  # YAML "?" or "1: 2" give None / 1
+    if named:
+        raise UsageError(f"recipe {path}: option names must be strings, got {named[0]!r}")
+    return data
+
+
+_WHAT = {int: "an integer", bool: "true or false", str: "a string", float: "a number"}
+
+
+def _check_type(key: str, value, annotation):
+    """``value`` checked against a field's annotation, normalized (int -> float, a string ->
+    a one-element list, a list -> a tuple); a ``UsageError`` with a plain message otherwise."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - our own annotations
+    if key == "smoothquant":
+        return _smoothquant(value)
+    if key == "overrides":
+        return _overrides(value)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{key} must be a list of module-name globs, got {value!r}")
+        return list(value)
+    if origin is tuple:
+        try:
+            value = tuple(int(v) for v in value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{key} must be two integers LOW, HIGH, got {value!r}") from None
+        if len(value) != len(args):
+            raise UsageError(f"{key} must be LOW,HIGH with LOW <= HIGH, got {value}")
+        return value
+    if annotation is float:
+        _typed(key, value, (int, float))
+        return float(value)
+    if annotation in (int, bool, str):
+        _typed(key, value, annotation)
+    return value
+
+
+def _smoothquant(value):
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
+                         f"{value!r}") from None
+
+
+def _overrides(value):
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and (isinstance(v, str) or (
+            isinstance(v, dict) and v and set(v) <= set(OVERRIDE_KEYS)
+            and all(isinstance(x, str) for x in v.values())))
+        for k, v in value.items())
+    if not ok:
+        raise UsageError("overrides must map module-name globs to format names or 'none' (or "
+                         f"partial plans with keys {', '.join(OVERRIDE_KEYS)}), got {value!r}")
+    return dict(value)
+
+
+def _typed(key, value, types_) -> None:
+    # bool is an int subclass: ``num_samples: true`` must not pass as 1
+    if not isinstance(value, types_) or (isinstance(value, bool) and types_ is not bool):
+        what = _WHAT.get(types_, "a number")
+        raise UsageError(f"{key} must be {what}, got {value!r}")
+
+
+def _choice(key, value, valid):
+    if value not in valid:
+        raise UsageError(f"{key} must be one of {', '.join(valid)}, got {value!r}")

@@ -1,0 +1,2 @@
+"""Reading and writing: model and weight sources, GGUF, calibration data, safe unpickling, atomic
+files."""

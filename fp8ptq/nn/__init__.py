@@ -1,0 +1,1 @@
+"""Quantized modules: GEMMs and fused experts whose weights live as format codes + scales."""

@@ -1,0 +1,237 @@
+"""``QuantGemm``: a GEMM module whose weight lives as format codes + scales.
+
+On CPU it simulates the quantized GEMM exactly: the weight is decoded from its codes once, inputs
+are quantize-dequantized with a static (calibrated) or dynamic per-token scale. On a GPU with FP8
+tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from ..formats import (
+    FormatSpec,
+    codes_as_torch_float8,
+    dequantize,
+    encode_scaled,
+    fake_quantize,
+    get_format,
+    scaled_mm_pair,
+    to_torch_float8,
+)
+from ..formats.granularity import act_granularity as act_granularity_of
+from ..formats.scales import dynamic_scale
+from ..formats.weight_quant import by_rows
+from ..model.gemm import kind, weight_2d, weight_from_2d
+from ..runtime import native
+
+
+def fake_quantize_dynamic(x: torch.Tensor, gran, fmt) -> torch.Tensor:
+    """``x`` through dynamic input quantization of granularity ``gran`` (``PerToken`` /
+    ``PerGroup``) in ``fmt``: the scales from ``x``'s own amax, as a ``QuantGemm`` does at run
+    time (asymmetric GPTQ's fit uses the very same rounding)."""
+    scale = dynamic_scale(gran.amax(x.detach()), fmt)
+    if gran.name == "group":  # the kernels take one scale per group as it is
+        return fake_quantize(x, scale, fmt, group_size=gran.size)
+    return fake_quantize(x, gran.expand(scale, x), fmt)
+
+
+class QuantGemm(nn.Module):
+    """A GEMM whose weight is quantized, holding the weight ONCE: as the dequantized values
+    ``code * scale`` in the model's dtype (``inner.weight``), not as codes plus a copy.
+
+    Why this representation: the CPU simulation and every transformers code path consume the
+    dequantized weight at each forward, so keeping it avoids a decode per call; the codes are
+    needed only when writing a checkpoint (and by the FP8 tensor-core path), and they are exactly
+    recoverable: ``encode(w / scale)`` rounds each value back to its code, because bf16/fp16/fp32
+    keep at least 8 significant bits, finer than any 8-bit format's code spacing. That exactness
+    is checked at construction; where it fails (e.g. a generic format with more mantissa bits
+    than the dtype), the codes are kept as well (``holds_codes``) so simulation stays exact.
+    A module whose weight is on the meta device (the model-free path builds the model without
+    weights) holds only the codes: it is written, never run.
+    """
+
+    def __init__(self, inner: nn.Module, *, weight_format: FormatSpec, weight_codes: torch.Tensor,
+                 weight_scale: torch.Tensor, weight_granularity, act_format: FormatSpec | None,
+                 input_scale: torch.Tensor | None, act_granularity: str = "tensor",
+                 act_group_size: int | None = None):
+        super().__init__()
+        self.inner = inner
+        self.kind = kind(inner)
+        self.weight_format = get_format(weight_format)
+        self.weight_granularity = weight_granularity
+        self.act_format = get_format(act_format) if act_format is not None else None
+        # weight-only: no activation granularity at all (None), whatever was passed
+        act_granularity = None if self.act_format is None else act_granularity
+        # dynamic activations: per token, or per ``act_group_size`` features (FP8_BLOCK's 1x128
+        # groups; MX formats: their 32-value blocks along K)
+        if self.act_format is not None and self.act_format.mx_block is not None:
+            act_granularity, act_group_size = "group", self.act_format.mx_block
+        self.act_granularity = act_granularity
+        self.act_group_size = act_group_size if act_granularity == "group" else None
+        self._act_gran = None if act_granularity is None else act_granularity_of(
+            act_granularity, act_group_size or 128)
+        # clone: scales chosen under torch.inference_mode must not stay inference tensors
+        self.register_buffer("weight_scale", weight_scale.float().clone())
+        self.register_buffer("input_scale", None if input_scale is None else
+                             input_scale.float().reshape(1).clone())
+        codes = weight_codes.to(torch.uint8)
+        if inner.weight.is_meta:
+            # a weightless module (the model-free path): the codes are all there is to hold
+            self._codes = codes
+            return
+        dtype = inner.weight.dtype
+        with torch.no_grad():
+            inner.weight.data = weight_from_2d(inner, self._values(codes, dtype))
+        inner.weight.requires_grad_(False)
+        # One copy of the weight (see the class docstring): the codes are kept only when the
+        # weight's dtype cannot give them back exactly.
+        self._codes = None if torch.equal(self._reencode(), codes) else codes.clone()
+
+    @property
+    def weight_codes(self) -> torch.Tensor:
+        """The weight's format codes (uint8, the 2-D GEMM view)."""
+        return self._codes if self._codes is not None else self._reencode()
+
+    def release_codes(self) -> None:
+        """Keep only the codes' shape (a meta tensor): after the model-free path has written a
+        module of a weightless model, its codes leave memory."""
+        if self._codes is not None:
+            self._codes = torch.empty(self._codes.shape, dtype=torch.uint8, device="meta")
+
+    @property
+    def holds_codes(self) -> bool:
+        """Whether the codes are stored beside the weight (its dtype cannot recover them)."""
+        return self._codes is not None
+
+    def _fp8_codes(self) -> torch.Tensor:
+        """The codes as a torch float8 tensor for ``_scaled_mm``, derived once per device (the
+        tensor-core path's own copy: 1 byte per weight, only on a GPU that runs it)."""
+        cached = getattr(self, "_fp8_cache", None)
+        if cached is None or cached.device != self.inner.weight.device:
+            cached = codes_as_torch_float8(self.weight_codes, self.weight_format)
+            self._fp8_cache = cached
+        return cached
+
+    def _one_pass(self, t: torch.Tensor) -> bool:
+        """Whether the C kernels decode / re-encode this weight whole: tensor or channel scales
+        (one value, or one per row) and a tensor they read. They make no temporaries, so row
+        chunks (``by_rows``, which bound the torch path's float32 temporaries) would only add
+        a copy of the result."""
+        return self.weight_granularity.name in ("tensor", "channel") and native.supports(t)
+
+    def _reencode(self) -> torch.Tensor:
+        fmt, w = self.weight_format, weight_2d(self.inner).detach()
+        return by_rows(w, self.weight_scale, self.weight_granularity,
+                       lambda w, s: encode_scaled(w, s, fmt), torch.uint8,
+                       whole=self._one_pass(w))
+
+    def _values(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        fmt = self.weight_format
+        return by_rows(codes, self.weight_scale, self.weight_granularity,
+                       lambda c, s: dequantize(c, s, fmt, dtype), dtype,
+                       whole=codes.device.type == "cpu" and
+                       self._one_pass(self.inner.weight.detach()))
+
+    def dequantized_weight_2d(self) -> torch.Tensor:
+        return self._values(self.weight_codes)
+
+    @property
+    def weight(self):
+        return self.inner.weight
+
+    @property
+    def bias(self):
+        return self.inner.bias
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        key = _SharedInput.key_of(self, x)
+        hit = _SHARED_INPUT.get(x, key)
+        if hit is not None:
+            return hit
+        if self.act_granularity == "tensor":
+            out = fake_quantize(x, self.input_scale, self.act_format)
+        else:
+            out = fake_quantize_dynamic(x, self._act_gran, self.act_format)
+        return _SHARED_INPUT.put(x, key, out)
+
+    def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The input's scale, broadcastable against ``x``: static, per token or per group."""
+        if self.act_granularity == "tensor":
+            return self.input_scale
+        scale = dynamic_scale(self._act_gran.amax(x.detach()), self.act_format)
+        return self._act_gran.expand(scale, x)
+
+    def forward(self, x, *args, **kwargs):
+        if self.act_format is None:
+            return self.inner(x, *args, **kwargs)
+        if x.is_cuda and self._can_scaled_mm():
+            return self._scaled_mm_forward(x)
+        return self.inner(self.quantize_input(x), *args, **kwargs)
+
+    def _can_scaled_mm(self) -> bool:
+        return (self.kind in ("linear", "conv1d_hf")
+                and scaled_mm_pair(self.weight_format, self.act_format)
+                and self.weight_granularity.name in ("tensor", "channel")
+                and self.act_granularity in ("tensor", "token")
+                and torch.cuda.get_device_capability(self.inner.weight.device) >= (8, 9))
+
+    def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Real FP8 GEMM: a [M, K] row-major x b [K, N] column-major (the codes' transpose)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        scale_a = self._act_scale(x2)
+        a = to_torch_float8(x2.float() / scale_a, self.act_format)
+        b = self._fp8_codes().t()
+        scale_b = self.weight_scale.reshape(1, -1)
+        rowwise = self.weight_granularity.name == "channel" or self.act_granularity == "token"
+        if rowwise:
+            scale_a = scale_a.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+            scale_b = scale_b.expand(1, b.shape[1]).contiguous()
+        else:
+            scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+        out_dtype = torch.bfloat16 if rowwise else x.dtype
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        act = "none" if self.act_format is None else (
+            f"{self.act_format.name}/{self.act_granularity}"
+            + (f"{self.act_group_size}" if self.act_group_size else ""))
+        return (f"kind={self.kind}, weight={self.weight_format.name}/"
+                f"{self.weight_granularity.name}, act={act}")
+
+
+
+class _SharedInput(threading.local):
+    """The last fake-quantized input (per thread), so GEMMs fed the same tensor with the same
+    format and scale (q/k/v, gate/up) quantize it once. Keyed by identity and version counter,
+    so an in-place change of the input is never served stale; inference tensors (no version
+    counter) and GPU tensors (reading the scale would sync) are not cached."""
+
+    x: torch.Tensor | None = None
+    key: tuple | None = None
+    out: torch.Tensor | None = None
+
+    @staticmethod
+    def key_of(q: QuantGemm, x: torch.Tensor) -> tuple | None:
+        if x.is_inference() or x.device.type != "cpu":
+            return None
+        scale = float(q.input_scale) if q.act_granularity == "tensor" else (
+            q.act_granularity, q.act_group_size)
+        return (x._version, q.act_format.name, scale)
+
+    def get(self, x: torch.Tensor, key) -> torch.Tensor | None:
+        return self.out if key is not None and self.x is x and self.key == key else None
+
+    def put(self, x: torch.Tensor, key, out: torch.Tensor) -> torch.Tensor:
+        self.x, self.key, self.out = (x, key, out) if key is not None else (None, None, None)
+        return out
+
+
+_SHARED_INPUT = _SharedInput()

@@ -1,0 +1,2 @@
+"""The process the library runs in: optional native CPU kernels and the usage (time / memory)
+report."""
