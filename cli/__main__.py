@@ -1,6 +1,6 @@
 """``python -m fp8ptq.cli``: the same command as the ``fp8ptq`` console script."""
 
-from .main import main
+from .entry import main
 
 if __name__ == "__main__":
-    main(prog_name="fp8ptq")
+    main()

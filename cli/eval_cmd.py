@@ -28,7 +28,7 @@ from rich.console import Console
 from fp8ptq.checkpoint.card import update_evaluation
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, GateFailure, UsageError
-from fp8ptq.evals import report, runner
+from fp8ptq.evals import report
 from fp8ptq.evals.compare import (  # noqa: F401
     DTYPE_VARIANTS,
     Variant,
@@ -39,15 +39,15 @@ from fp8ptq.evals.compare import (  # noqa: F401
     plan_variants,
     protocol_lines,
 )
-from fp8ptq.evals.report import attach_intervals, check_gates, parse_gate, render_table, to_markdown
-from fp8ptq.execution import job
+from fp8ptq.evals.evaluate import prepare
+from fp8ptq.evals.report import check_gates, parse_gate, render_table, to_markdown
+from fp8ptq.execution.quantize import calib_facts
 from fp8ptq.io.atomic import check_writable, write_file
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.runtime.usage import time_line, usage
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
-from .quantize_cmd import calib_facts
 
 # eval's own --seq-len/--batch-size are about the evaluation; the calibration ones move aside
 CALIB_FLAG_NAMES = {"calib_seq_len": "--calib-seq-len", "calib_batch_size": "--calib-batch-size"}
@@ -118,36 +118,28 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     recipe = build_recipe(flags)
     if update_card and model_meta is None:
         raise UsageError("--update-card needs MODEL to be an fp8ptq checkpoint folder")
-    device = job.resolve_device(device)
-    variants, notes = plan_variants(model, model_meta, _split(compare), recipe)
-    has_baseline = variants[0].kind == "baseline"
-    _check_gate_syntax(gates, task_list, has_baseline)
+    request = prepare(model, task_list, _split(compare), recipe=recipe, data=data, limit=limit,
+                      batch_size=batch_size, seq_len=seq_len, include_path=include_path,
+                      device=device, load_options=load_options, prefix_token=prefix_token,
+                      allow_calib_overlap=allow_calib_overlap)
+    _check_gate_syntax(gates, task_list, request.has_baseline)
     if plot_path and Path(plot_path).suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {plot_path}: expected a {', '.join(PLOT_SUFFIXES)} file")
     for path in (json_path, markdown_path, plot_path, samples_path):
         if path:
             check_writable(path)  # before hours of evaluation, not after
-    notes += check_calib_overlap(calibration_files(variants, recipe), data, allow_calib_overlap)
-    # built-in names, data files, include path and lm-eval task names, before any model is loaded
-    runner.check_request(task_list, data, include_path, extractive=False)
-    calibrated = [v for v in variants if v.kind == "quantized" and job.needs_calibration(v.recipe)]
-    texts = job.calibration_texts(recipe, calibrated[0].spec) if calibrated else None
-
     with progress_bars() as bars:
-        rows, protocol, calib = evaluate_variants(
-            variants, recipe, texts, task_list, notes, data=data, limit=limit,
-            batch_size=batch_size, seq_len=seq_len, include_path=include_path, device=device,
-            load_options=load_options, prefix_token=prefix_token, progress=bars)
-    attach_intervals(rows)
+        result = request.run(bars)
+    rows, protocol, notes, calib = result.rows, result.protocol, result.notes, result.calib
     print_report(rows, protocol, notes, delta_mode)
-    stages = stage_seconds(rows)
+    stages = result.stage_seconds
     shown = {k: v for k, v in stages.items() if k != "calibrate+quantize"}  # its parts shown
     line = time_line(shown, always=("load", "eval"))  # shown even when fast, for scripts
     Console(highlight=False).print(line, markup=False, soft_wrap=True)
     context = {"model": model, "tasks": task_list, "calibration": calib_facts(calib),
                "notes": notes, "eval": {"data": data, "limit": limit, "batch_size": batch_size,
                                         "seq_len": seq_len, "include_path": include_path,
-                                        "device": device},
+                                        "device": request.options["device"]},
                **usage(stages)}  # seconds per stage over every variant, peak_rss_mb
     write_reports(rows, protocol, recipe, context, json_path=json_path,
                   markdown_path=markdown_path, plot_path=plot_path, samples_path=samples_path,
@@ -200,16 +192,6 @@ def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str =
     console.print(render_table(rows, mode))
     for line in protocol_lines(protocol) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def stage_seconds(rows: list[dict]) -> dict[str, float]:
-    """Seconds per stage (load, calibrate+quantize, eval) summed over the variants."""
-    out: dict[str, float] = {}
-    for row in rows:
-        for stage, value in (row.get("timings") or {}).items():
-            value = sum(value.values()) if isinstance(value, dict) else value
-            out[stage] = out.get(stage, 0.0) + value
-    return out
 
 
 def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=None,

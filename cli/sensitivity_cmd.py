@@ -17,6 +17,7 @@ from fp8ptq.errors import DataError, UsageError
 from fp8ptq.execution import job, strategy
 from fp8ptq.execution.in_memory import token_batches
 from fp8ptq.execution.placement import materialize_offloaded
+from fp8ptq.execution.quantize import calib_facts
 from fp8ptq.execution.streaming import calibration_from_folder
 from fp8ptq.formats import get_format
 from fp8ptq.io.atomic import check_writable, write_text
@@ -28,7 +29,6 @@ from fp8ptq.sensitivity.stream import analyze_streamed
 
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars, stderr_console
-from .quantize_cmd import calib_facts
 
 
 def _format_list(text: str, flag: str) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,16 +209,6 @@ def check_calib_overlap(calib_files, data: dict[str, str], allow: bool) -> list[
 # --- evaluation --------------------------------------------------------------------------------
 
 
-class _NoProgress:
-    """``progress`` stand-in: steps without display, no counters."""
-
-    def step(self, description: str):
-        return nullcontext()
-
-    def counter(self, description: str):
-        return None
-
-
 def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, tasks: list[str],
                       notes: list[str], *, device: str, load_options=None,
                       prefix_token: str = "auto", progress=None, **eval_kwargs):
@@ -232,7 +221,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
     ``counter(description)`` (``start(total) -> tick``), e.g. the CLI's progress bars."""
     rows, protocol, tokenizer = [], None, None
     calibs: dict[tuple, object] = {}
-    bars = progress if progress is not None else _NoProgress()
+    bars = progress if progress is not None else job.NoProgress()
     for v in variants:
         timings = job.JobTimings()
         with bars.step(f"{v.name}: loading {v.spec}"), timings.timed("load"):

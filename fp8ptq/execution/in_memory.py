@@ -58,7 +58,7 @@ from ..nn.quant_gemm import QuantGemm
 from ..observe.hessian import HessianCollector
 from ..observe.observers import StatsCollector, TensorStats
 from ..observe.taps import ActivationTaps
-from ..runtime.usage import bound_heap, release_free_memory
+from ..runtime.usage import release_free_memory
 from . import distributed
 from .placement import materialize_offloaded
 
@@ -150,9 +150,9 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
     (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
-    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``), with large
-    tensors mapped and unmapped (``fp8ptq.runtime.usage.bound_heap``)."""
-    bound_heap()
+    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``). The process's
+    allocator is left as the caller set it (the ``fp8ptq`` command bounds the heap:
+    ``fp8ptq.runtime.usage.bound_heap``)."""
     with float32_gemms(model=model):
         return _quantize_model(model, recipe, batches, progress, plan)
 

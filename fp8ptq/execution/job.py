@@ -6,6 +6,8 @@ on the fly is quantized exactly as a written checkpoint would be.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +39,18 @@ class JobTimings:
     def timed(self, key):
         """``with timings.timed("load"): ...`` adds the body's wall time to ``seconds``."""
         return timed(self.seconds, key)
+
+
+class NoProgress:
+    """The progress interface ``quantize`` reports through, doing nothing: ``step(desc)`` is a
+    context manager around one phase, ``counter(desc)(total)`` returns a per-item tick. The CLI
+    passes rich progress bars with the same two methods."""
+
+    def step(self, description: str):
+        return nullcontext()
+
+    def counter(self, description: str) -> Callable[[int], Callable[[], None]]:
+        return lambda total: (lambda: None)
 
 
 def resolve_device(device: str) -> str:

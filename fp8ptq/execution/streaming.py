@@ -42,7 +42,7 @@ from ..io.loading import LoadedModel, load_tokenizer
 from ..io.source import SafetensorsSource
 from ..io.weights import WeightLoader, build_empty
 from ..model.blocks import block_prefix, find_blocks
-from ..runtime.usage import bound_heap, release_free_memory
+from ..runtime.usage import release_free_memory
 from . import distributed
 from .block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from .in_memory import QuantizeResult, high_precision_report, quantize_model, token_batches
@@ -85,9 +85,8 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     Without it (or on a rank other than 0 under torchrun, which writes nothing) the quantized
     blocks stay in ``result.model``, or are freed when ``open_writer`` is given on another
     rank. Under torchrun every rank streams the same blocks, runs its share of the batches,
-    and the statistics are reduced per block (inside ``quantize_model``). Large tensors are
-    mapped and unmapped (``fp8ptq.runtime.usage.bound_heap``)."""
-    bound_heap()
+    and the statistics are reduced per block (inside ``quantize_model``). The process's
+    allocator is left as the caller set it (``fp8ptq.runtime.usage.bound_heap``)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
