@@ -2,7 +2,7 @@
 
 ``PerplexityProbe``: perplexity of fixed token windows, the loss ``model(input_ids,
 labels=input_ids)`` averages, scored without the batch's whole logits (``fp8ptq.model.lm_head``:
-SmolLM2's 4 x 512 x 49,152 float32 logits and their log-softmax were ~0.8 GB of every probe).
+for SmolLM2 at 4 x 512 tokens the float32 logits and their log-softmax would be ~0.8 GB).
 When a change is confined to decoder layers >= k, the layers before k are replayed from outputs
 cached in the baseline pass instead of being run again (checked once: replaying every layer but
 the last must reproduce the baseline loss, else every evaluation runs the whole model).

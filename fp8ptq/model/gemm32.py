@@ -4,8 +4,8 @@ without native low-precision matrix instructions.
 Calibration runs the model in its ``--dtype`` (bf16 by default) so that every observer sees the
 activations the deployed model produces. On a CPU without AVX-512 BF16 / AMX (oneDNN's
 ``_is_mkldnn_bf16_supported()`` is False: AVX2-only machines such as this project's 2-core
-AMD EPYC), torch's bf16 GEMM has no fast kernel: measured 6.4 GFLOP/s against 57.8 GFLOP/s in
-float32 for one 2048 x 5120 @ 5120 x 13824 GEMM (a 5120-wide Llama's gate projection), 9x. A
+AMD EPYC), torch's bf16 GEMM has no fast kernel and runs several times slower than float32
+(docs/results.md, "Big models: figures behind docs/big-models.md"). A
 calibration forward is almost all GEMM, so the whole statistics pass (and sequential mode's
 carrying of activations from block to block) runs several times slower than it needs to.
 
@@ -32,8 +32,8 @@ torch's CPU flash-attention kernel is also several times slower in bf16 than in 
 and it was a fifth of a bf16 SmolLM2 forward at context 2048 once the linear layers ran in
 float32. Evaluation (``fp8ptq.evals.run_tasks``: every lm-eval forward, baseline or simulated
 quantized) runs under the mode as well as calibration; its log-likelihoods then differ from a
-pure-bf16 forward by the same rounding effect (a bf16 SmolLM2's word perplexity moved by
-0.04% on one WikiText article), never by more than that (``tests/test_gemm32.py`` bounds it on
+pure-bf16 forward by the same rounding effect (a small fraction of a percent of a bf16
+SmolLM2's word perplexity), never by more than that (``tests/test_gemm32.py`` bounds it on
 a tiny bf16 model).
 
 Where the CPU has native bf16 / fp16 GEMMs, or the tensors are on an accelerator, nothing
@@ -108,8 +108,8 @@ def _scratch(name: str, elems: int) -> torch.Tensor:
     """This thread's float32 buffer ``name`` (a weight chunk, an output chunk, an upcast
     input: at most ``CHUNK_BYTES`` each), kept between calls. Allocated afresh, every GEMM of
     every forward would map and fault in its float32 pages again (large tensors are mmapped,
-    ``fp8ptq.usage.bound_heap``): the weight and output chunks alone were 17 s of kernel time
-    in a 28 s SmolLM2 statistics pass over 16 x 512 tokens. Freed when the mode exits."""
+    ``fp8ptq.usage.bound_heap``): the weight and output chunks alone were most of the kernel
+    time of a SmolLM2 statistics pass. Freed when the mode exits."""
     bufs = getattr(_active, "scratch", None)
     if bufs is None:
         bufs = _active.scratch = {}
