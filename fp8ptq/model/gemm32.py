@@ -28,8 +28,8 @@ and faulted in again each time (``fp8ptq.usage.bound_heap``), which is kernel ti
 
 The same mode runs ``F.scaled_dot_product_attention`` on bf16 / fp16 CPU tensors in float32
 (``attention32``: query, key, value and a floating mask upcast, the output rounded back once):
-torch's CPU flash-attention kernel is also several times slower in bf16 than in float32 here,
-and it was a fifth of a bf16 SmolLM2 forward at context 2048 once the linear layers ran in
+torch's CPU flash-attention kernel is also several times slower in bf16 than in float32 there,
+and it became a large share of a bf16 forward at long context once the linear layers ran in
 float32. Evaluation (``fp8ptq.evals.run_tasks``: every lm-eval forward, baseline or simulated
 quantized) runs under the mode as well as calibration; its log-likelihoods then differ from a
 pure-bf16 forward by the same rounding effect (a small fraction of a percent of a bf16
@@ -208,7 +208,7 @@ def float32_gemms(force: bool | None = None, model: torch.nn.Module | None = Non
     overrides the check). ``model``: the module the block runs, when known; if its dtype is
     one that never runs in float32 here (a float32 model, or bf16 on a CPU with fast bf16), no
     mode is entered at all, sparing every torch call of the block the mode's Python dispatch
-    (~10% of a simulated per-token forward of a float32 model, measured). Re-entrant: an
+    (a measurable share of a simulated per-token forward of a float32 model). Re-entrant: an
     inner use inside an outer one adds nothing."""
     dtype = None if model is None else float_dtype(model)
     if getattr(_active, "on", False) or (dtype is not None and not wanted(dtype, force)):
