@@ -97,7 +97,7 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     try:                      # slower on a loaded CPU), so the sweep runs on one
         # plain tensor math: a torch-function mode around the caller (the quantize stage's
         # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
-        # sweep's ~10 small ops per column cost ~20% of the sweep (measured)
+        # sweep's ~10 small ops per column is a measurable share of the sweep
         with torch._C.DisableTorchFunction():
             codes = _sweep(Wt, St, U, fmt, block, {"rounding": rounding} if rounding else {},
                            order)

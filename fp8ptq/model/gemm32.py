@@ -15,8 +15,8 @@ the weight in row chunks of at most ``CHUNK_BYTES`` (so no whole-weight float32 
 resident: a 13824 x 5120 weight is 283 MB in float32), and each output chunk is rounded into
 the bf16 output. The result is a correctly rounded bf16 value of a float32-accumulated dot
 product - what a bf16 GEMM with float32 accumulation computes too, up to the summation
-order, so about 1 output in 5,000 differs by one bf16 unit in the last place (measured on that
-GEMM); it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
+order, so a few outputs in 10,000 differ by one bf16 unit in the last place (docs/results.md);
+it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
 sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
