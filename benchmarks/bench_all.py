@@ -1,4 +1,4 @@
-"""Every speed target of issue 16 in one table: the regression check for a change.
+"""Every speed target of fp8ptq in one table: the regression check for a change.
 
     python benchmarks/bench_all.py [--quick] [--dtype D] [--json PATH] [--no-llmc]
         [--remeasure-llmc] [--only codecs,build,calib,eval,quantize] [--threads N]
@@ -16,7 +16,7 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
   e4m3, channel weights, static per-tensor activations, batch 8, N x 512 tokens of
   calib/wiki-paragraphs.txt) against two floors, a plain forward pass over the same batches
   (the same forward: LM head on the last position only), alternated, the faster of two each.
-  Target <= 1.15x against each: transformers' own forward (the issue's floor), and the same
+  Target <= 1.15x against each: transformers' own forward (the first floor), and the same
   forward under the replacements the statistics pass runs (``fp8ptq.model.lean``, and
   ``float32_gemms`` for bf16 on a CPU without bf16 GEMMs), so that leaner forwards cannot hide
   slower observers: the second ratio is what observing costs.
@@ -28,7 +28,7 @@ the ratio, the target, met?), then the whole table; ``--json`` writes the rows. 
 - quantize: a fresh ``fp8ptq quantize`` process (load to written checkpoint) against
   llm-compressor's ``oneshot`` + save of the same job on the same token windows in its venv
   (``llmc_timing.py``; its time cached with its date and load). Target <= 0.5x. Its own
-  number of windows (``--quantize-samples``: 16 with ``--quick``, the issue's 128 without):
+  number of windows (``--quantize-samples``: 16 with ``--quick``, the default 128 without):
   both tools pay ~10 s of fixed costs here (interpreter, imports of torch / transformers,
   load, write), which at 4 windows would be most of the comparison.
 
@@ -137,9 +137,9 @@ def paired_seconds(ref, fn, repeat: int) -> tuple[float, float]:
 
     Why: a codec and its copy are both 2-thread, memory-bound passes of ~5-15 ms; whenever any
     other process is runnable, one thread waits on the other and both read up to 2x slow
-    (session 14: encode e5m2 5.5 and 9.6 GB/s in two runs a minute apart, e4m3fnuz 5.4 /
-    8.2). Timing each codec beside its own copy keeps a burst of that from landing on one
-    side of a ratio only, as the copy measured once at the start of the section did."""
+    (the same codec has read nearly 2x apart in two runs a minute apart). Timing each codec
+    beside its own copy keeps a burst of that from landing on one side of a ratio only, as the
+    copy measured once at the start of the section did."""
     ref()
     fn()
 
@@ -211,9 +211,10 @@ def build_row(out: Rows) -> None:
 
 
 def issue_recipe(samples: int, dtype: str, **fields) -> Recipe:
-    """Issue 16's job: e4m3, channel weights rounded to nearest (``weight_calib="max"``, what
-    llm-compressor's ``QuantizationModifier`` does; the default with calibration data would be
-    sequential GPTQ), static per-tensor activations, batch 8, ``samples`` x 512 tokens."""
+    """The speed comparison's job: e4m3, channel weights rounded to nearest
+    (``weight_calib="max"``, what llm-compressor's ``QuantizationModifier`` does; the default
+    with calibration data would be sequential GPTQ), static per-tensor activations, batch 8,
+    ``samples`` x 512 tokens."""
     return Recipe(**{"format": "e4m3", "weight_granularity": "channel",
                      "act_granularity": "tensor", "weight_calib": "max", "calib_data": CALIB,
                      "num_samples": samples, "seq_len": 512, "batch_size": 8, "dtype": dtype,
@@ -274,8 +275,8 @@ def paired_evals(base_model, model, tokenizer, data: str, articles: int, repeat:
     unregistered job beside it, while at 1 thread it stayed within 3% (9.0-9.4 s). The
     previous bench divided the fastest of two variant timings by the fastest of up to 2 x
     (number of variants) baseline timings; under such heavy-tailed noise the minimum of more
-    draws is lower, so every variant read slow (1.3-1.7x) although the work per eval differed
-    by 0-7% (session 11, 1 thread, quiet)."""
+    draws is lower, so every variant read far slower than its work per eval differed
+    (docs/results.md, "Benchmarks")."""
     bases, variants = abba(lambda: eval_timing(base_model, tokenizer, data, articles),
                            lambda: eval_timing(model, tokenizer, data, articles), repeat)
     base, variant = min(bases), min(variants)
@@ -299,7 +300,7 @@ def model_rows(out: Rows, sections, dtype: str, samples: int, eval_tokens: int |
     # Every row below runs as the ``fp8ptq`` command runs: with glibc's mmap threshold fixed
     # at 1 MiB (``bound_heap``, called by the CLI at start-up and by ``quantize_model``). The
     # first ``quantize_loaded`` would otherwise switch it on between the baseline's first
-    # timing and the variants' (session 9: every eval variant then read 1.3-1.7x).
+    # timing and the variants', and every eval variant would read slow.
     bound_heap()
     if "calib" in sections:
         batches = list(token_batches(calib.input_ids, recipe.batch_size))

@@ -1,7 +1,7 @@
 """``fp8ptq quantize`` against llm-compressor's ``oneshot`` on the same job, as wall time of two
 fresh processes (the speed row of ``bench_all.py``).
 
-The job (issue 16's): SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
+The job: SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
 nearest (``--weight-calib max``: llm-compressor's ``QuantizationModifier`` runs no GPTQ), static
 per-tensor input scales, lm_head kept, batch 8, the same ``N`` token windows of ``seq_len`` tokens
 for both tools. The windows are fp8ptq's own (``fp8ptq.io.data.build_calibration_set`` over

@@ -301,8 +301,8 @@ Timing numbers live in `benchmarks/` scripts (`bench_all.py`, `bench_quantize.py
 `bench_eval.py`, `bench_formats.py`): rerun them on your machine. The `eval s` columns above are the
 evaluation wall time of each variant in the same process (simulated FP8 on CPU).
 
-**Measured before the session-7 changes (float32 eval GEMMs and attention, `out=` codec rows,
-HiF8 integer rounding, the ~2000-token eval slice; not re-measured here) (issue 16's targets;
+**Measured before float32 eval GEMMs and attention, the `out=` codec rows, HiF8 integer rounding
+and the ~2000-token eval slice (not re-measured here; the speed targets of `bench_all.py`;
 `bench_all.py --quick --remeasure-llmc --formats` all nine, float32
 SmolLM2-135M, 2 threads, under `cpu-quiet` on the 2-core development machine, 2026-11-24
 07:33-07:36, load average 5.9 at the start (the 1-minute average still counting the jobs that
@@ -315,12 +315,12 @@ cell):**
 | `quantize` wall <= 0.5x llm-compressor 0.14.0.1 (`oneshot` + save, same 16 x 512 windows, fresh processes) | 25.7 s / 56.7 s = **0.45x** | yes |
 | same at 4 x 512 windows (fixed costs dominate: ours 6.6 s of interpreter, imports and report) | 12.4 s / 21.6 s = 0.57x (07:07) | no |
 | simulated eval <= 1.15x float32 eval (~500 WikiText tokens, one timing each) | e4m3 1.00x, e5m2 0.99x, e4m3fnuz 0.96x, e5m2fnuz 1.11x, hfp8 1.47x, hif8 1.43x, e3m4 1.35x, e2m5 0.86x, int8 0.89x, e4m3 dynamic per-token 0.99x (07:07: 0.98, 0.98, 1.01, 1.04, 1.00, 1.05, 0.99, 0.95, 1.00, 1.06) | 07:07 all; 07:33 not hfp8 / hif8 / e3m4 (one 1.5 s timing: noise of +-15%, e2m5 0.86x in the same run; `--quick` now takes the faster of two) |
-| codecs vs a copy into a preallocated 4096 x 4096 float32 tensor (16.0 GB/s; 13.1 at 07:07, 4.3 last session under load) | encode / fake-quant GB/s: e4m3 9.9 / 4.6, e5m2 8.5 / 7.6, e4m3fnuz 7.7 / 5.8, e5m2fnuz 9.4 / 7.4 (target 8.0), hfp8 9.5 / 5.9, hif8 2.9 / 4.8, e3m4 9.9 / 7.5, e2m5 9.8 / 7.9, int8 12.9 / 8.0 (target 4.0) | OCP / FNUZ encode 3 of 4, fake-quant 0 of 4 (0.29-0.47x); hif8 encode 0.18x; the rest yes |
+| codecs vs a copy into a preallocated 4096 x 4096 float32 tensor (16.0 GB/s; 13.1 at 07:07, 4.3 under load) | encode / fake-quant GB/s: e4m3 9.9 / 4.6, e5m2 8.5 / 7.6, e4m3fnuz 7.7 / 5.8, e5m2fnuz 9.4 / 7.4 (target 8.0), hfp8 9.5 / 5.9, hif8 2.9 / 4.8, e3m4 9.9 / 7.5, e2m5 9.8 / 7.9, int8 12.9 / 8.0 (target 4.0) | OCP / FNUZ encode 3 of 4, fake-quant 0 of 4 (0.29-0.47x); hif8 encode 0.18x; the rest yes |
 | C kernels' first build | 4.8 s | (reported) |
 
 The quiet copy runs 3-4x faster than under load while the codecs, which write a fresh output
-tensor (first-touch page faults), gain less: the codec ratios that were met at load ~4 last
-session miss against a quiet copy. The whole run took 144 s, of which ~57 s were
+tensor (first-touch page faults), gain less: the codec ratios that were met at load ~4 earlier
+miss against a quiet copy. The whole run took 144 s, of which ~57 s were
 llm-compressor's remeasurement and ~22 s the seven extra eval formats: plain `--quick` is
 about 70 s.
 """  # noqa: E501 (a markdown table, one row a line)

@@ -25,7 +25,7 @@ from fp8ptq.runtime.usage import bound_heap
 
 # name -> (module of this package, attribute). A command's module is imported when that command
 # runs (click's documented "lazily loading subcommands" pattern), not all five at start-up:
-# ``eval`` pulls lm-eval, datasets, pandas and pyarrow, ~100 MB of resident memory that
+# ``eval`` pulls lm-eval, datasets, pandas and pyarrow, resident memory that
 # ``quantize`` never uses and would otherwise carry into its peak RSS.
 COMMANDS = {
     "formats": ("formats_cmd", "formats"),

@@ -15,10 +15,10 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..calibrators import registry as calibrators
-from ..errors import UsageError
-from ..formats import ROUNDINGS, get_format
-from ..formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from .calibrators import registry as calibrators
+from .errors import UsageError
+from .formats import ROUNDINGS, get_format
+from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from .schemes import expand_scheme
 
 # How calibration samples are cut from the documents (``fp8ptq.io.data.build_calibration_set``):
@@ -96,8 +96,8 @@ class Recipe(BaseModel):
     num_samples: int = 128
     seq_len: int = 512
     # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
-    # document after the BOS; the default: on SmolLM2 the default GPTQ recipe +2.08% against
-    # +2.23% with random windows, weight-only GPTQ +0.92% against +1.06%, docs/results.md), or
+    # document after the BOS; the default: on SmolLM2 both the default GPTQ recipe and
+    # weight-only GPTQ lose less with them than with random windows, docs/results.md), or
     # "random" offsets into the concatenated documents
     calib_windows: str = "documents"
     batch_size: int = 8

@@ -21,15 +21,15 @@ model that does not fit runs sequential with an activation budget of what SIZE l
 sequential path's own fixed memory; else in-memory. The ``Selection`` says which path and why;
 the CLI prints it, puts it in ``--json`` and in fp8ptq.json's ``extras`` (``record``).
 
-The estimates are deliberately simple and err high (documented in README "Memory budget"): they
+The estimates are deliberately simple and err high (docs/big-models.md, "Memory budget"): they
 count the weights in ``--dtype``, temporaries of the largest quantized module while it is quantized,
 one calibration batch's activations and float32 logits, GPTQ's float64 Hessians (one per distinct
 input; diagonals only for ``hmse``) and its sweep's working memory (``hessian_bytes``), and a fixed
-runtime (Python, torch, transformers, tokenizer: ~0.5 GB measured after imports on this machine).
+runtime (Python, torch, transformers and a tokenizer after imports, ``RUNTIME_BYTES``).
 The largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5
 bytes an element while quantized: a float32 copy some calibrators make, and its uint8 codes. The
-sequential path counts what it holds, as measured on the 44-layer synthetic Llama (peak 3.13 GB at
-``--max-memory 4GB``, static e4m3, 8 x 256 tokens, against 3.45 GB estimated): the modules outside
+sequential path counts what it holds (checked against the 44-layer synthetic Llama's measured
+peak, docs/results.md): the modules outside
 the blocks, ONE block (the next is loaded after the last is written and freed), one micro-batch's
 block forward (logits only when a GEMM outside the blocks is quantized, since the head runs on the
 calibration batches only then), one group's Hessian (in-order GPTQ; a block's otherwise), and the
@@ -45,18 +45,18 @@ import torch
 from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
-from ..checkpoint.shards import SHARD_BYTES
-from ..config.plan import build_plan, needs_full_hessian, reads_data, run_facts
-from ..config.recipe import Recipe
-from ..errors import UsageError
-from ..io.loading import resolve_safetensors
-from ..io.weights import build_empty
-from ..model.blocks import block_prefix, find_blocks
-from ..model.forward import MICRO_TOKENS
-from ..model.gemm import weight_2d
-from ..nn.fused import fused_groups
 from . import distributed
+from .checkpoint.shards import SHARD_BYTES
+from .errors import UsageError
+from .fused import fused_groups
+from .loading import resolve_safetensors
+from .model.blocks import block_prefix, find_blocks
+from .model.forward import MICRO_TOKENS
+from .model.gemm import weight_2d
 from .model_free import ModelFreeJob, NotModelFree, refusal
+from .plan import build_plan, needs_full_hessian, reads_data, run_facts
+from .recipe import Recipe
+from .weights import build_empty
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
 
@@ -131,8 +131,8 @@ def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Est
                       if not n.startswith(f"{name}.")) * size
         head_runs = any(not m.name.startswith(f"{name}.") for m in plan.modules)
     # sequential writes each block as it is done, but the writer keeps the open shard's
-    # tensors (the blocks' codes) until the shard is full (measured: 0.3 GB more per block of
-    # a 5120-wide Llama until the shard is written); in memory the shard holds the model's
+    # tensors (the blocks' codes) until the shard is full (the peak RSS grows block by block
+    # until the shard is written); in memory the shard holds the model's
     # own tensors
     shard = min(shard_bytes(budget) or SHARD_BYTES, coded)
     block_batch = _block_forward_bytes(recipe, facts.gptq, hidden, inter, heads, size,
@@ -167,9 +167,10 @@ def hessian_bytes(gemms: list) -> tuple[dict[str, int], int]:
     ``in^2`` elements, or ``in`` where only the diagonal is read (``hmse`` rounding to nearest:
     ``fp8ptq.observe.hessian``). The sweep (``fp8ptq.algorithms.gptq.sweep``) holds, besides the
     sums, two
-    float64 ``in x in`` matrices (2.15 measured, with LAPACK's copy; 3 counted) and the float64
-    transposed weight it updates (with the float32 gather before it and the codes: 1.5
-    float64 weights measured; ``16 out in`` bytes counted)."""
+    float64 ``in x in`` matrices (3 counted: the two it keeps plus LAPACK's copy, rounded up)
+    and the float64 transposed weight it updates (with the float32 gather before it and the
+    codes; ``16 out in`` bytes counted, two weights' worth, rounded up from what
+    ``tests/test_gptq.py`` measures)."""
     reading = {m.name: m for m in gemms if reads_data(m)}
     shared = {n: g[0] for g in fused_groups(list(reading)) for n in g}
     sums: dict[str, int] = {}

@@ -5,8 +5,8 @@ possible fields these tables hold what the format does in that binade: the grid 
 the power of two and its inverse), the smallest grid magnitude of the binade and its rank among
 all non-negative magnitudes. Rounding is then ``floor(|x| * 2^-step)`` plus a rounding decision,
 and encoding a grid value is ``magnitude_codes[first_rank + (|q| - first) * 2^-step]`` -- one
-gather on a small table instead of a binary search over the whole grid (which ran at ~0.05 GB/s
-for HiFloat8 and generic ExMy). Binades outside ``[e_lo, e_hi]`` take the nearest end's entry,
+gather on a small table instead of a binary search over the whole grid (which was the slow
+path for HiFloat8 and generic ExMy). Binades outside ``[e_lo, e_hi]`` take the nearest end's entry,
 exactly like the ``clamp`` of the frexp-based reference.
 """
 

@@ -162,7 +162,7 @@ def encode(x: torch.Tensor, spec: FormatSpec, *, out: torch.Tensor | None = None
 
     ``out``: a uint8 tensor of ``x``'s shape to write the codes into (and return), as torch's
     ``out=``: repeated calls then reuse one buffer instead of faulting in fresh pages, which on
-    a CPU costs about as much as the codec itself for a 64 MB output."""
+    a CPU can cost as much as the codec itself for a large output."""
     out = _out_buffer(out, x, torch.uint8)
     rounding = kwargs.get("rounding") or spec.rounding
     kw = dict(kwargs, rounding=rounding)
@@ -328,7 +328,7 @@ def _fake_quantize_torch(x, scale, spec, rows, kwargs) -> torch.Tensor:
 
 # Activations are fake-quantized in row chunks of about this many elements: the fp32
 # temporaries then stay in cache and come from the allocator's free list; on CPU, whole-tensor
-# temporaries of a few MB cost more in page faults than the arithmetic (10x at 1400 x 1536).
+# temporaries of a few MB cost more in page faults than the arithmetic itself.
 CHUNK_ELEMENTS = 1 << 16
 
 

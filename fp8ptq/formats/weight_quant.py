@@ -20,19 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import NumericsError
-from ..runtime import native
-from . import FormatSpec, decode, encode
-from .binades import native_tables
+from . import native
+from .errors import NumericsError
+from .formats import FormatSpec, decode, encode
+from .formats.binades import native_tables
 from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
 CHUNK_ELEMENTS = 1 << 17
 # Elements per chunk of ``by_rows`` (decoding / re-encoding a ``QuantGemm``'s whole weight):
 # each chunk runs several torch ops, and on a busy machine every op's fork-join over the
-# intra-op threads costs milliseconds whatever its size. With 2^17-element chunks (553 per
-# 13824 x 5120 weight) building that ``QuantGemm`` took 24-69 s at load 9 on 2 cores; with
-# 2^22 (17 chunks), 2.6 s. Temporaries: ~70 MB (int64 indices, two float32 copies of a chunk).
+# intra-op threads costs milliseconds whatever its size, so chunks are large: 17 per
+# 13824 x 5120 weight at 2^22 elements instead of 553 at 2^17, an order of magnitude faster
+# under load. Temporaries: int64 indices and two float32 copies of one chunk.
 BY_ROWS_ELEMENTS = 1 << 22
 
 
@@ -98,7 +98,7 @@ def _sqnr(signal: float, noise: float) -> float:
 
 def _native_sweep(w2d, scale, fmt, gran, rounding, name) -> QuantizedWeight | None:
     """``quantize_weight`` by the C kernel (``fp8ptq.runtime.native.weight_sweep``: one pass reading
-    the weight once, ~10x fewer memory trips than the chunked torch sweep): per-tensor or
+    the weight once, instead of a memory trip per op of the chunked torch sweep): per-tensor or
     per-channel float32 scales, round-half-even / half-away, a float32 or bfloat16 weight.
     Same codes bit for bit; the same SQNR terms summed in another order. None: not here."""
     rounding = rounding or fmt.rounding
@@ -136,7 +136,7 @@ def by_rows(src: torch.Tensor, scale: torch.Tensor, gran, fn, dtype: torch.dtype
     """``fn(rows, their scale expanded to them)`` over the row chunks of the 2-D ``src``, into a
     new ``dtype`` tensor: elementwise work on a whole weight (decoding codes, re-encoding
     values) with chunk-sized temporaries (``BY_ROWS_ELEMENTS``) instead of float32 copies of
-    the whole matrix (a 13824 x 5120 GEMM's were ~0.9 GB on top of its 141 MB of bf16). The
+    the whole matrix (several times the weight's own bf16 bytes). The
     same values as the whole-matrix expression, element for element. ``whole``: ``fn`` makes
     no temporaries (a C kernel), so it runs once on all of ``src`` and its result is returned
     as is."""
@@ -183,7 +183,7 @@ def half_layout(fmt: FormatSpec) -> tuple[int, float] | None:
 
 def _decoder(fmt: FormatSpec):
     """Codes -> float32 values for the SQNR sums: through float16 bits where ``half_layout``
-    holds (a few integer ops and the hardware half -> float conversion: ~6x faster on CPU than
+    holds (a few integer ops and the hardware half -> float conversion: much faster on CPU than
     torch's float8 -> float32 cast, and the same values), else the format's table."""
     layout = half_layout(fmt)
     if layout is None:

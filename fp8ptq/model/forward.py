@@ -28,9 +28,9 @@ def run_batch(model: nn.Module, batch, *, logits: bool = True):
 
 
 # Tokens one statistics-pass forward runs at once (``micro_batches``). A forward's activations
-# and their allocator churn scale with its tokens: SmolLM2-135M's peak RSS during calibration
-# was 1.68 GB with 8 x 512-token forwards and ~1.03 GB with 2 x 512 (float32 GEMMs, 2 batches,
-# before malloc_trim), the GEMMs still large enough (M = 1024) to run at full speed.
+# and their allocator churn scale with its tokens, so smaller forwards lower the calibration
+# peak (docs/results.md, "Other figures behind code comments"), while GEMMs of M = 1024 rows
+# are still large enough to run at full speed.
 MICRO_TOKENS = 1024
 
 

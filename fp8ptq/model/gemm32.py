@@ -4,8 +4,8 @@ without native low-precision matrix instructions.
 Calibration runs the model in its ``--dtype`` (bf16 by default) so that every observer sees the
 activations the deployed model produces. On a CPU without AVX-512 BF16 / AMX (oneDNN's
 ``_is_mkldnn_bf16_supported()`` is False: AVX2-only machines such as this project's 2-core
-AMD EPYC), torch's bf16 GEMM has no fast kernel: measured 6.4 GFLOP/s against 57.8 GFLOP/s in
-float32 for one 2048 x 5120 @ 5120 x 13824 GEMM (a 5120-wide Llama's gate projection), 9x. A
+AMD EPYC), torch's bf16 GEMM has no fast kernel and runs several times slower than float32
+(docs/results.md, "Big models: figures behind docs/big-models.md"). A
 calibration forward is almost all GEMM, so the whole statistics pass (and sequential mode's
 carrying of activations from block to block) runs several times slower than it needs to.
 
@@ -15,8 +15,8 @@ the weight in row chunks of at most ``CHUNK_BYTES`` (so no whole-weight float32 
 resident: a 13824 x 5120 weight is 283 MB in float32), and each output chunk is rounded into
 the bf16 output. The result is a correctly rounded bf16 value of a float32-accumulated dot
 product - what a bf16 GEMM with float32 accumulation computes too, up to the summation
-order, so about 1 output in 5,000 differs by one bf16 unit in the last place (measured on that
-GEMM); it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
+order, so a few outputs in 10,000 differ by one bf16 unit in the last place (docs/results.md);
+it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
 sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
@@ -29,12 +29,12 @@ and faulted in again each time (``fp8ptq.runtime.usage.bound_heap``), which is k
 
 The same mode runs ``F.scaled_dot_product_attention`` on bf16 / fp16 CPU tensors in float32
 (``attention32``: query, key, value and a floating mask upcast, the output rounded back once):
-torch's CPU flash-attention kernel is also several times slower in bf16 than in float32 here,
-and it was a fifth of a bf16 SmolLM2 forward at context 2048 once the linear layers ran in
+torch's CPU flash-attention kernel is also several times slower in bf16 than in float32 there,
+and it became a large share of a bf16 forward at long context once the linear layers ran in
 float32. Evaluation (``fp8ptq.evals.run_tasks``: every lm-eval forward, baseline or simulated
 quantized) runs under the mode as well as calibration; its log-likelihoods then differ from a
-pure-bf16 forward by the same rounding effect (a bf16 SmolLM2's word perplexity moved by
-0.04% on one WikiText article), never by more than that (``tests/test_gemm32.py`` bounds it on
+pure-bf16 forward by the same rounding effect (a small fraction of a percent of a bf16
+SmolLM2's word perplexity), never by more than that (``tests/test_gemm32.py`` bounds it on
 a tiny bf16 model).
 
 Where the CPU has native bf16 / fp16 GEMMs, or the tensors are on an accelerator, nothing
@@ -109,9 +109,8 @@ def _scratch(name: str, elems: int) -> torch.Tensor:
     """This thread's float32 buffer ``name`` (a weight chunk, an output chunk, an upcast
     input: at most ``CHUNK_BYTES`` each), kept between calls. Allocated afresh, every GEMM of
     every forward would map and fault in its float32 pages again (large tensors are mmapped,
-    ``fp8ptq.runtime.usage.bound_heap``): the weight and output chunks alone were 17 s of kernel
-    time
-    in a 28 s SmolLM2 statistics pass over 16 x 512 tokens. Freed when the mode exits."""
+    ``fp8ptq.runtime.usage.bound_heap``): the weight and output chunks alone were most of the kernel
+    time of a SmolLM2 statistics pass. Freed when the mode exits."""
     bufs = getattr(_active, "scratch", None)
     if bufs is None:
         bufs = _active.scratch = {}
@@ -210,7 +209,7 @@ def float32_gemms(force: bool | None = None, model: torch.nn.Module | None = Non
     overrides the check). ``model``: the module the block runs, when known; if its dtype is
     one that never runs in float32 here (a float32 model, or bf16 on a CPU with fast bf16), no
     mode is entered at all, sparing every torch call of the block the mode's Python dispatch
-    (~10% of a simulated per-token forward of a float32 model, measured). Re-entrant: an
+    (a measurable share of a simulated per-token forward of a float32 model). Re-entrant: an
     inner use inside an outer one adds nothing."""
     dtype = None if model is None else float_dtype(model)
     if getattr(_active, "on", False) or (dtype is not None and not wanted(dtype, force)):

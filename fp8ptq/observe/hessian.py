@@ -119,8 +119,8 @@ class HessianCollector:
         """Move the finished sums to files under ``spill_dir`` (default: the system's temporary
         folder); ``hessian`` then reads one back per call. For a caller that keeps them for
         long after the pass and uses a few at a time: ``--target-delta``'s sweep quantizes one
-        unit at a time, while every GEMM's float64 Hessian stayed resident (767 MiB on
-        SmolLM2-135M). Only the plain sums (not a subclass's other stores)."""
+        unit at a time, while every GEMM's float64 Hessian would otherwise stay resident.
+        Only the plain sums (not a subclass's other stores)."""
         if isinstance(self.sums, dict):
             self.sums = OffloadedSums(self.sums, spill_dir)
 

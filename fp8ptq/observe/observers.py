@@ -186,8 +186,8 @@ class StatsCollector:
                 self.stats[name].update(args[0], dim)
                 if self.batch_index < self.sample_batches:
                     # a copy, never a view: every ``row_stride``-th row of a float32 input is
-                    # a strided view whose storage is the whole input (16x the rows kept: 1.5
-                    # GB of SmolLM2 inputs held by --target-delta / sensitivity before this)
+                    # a strided view whose storage is the whole input (16x the rows kept, held
+                    # for the whole --target-delta / sensitivity run)
                     rows = sample_rows(args[0].detach(), dim, self.row_stride)
                     self.samples[name].append((self.batch_index, rows.to(
                         "cpu", torch.float32, copy=True, memory_format=torch.contiguous_format)))

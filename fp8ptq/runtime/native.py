@@ -3,8 +3,8 @@ the system C compiler, loaded with ctypes, and optional -- every caller keeps it
 path and takes it when this module says no (no compiler, a non-CPU tensor, an unusual dtype or
 layout, ``FP8PTQ_NATIVE=0``).
 
-Why a few small C files and not ``torch.compile`` or a torch C++ extension: it compiles in about
-3.5 s of CPU (once per machine) with plain ``cc`` (no torch headers, no ninja, nothing
+Why a few small C files and not ``torch.compile`` or a torch C++ extension: it compiles in a
+few seconds of CPU (once per machine) with plain ``cc`` (no torch headers, no ninja, nothing
 downloaded), is never compiled at import time (the first codec or observer call builds it),
 needs nothing at install time (``pip install -e .`` stays the one command), and fuses each
 codec and the calibration observer into one pass over memory. The results are bit-identical

@@ -57,11 +57,11 @@ def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     torch thread), where freed blocks interleave with live ones and stay resident:
     ``malloc_trim`` between batches (``release_free_memory``) cannot reach the peak that
     builds inside one forward. Fixing the threshold (which also switches glibc's dynamic
-    adjustment off) measured on SmolLM2-135M, e4m3 static, 16 x 512 calibration tokens: peak
-    RSS 1108-1265 MiB with glibc's default, 838 MiB at 1 MiB, 837 MiB at 256 KiB, 1077 MiB at
-    4 MiB. A user's own ``MALLOC_MMAP_THRESHOLD_`` wins (then nothing is changed); a no-op off
-    glibc. Called by the ``fp8ptq`` command at start-up and by ``quantize_model`` /
-    ``quantize_sequential`` (idempotent)."""
+    adjustment off) lowers the calibration peak and makes it repeatable; 1 MiB is as low as a
+    smaller threshold and well below 4 MiB (docs/results.md, "Heap and pages"). A user's own
+    ``MALLOC_MMAP_THRESHOLD_`` wins (then nothing is changed); a no-op off glibc. Called by the
+    ``fp8ptq`` command at start-up and by ``quantize_model`` / ``quantize_sequential``
+    (idempotent)."""
     if _MALLOPT is None or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
@@ -110,11 +110,9 @@ def exec_with_hugepages() -> None:
 
     Why: ``bound_heap`` serves every allocation of 1 MiB or more from its own ``mmap``, so each
     activation tensor of a forward is faulted in afresh, 4 KiB at a time. With the tunable glibc
-    ``madvise``s those mappings for 2 MiB pages (the kernel here is in ``madvise`` mode):
-    measured on SmolLM2-135M float32, e4m3 static, 16 x 512 calibration tokens, quiet, 1 thread:
-    calibrate 42.9 -> 31.9 s, system time 11.8 -> 5.0 s, page faults 3.8 M -> 1.2 M, peak RSS
-    1116 -> 1144 MiB; 2 threads: calibrate 21.1 / 22.3 -> 20.1 / 19.8 s, wall 33.4 / 33.5 ->
-    31.1 / 30.7 s. The exec costs one interpreter start (tens of ms)."""
+    ``madvise``s those mappings for 2 MiB pages (where the kernel's THP mode is ``madvise``):
+    far fewer page faults and less system time in calibration at about the same peak RSS
+    (docs/results.md, "Huge pages for `bound_heap`"). The exec costs one interpreter start."""
     new_env = hugepage_env(dict(os.environ), _thp_mode(), _glibc_version())
     if new_env is None or "torch" in sys.modules or not getattr(sys, "orig_argv", None):
         return
@@ -124,9 +122,9 @@ def exec_with_hugepages() -> None:
 
 
 # The commands that re-execute with huge pages: measured per command, not assumed. ``quantize``:
-# fewer page faults, the same peak RSS (SmolLM2 128 x 512 844 MiB, the 28.6 GB Llama's
-# sequential run 2,803 MiB either way). ``eval``: its peak on the 262k-vocabulary bench rose
-# 1.47 -> 2.13 GB with them for no measured speed-up, so it keeps 4 KiB pages.
+# fewer page faults, the same peak RSS. ``eval``: its peak on the 262k-vocabulary bench rose
+# with them for no measured speed-up, so it keeps 4 KiB pages (docs/results.md, "Huge pages
+# for `bound_heap`").
 HUGEPAGE_COMMANDS = frozenset({"quantize"})
 
 
@@ -156,8 +154,8 @@ def release_free_memory() -> None:
     """Hand the heap's free pages back to the kernel (glibc ``malloc_trim(0)``; a no-op
     elsewhere). Tensors of a few MB come from glibc's heap, not from mmap, once its dynamic
     mmap threshold has grown, and a freed tensor in the middle of the heap stays resident:
-    over a calibration pass the peak RSS grew batch after batch (SmolLM2: 1.23 -> 1.52 GB
-    over 16 batches). Called between calibration batches and sequential blocks: a few ms."""
+    over a calibration pass the peak RSS grew batch after batch. Called between calibration
+    batches and sequential blocks (a few milliseconds each)."""
     if _TRIM is not None:
         _TRIM(0)
 

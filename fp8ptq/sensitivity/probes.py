@@ -2,7 +2,7 @@
 
 ``PerplexityProbe``: perplexity of fixed token windows, the loss ``model(input_ids,
 labels=input_ids)`` averages, scored without the batch's whole logits (``fp8ptq.model.lm_head``:
-SmolLM2's 4 x 512 x 49,152 float32 logits and their log-softmax were ~0.8 GB of every probe).
+for SmolLM2 at 4 x 512 tokens the float32 logits and their log-softmax would be ~0.8 GB).
 When a change is confined to decoder layers >= k, the layers before k are replayed from outputs
 cached in the baseline pass instead of being run again (checked once: replaying every layer but
 the last must reproduce the baseline loss, else every evaluation runs the whole model).
@@ -213,10 +213,10 @@ class KLProbe(PerplexityProbe):
     """Mean KL(p_float || q_model) of the next-token distributions on fixed token windows, in
     nats per token, against the distributions recorded by ``baseline()`` (the unquantized
     model). Why not the perplexity delta: that sums signed per-token log-likelihood changes,
-    which cancel, so a block whose effect is small measures mostly noise (on SmolLM2, 7 of 30
-    blocks measured a negative delta on 4,096 tokens). KL is non-negative per token and, for a
-    calibrated model (text ~ p_float), its mean is the expected log-likelihood increase: the
-    predicted perplexity ratio of a set of units is exp(sum of their KLs).
+    which cancel, so a block whose effect is small measures mostly noise (on SmolLM2 several
+    blocks measure a negative delta on 4,096 tokens, docs/results.md). KL is non-negative per
+    token and, for a calibrated model (text ~ p_float), its mean is the expected log-likelihood
+    increase: the predicted perplexity ratio of a set of units is exp(sum of their KLs).
 
     Memory: per scored position the reference keeps ``top_k`` log-probs and token ids plus the
     log of the remaining mass (``coarse_kl``: a lower bound short of the full KL by the tail's

@@ -21,8 +21,8 @@ on the same batch with the same weights (``tests/test_gptq_sequential.py``). Wha
   wrapper's output is the one replayed);
 - outputs that are a tensor or a tuple of tensors / None, copied on record and on replay, so
   that in-place updates downstream cannot touch the record;
-- nothing in a unit's last group (no forward follows it: recording there held ~0.5 GB of
-  SmolLM2's 128 x 512 run for nothing);
+- nothing in a unit's last group (no forward follows it, so a record there would only hold
+  memory);
 - at most ``budget`` bytes (what the sequential activation budget leaves beside the block
   inputs held in memory): past it a batch recomputes, as before.
 Not used with asymmetric GPTQ's float stream.

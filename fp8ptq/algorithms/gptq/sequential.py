@@ -258,7 +258,7 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     handles = []
     # the partial forwards run the same fewer-temporaries code as the statistics pass and
     # ``run_block`` (bit for bit transformers' outputs): under transformers' own rotary and
-    # RMSNorm they were ~10% of a sequential GPTQ quantize of SmolLM2 (profile, session 14)
+    # RMSNorm they were a visible share of a sequential GPTQ quantize of SmolLM2 in a profile
     with collector.observing(), torch.inference_mode(), lean_forwards(unit), \
             lean_forwards(floats.unit) if floats.unit is not None else nullcontext():
         # registered after the collector's hooks, so it runs after the last one

@@ -39,15 +39,15 @@ def _inverse_cholesky(H: torch.Tensor, damp: float,
     ``P A P = L L^T``, ``A^-1 = (P L^-T P)(P L^-1 P)`` and ``P L^-1 P`` is upper triangular with a
     positive diagonal, so it IS the Cholesky factor (unique). One Cholesky and one triangular
     solve, against the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky:
-    LAPACK's ``potri`` behind ``cholesky_inverse`` took 15 s on a 1536 x 1536 matrix on a loaded
-    2-core CPU (0.6 s on one thread), this path 0.7 s.
+    LAPACK's ``potri`` behind ``cholesky_inverse`` scales badly with threads on a loaded CPU,
+    and this path needs no inverse at all (docs/results.md, "GPTQ sweep").
 
     Memory: at most two ``in x in`` float64 matrices at once besides ``H``: ``P A P`` is
     gathered in one step (order and reversal together), dampened on its diagonal in place and
     freed once factored; the triangular solve overwrites the identity it starts from. Written
     the plain way (a damped copy, an identity, a flipped copy, a separate solve output) it held
-    five or six: 45 in^2 bytes measured on a 4096-input GEMM, which would be 34 GiB for a 70B
-    model's 28,672-input ``down_proj`` (now ~12 GiB, plus its 6 GiB Hessian)."""
+    five or six, which for a 70B model's 28,672-input ``down_proj`` is the difference between
+    about 12 GiB (plus its 6 GiB Hessian) and over 30 GiB."""
     n = H.shape[0]
     rev = (order if order is not None else torch.arange(n)).flip(0)
     base = torch.diagonal(H).double()[rev]
@@ -93,11 +93,11 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     St = scale_matrix.detach().expand_as(W).T  # [in, out], a view
     order = None if perm is None else perm.tolist()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # per-column ops are tiny: threads only add sync cost (15x on a
-    try:                      # loaded 2-core box, measured), so the sweep runs on one
+    torch.set_num_threads(1)  # per-column ops are tiny: threads only add sync cost (much
+    try:                      # slower on a loaded CPU), so the sweep runs on one
         # plain tensor math: a torch-function mode around the caller (the quantize stage's
         # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
-        # sweep's ~10 small ops per column cost ~20% of the sweep (measured)
+        # sweep's ~10 small ops per column is a measurable share of the sweep
         with torch._C.DisableTorchFunction():
             codes = _sweep(Wt, St, U, fmt, block, {"rounding": rounding} if rounding else {},
                            order)
@@ -111,8 +111,8 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
 def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
     """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight ``Wt``
     [in, out] (updated in place), so each step reads, encodes and updates contiguous memory
-    (3x faster on this CPU than strided columns). ``St`` [in, out]: the scales in the weight's
-    own column order; ``order``: the sweep's column order (None: as they are)."""
+    (several times faster on a CPU than strided columns). ``St`` [in, out]: the scales in the
+    weight's own column order; ``order``: the sweep's column order (None: as they are)."""
     cols, rows = Wt.shape
     codes = torch.empty(cols, rows, dtype=torch.uint8)
     for i1 in range(0, cols, block):
