@@ -165,12 +165,11 @@ def hessian_bytes(gemms: list) -> tuple[dict[str, int], int]:
     bytes for the largest GEMM)``. The sums are float64, one per distinct input (the GEMMs a
     runtime fuses, q/k/v and gate/up, read the same tensor and share one: ``fused_groups``),
     ``in^2`` elements, or ``in`` where only the diagonal is read (``hmse`` rounding to nearest:
-    ``fp8ptq.observe.hessian``). The sweep (``fp8ptq.algorithms.gptq.sweep``) holds, besides the
-    sums, two
-    float64 ``in x in`` matrices (3 counted: the two it keeps plus LAPACK's copy, rounded up)
-    and the float64 transposed weight it updates (with the float32 gather before it and the
-    codes; ``16 out in`` bytes counted, two weights' worth, rounded up from what
-    ``tests/test_gptq.py`` measures)."""
+    ``fp8ptq.observe.hessian``). The sweep (``fp8ptq.algorithms.gptq.sweep``) holds, besides
+    the sums, two float64 ``in x in`` matrices (3 counted: the two it keeps plus LAPACK's
+    copy, rounded up) and the float64 transposed weight it updates (with the float32 gather
+    before it and the codes; ``16 out in`` bytes counted, two weights' worth, rounded up from
+    what ``tests/test_gptq.py`` measures)."""
     reading = {m.name: m for m in gemms if reads_data(m)}
     shared = {n: g[0] for g in fused_groups(list(reading)) for n in g}
     sums: dict[str, int] = {}
