@@ -110,7 +110,7 @@ _SPECS = [
 
 def _param_name(decls) -> str:
     named = [d for d in decls if not d.startswith("-")]
-    return named[0] if named else decls[0].lstrip("-").replace("-", "_")
+    return named[0] if named else decls[0].split("/")[0].lstrip("-").replace("-", "_")
 
 
 def recipe_option_list(flag_names: dict[str, str] | None = None) -> list:
@@ -205,36 +205,24 @@ def parse_range(text):
     return (low, high)
 
 
+# Recipe flags whose parameter is not the Recipe field's name, and those parsed from text; every
+# other recipe flag's parameter IS a Recipe field (tests/test_recipe_flags.py checks both), so a
+# new recipe field needs its Recipe line and its _SPECS line, nothing here.
+FIELD_OF = {"calib_seq_len": "seq_len", "calib_batch_size": "batch_size"}
+PARSE = {"overrides": lambda v: parse_overrides(v), "pow2_range": lambda v: parse_range(v),
+         "skip": lambda v: list(v) or None}
+
+
+def recipe_params() -> list[str]:
+    """The parameter names of the recipe flags that set a Recipe field (not ``--recipe``)."""
+    return [p for p in (_param_name(decls) for decls, _ in _SPECS) if p != "recipe_path"]
+
+
 def build_recipe(kwargs: dict, **extra) -> Recipe:
     """Recipe file (if any) < flags given on the command line. Pops the recipe flags."""
     path = kwargs.pop("recipe_path", None)
     base = Recipe.load(path) if path else Recipe()
-    flags = dict(
-        scheme=kwargs.pop("scheme"), calib_data=kwargs.pop("calib_data"),
-        text_field=kwargs.pop("text_field"),
-        num_samples=kwargs.pop("num_samples"), seq_len=kwargs.pop("calib_seq_len"),
-        seed=kwargs.pop("seed"), calib_windows=kwargs.pop("calib_windows"),
-        batch_size=kwargs.pop("calib_batch_size"),
-        weight_format=kwargs.pop("weight_format"), act_format=kwargs.pop("act_format"),
-        weight_granularity=kwargs.pop("weight_granularity"), block_size=kwargs.pop("block_size"),
-        act_granularity=kwargs.pop("act_granularity"),
-        act_group_size=kwargs.pop("act_group_size"), weight_calib=kwargs.pop("weight_calib"),
-        act_calib=kwargs.pop("act_calib"), percentile=kwargs.pop("percentile"),
-        gptq_damp=kwargs.pop("gptq_damp"), gptq_act_order=kwargs.pop("gptq_act_order"),
-        gptq_sequential=kwargs.pop("gptq_sequential"), gptq_asym=kwargs.pop("gptq_asym"),
-        rounding=kwargs.pop("rounding"), scale_pow2=kwargs.pop("scale_pow2"),
-        quantize_lm_head=kwargs.pop("quantize_lm_head"), dtype=kwargs.pop("dtype"),
-        overrides=parse_overrides(kwargs.pop("overrides")),
-        smoothquant=kwargs.pop("smoothquant"),
-        smoothquant_into=kwargs.pop("smoothquant_into"), rotate=kwargs.pop("rotate"),
-        pow2_range=parse_range(kwargs.pop("pow2_range")),
-        bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
-        keep_first_last=kwargs.pop("keep_first_last"),
-        quantize_attention=kwargs.pop("quantize_attention"),
-        quantize_residual=kwargs.pop("quantize_residual"),
-        calibrate_all_experts=kwargs.pop("calibrate_all_experts"),
-        quantize_router=kwargs.pop("quantize_router"),
-        unify_fused_scales=kwargs.pop("unify_fused_scales"),
-        skip=list(kwargs.pop("skip")) or None, **extra)
-    return base.merged(**flags)
+    flags = {FIELD_OF.get(p, p): PARSE.get(p, lambda v: v)(kwargs.pop(p))
+             for p in recipe_params()}
+    return base.merged(**flags, **extra)
 

@@ -15,10 +15,10 @@ from typing import Any, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .calibrators import registry as calibrators
-from .errors import UsageError
-from .formats import ROUNDINGS, get_format
-from .granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from ..calibrators import registry as calibrators
+from ..errors import UsageError
+from ..formats import ROUNDINGS, get_format
+from ..formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from .schemes import expand_scheme
 
 # How calibration samples are cut from the documents (``fp8ptq.io.data.build_calibration_set``):

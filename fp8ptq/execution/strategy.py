@@ -45,18 +45,18 @@ import torch
 from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
+from ..checkpoint.shards import SHARD_BYTES
+from ..config.plan import build_plan, needs_full_hessian, reads_data, run_facts
+from ..config.recipe import Recipe
+from ..errors import UsageError
+from ..io.loading import resolve_safetensors
+from ..io.weights import build_empty
+from ..model.blocks import block_prefix, find_blocks
+from ..model.forward import MICRO_TOKENS
+from ..model.gemm import weight_2d
+from ..nn.fused import fused_groups
 from . import distributed
-from .checkpoint.shards import SHARD_BYTES
-from .errors import UsageError
-from .fused import fused_groups
-from .loading import resolve_safetensors
-from .model.blocks import block_prefix, find_blocks
-from .model.forward import MICRO_TOKENS
-from .model.gemm import weight_2d
 from .model_free import ModelFreeJob, NotModelFree, refusal
-from .plan import build_plan, needs_full_hessian, reads_data, run_facts
-from .recipe import Recipe
-from .weights import build_empty
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
-from .errors import NumericsError
-from .formats import FormatSpec, decode, encode
-from .formats.binades import native_tables
+from ..errors import NumericsError
+from ..runtime import native
+from . import FormatSpec, decode, encode
+from .binades import native_tables
 from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
