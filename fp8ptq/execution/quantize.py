@@ -14,7 +14,9 @@ Under ``torchrun`` every rank calls this: calibration is data-parallel and rank 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import save_quantized
@@ -75,17 +77,44 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
                                trust_remote_code=load_options.get("trust_remote_code", False),
                                whole_model=target and "--target-delta measures the quantized "
                                "model on held-out text")
+    run = Run(model, output, force, device, load_options, recipe, runtime, propagate, path,
+              timings, target, progress)
     if path.path == "model-free":  # no process group: rank 0 does it all, the others leave
-        if distributed.launched_rank() != 0:
-            return None
-        return _model_free(model, output, force, recipe, runtime, path, timings, progress)
+        return STRATEGIES[path.path](run) if distributed.launched_rank() == 0 else None
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
     distributed.init(job.resolve_device(device))
     try:
-        return _loaded_run(model, output, force, device, load_options, recipe, runtime,
-                           propagate, path, timings, target, progress)
+        return STRATEGIES[path.path](run)
     finally:
         distributed.shutdown()
+
+
+@dataclass
+class Run:
+    """One quantize run as the strategies see it: the request, the chosen path, the clock."""
+
+    model: str
+    output: str | Path
+    force: bool
+    device: str
+    load_options: dict
+    recipe: Recipe
+    runtime: str | None
+    propagate: str
+    path: Selection
+    timings: job.JobTimings
+    request: job.TargetRequest | None
+    progress: object
+
+    def source(self, kind, path) -> dict:
+        return {"model": self.model, "kind": kind, "path": str(path)}
+
+    def report(self, result, sizes, calib) -> dict:
+        report = {**report_dict(result, self.output, sizes, self.timings, calib),
+                  **self.path.facts()}
+        if distributed.active():
+            report["ranks"] = distributed.world()
+        return report
 
 
 def target_request(recipe: Recipe, target: str | None, fallback: str = "bf16",
@@ -108,82 +137,99 @@ def target_request(recipe: Recipe, target: str | None, fallback: str = "bf16",
                              verify_tokens=verify_tokens, metric=metric)
 
 
-def _model_free(model, output, force, recipe, runtime, path: Selection, timings,
-                progress) -> dict:
-    tick = progress.counter(f"quantizing -> {output}")(len(path.job.units))
-    with timings.timed("quantize+write"):
+def _model_free(run: Run) -> dict:
+    """Weights quantized straight from the safetensors files, no model built."""
+    path = run.path
+    tick = run.progress.counter(f"quantizing -> {run.output}")(len(path.job.units))
+    with run.timings.timed("quantize+write"):
         result, sizes = quantize_checkpoint(
-            path.folder, recipe, output, force=force, job=path.job, progress=tick,
+            path.folder, run.recipe, run.output, force=run.force, job=path.job, progress=tick,
             max_shard_bytes=strategy.shard_bytes(path.budget), extras=path.facts(),
-            source={"model": model, "kind": path.kind, "path": str(path.folder)},
-            tool_version=__version__, check_factory=lambda r: runtime_check(r, runtime))
-    return {**report_dict(result, output, sizes, timings, None), **path.facts()}
+            source=run.source(path.kind, path.folder), tool_version=__version__,
+            check_factory=lambda r: runtime_check(r, run.runtime))
+    return run.report(result, sizes, None)
 
 
-def _loaded_run(model, output, force, device, load_options, recipe, runtime, propagate,
-                path: Selection, timings: job.JobTimings, request, progress) -> dict | None:
-    main_rank = distributed.is_main()
-    texts, heldout = None, None
-    if job.needs_calibration(recipe) or request is not None:
-        with progress.step("reading calibration data"), timings.timed("calibration data"):
-            texts = job.calibration_texts(recipe, model)
-            if request is not None:
-                texts, heldout = job.target_texts(recipe, request, texts)
-    calib, data_warnings, result, sizes = None, [], None, None
-    if path.path == "sequential":  # each block written as it is quantized, then freed
-        def close_kwargs(result, calib):
-            strategy.record(result, path)  # fp8ptq.json's extras say which path ran
-            return dict(source={"model": model, "kind": path.kind or "local",
-                                "path": str(path.folder or model)},
-                        calib=calib_facts(calib), tool_version=__version__,
-                        check=runtime_check(result, runtime))
+def _calibration_texts(run: Run):
+    """(calibration documents, --target-delta's held-out documents), read before any model
+    loads so that missing data fails in seconds; (None, None) where nothing reads them."""
+    if not (job.needs_calibration(run.recipe) or run.request is not None):
+        return None, None
+    with run.progress.step("reading calibration data"), run.timings.timed("calibration data"):
+        texts = job.calibration_texts(run.recipe, run.model)
+        if run.request is not None:
+            return job.target_texts(run.recipe, run.request, texts)
+    return texts, None
 
-        with timings.timed("calibrate+quantize"), scratch_dir(output) as scratch:
-            result, loaded, calib, sizes = quantize_folder(
-                path.folder or model, recipe, texts, propagate=propagate, spill_dir=scratch,
-                progress=None, output=output, force=force, close_kwargs=close_kwargs,
-                **path.sequential_options())
-        timings.seconds.update(result.seconds)
-    else:
-        with progress.step(f"loading {model}"), timings.timed("load"), _no_transformers_bars():
-            loaded = job.load(model, recipe, device=device, **load_options)
-    if texts is not None and result is None:
+
+def _streaming(run: Run) -> dict | None:
+    """Block by block from the safetensors folder: each block loaded, quantized, written and
+    freed (``fp8ptq.execution.streaming``)."""
+    texts, _ = _calibration_texts(run)
+    path = run.path
+
+    def close_kwargs(result, calib):
+        strategy.record(result, path)  # fp8ptq.json's extras say which path ran
+        return dict(source=run.source(path.kind or "local", path.folder or run.model),
+                    calib=calib_facts(calib), tool_version=__version__,
+                    check=runtime_check(result, run.runtime))
+
+    with run.timings.timed("calibrate+quantize"), scratch_dir(run.output) as scratch:
+        result, _, calib, sizes = quantize_folder(
+            path.folder or run.model, run.recipe, texts, propagate=run.propagate,
+            spill_dir=scratch, progress=None, output=run.output, force=run.force,
+            close_kwargs=close_kwargs, **path.sequential_options())
+    run.timings.seconds.update(result.seconds)
+    strategy.record(result, path)
+    distributed.agree(None)
+    return run.report(result, sizes, calib) if distributed.is_main() else None
+
+
+def _in_memory(run: Run) -> dict | None:
+    """The whole model loaded (or placed by accelerate), quantized in place, then written."""
+    texts, heldout = _calibration_texts(run)
+    progress, timings, recipe = run.progress, run.timings, run.recipe
+    with progress.step(f"loading {run.model}"), timings.timed("load"), _no_transformers_bars():
+        loaded = job.load(run.model, recipe, device=run.device, **run.load_options)
+    calib, data_warnings = None, []
+    if texts is not None:
         with progress.step("preparing calibration data"), timings.timed("calibration data"), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             calib = job.calibration_set(loaded, recipe, texts)
         data_warnings = [str(w.message) for w in caught]  # e.g. overlapping windows
-    if result is None and request is not None:
-        with scratch_dir(output) as scratch:  # GPTQ's Hessians wait there during the sweep
+    if run.request is not None:
+        with scratch_dir(run.output) as scratch:  # GPTQ's Hessians wait there during the sweep
             result = job.quantize_to_target(
-                loaded, recipe, calib, heldout, request, timings=timings, spill_dir=scratch,
-                progress=lambda d, total: progress.counter(d)(total))
-    if result is None:
+                loaded, recipe, calib, heldout, run.request, timings=timings,
+                spill_dir=scratch, progress=lambda d, total: progress.counter(d)(total))
+    else:
         result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
                                      progress=progress.counter("calibrating"))
-    strategy.record(result, path)
+    strategy.record(result, run.path)
     result.warnings[:0] = data_warnings
-    error = None
-    if main_rank and sizes is None:
+    error, sizes = None, None
+    if distributed.is_main():
         try:
-            with progress.step(f"writing {output}"), timings.timed("write"):
+            with progress.step(f"writing {run.output}"), timings.timed("write"):
                 # the recipe the model was quantized with (--target-delta's decisions are
                 # overrides in it, so --recipe OUTPUT reproduces them)
                 sizes = save_quantized(
-                    result, result.recipe or recipe, output, tokenizer=loaded.tokenizer,
-                    force=force,
-                    source={"model": model, "kind": loaded.kind, "path": loaded.resolved_path},
+                    result, result.recipe or recipe, run.output, tokenizer=loaded.tokenizer,
+                    force=run.force, source=run.source(loaded.kind, loaded.resolved_path),
                     calib=calib_facts(calib), tool_version=__version__,
-                    check=runtime_check(result, runtime))
+                    check=runtime_check(result, run.runtime))
         except Exception as e:  # noqa: BLE001 - every rank learns it and exits with it
             error = e
     distributed.agree(error)
-    if not main_rank:
-        return None
-    report = {**report_dict(result, output, sizes, timings, calib), **path.facts()}
-    if distributed.active():
-        report["ranks"] = distributed.world()
-    return report
+    return run.report(result, sizes, calib) if distributed.is_main() else None
+
+
+# The execution strategies, by the path ``strategy.choose`` names: one interface, (Run) ->
+# report (None on a torchrun rank that does not write). A new strategy is a function here and
+# a reason in ``strategy.choose`` to pick it.
+STRATEGIES: dict[str, Callable[[Run], dict | None]] = {
+    "model-free": _model_free, "sequential": _streaming, "in-memory": _in_memory}
 
 
 def runtime_check(result, runtime: str | None):
@@ -260,5 +306,5 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
     }
 
 
-__all__ = ["RuntimeRefused", "absolute_calib_path", "calib_facts", "check_output",
-           "quantize", "report_dict", "runtime_check", "target_request"]
+__all__ = ["STRATEGIES", "Run", "RuntimeRefused", "absolute_calib_path", "calib_facts",
+           "check_output", "quantize", "report_dict", "runtime_check", "target_request"]
