@@ -20,6 +20,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from fp8ptq.checkpoint.reader import check_checkpoint
+from fp8ptq.config.plan import needs_calibration
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.config.schemes import get_scheme
 from fp8ptq.errors import UsageError
@@ -182,7 +183,7 @@ def _unique_names(variants: list[Variant]) -> list[Variant]:
 def calibration_files(variants: list[Variant], recipe: Recipe) -> list[tuple[str, str]]:
     """(who, path) of the calibration text behind each variant that has one."""
     out = []
-    if recipe.calib_data and any(v.kind == "quantized" and job.needs_calibration(v.recipe)
+    if recipe.calib_data and any(v.kind == "quantized" and needs_calibration(v.recipe)
                                  for v in variants):
         out.append(("calibration data", recipe.calib_data))
     for v in variants:
@@ -228,7 +229,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
             loaded = job.load(v.spec, v.recipe, device=device, **(load_options or {}))
         if v.kind == "quantized":
             calib = None
-            if job.needs_calibration(v.recipe):
+            if needs_calibration(v.recipe):
                 r = v.recipe
                 key = (r.num_samples, r.seq_len, r.seed, r.calib_windows)
                 if key not in calibs:

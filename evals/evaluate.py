@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config.plan import needs_calibration
 from ..config.recipe import Recipe
 from ..execution import job
 from ..io.loading import check_model_spec
@@ -88,7 +89,7 @@ def prepare(model: str, tasks: list[str], compare: list[str] | None = None, *,
     notes += check_calib_overlap(calibration_files(variants, recipe), data, allow_calib_overlap)
     # built-in names, data files, include path and lm-eval task names, before any model loads
     runner.check_request(tasks, data, include_path, extractive=False)
-    calibrated = [v for v in variants if v.kind == "quantized" and job.needs_calibration(v.recipe)]
+    calibrated = [v for v in variants if v.kind == "quantized" and needs_calibration(v.recipe)]
     texts = job.calibration_texts(recipe, calibrated[0].spec) if calibrated else None
     options = dict(data=data, limit=limit, batch_size=batch_size, seq_len=seq_len,
                    include_path=include_path, device=device,

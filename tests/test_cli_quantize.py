@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 import fp8ptq
 from fp8ptq.checkpoint import read_metadata
+from fp8ptq.config.plan import needs_calibration
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.execution import job
 from fp8ptq.io.data import token_sha256
@@ -64,7 +65,7 @@ def logits(model, ids):
 def in_memory(model_dir, recipe):
     """The same model quantized in this process, through the library calls the CLI makes."""
     loaded = job.load(str(model_dir), recipe)
-    calib = job.calibration_set(loaded, recipe) if job.needs_calibration(recipe) else None
+    calib = job.calibration_set(loaded, recipe) if needs_calibration(recipe) else None
     job.quantize_loaded(loaded, recipe, calib)
     return loaded.model, calib
 

@@ -12,6 +12,7 @@ import torch
 import fp8ptq
 from fp8ptq.algorithms.gptq.sweep import gptq_codes, output_error
 from fp8ptq.checkpoint import save_quantized
+from fp8ptq.config.plan import needs_calibration
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
 from fp8ptq.execution.in_memory import quantize_model, token_batches
@@ -91,9 +92,8 @@ def test_pipeline_gptq_lowers_the_model_error_and_round_trips(tmp_path):
 def test_gptq_needs_calibration_data_even_with_dynamic_activations():
     with pytest.raises(UsageError, match="needs calibration data"):
         quantize_model(tiny("llama"), Recipe(weight_calib="gptq", act_granularity="token"))
-    from fp8ptq.execution import job
 
-    assert job.needs_calibration(Recipe(weight_calib="gptq", act_granularity="token"))
+    assert needs_calibration(Recipe(weight_calib="gptq", act_granularity="token"))
 
 
 def _mx_scales(W: torch.Tensor, fmt):

@@ -10,10 +10,10 @@ import torch
 from fp8ptq.calibrators import registry
 from fp8ptq.calibrators.layerwise import choose_layerwise
 from fp8ptq.checkpoint import save_quantized
-from fp8ptq.config.plan import build_plan, run_facts
+from fp8ptq.config.plan import build_plan, needs_calibration, run_facts
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.execution import in_memory, job
+from fp8ptq.execution import in_memory
 from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.vision import TinyMobileNet
 from tiny_models import IDS, invoke, tiny
@@ -29,13 +29,13 @@ from tiny_models import IDS, invoke, tiny
 ])
 def test_every_stage_that_reads_data_makes_the_job_need_calibration(flags):
     recipe = Recipe(**flags)
-    assert job.needs_calibration(recipe)
+    assert needs_calibration(recipe)
     assert run_facts(recipe).needs_calibration
 
 
 def test_dynamic_or_weight_only_alone_need_no_data_and_pass_counts():
-    assert not job.needs_calibration(Recipe(act_granularity="token"))
-    assert not job.needs_calibration(Recipe(act_granularity="tensor", act_format="none"))
+    assert not needs_calibration(Recipe(act_granularity="token"))
+    assert not needs_calibration(Recipe(act_granularity="tensor", act_format="none"))
     assert run_facts(Recipe(act_granularity="tensor", smoothquant=0.5, bn_retune=True)).passes == 3
     assert run_facts(Recipe(act_granularity="tensor", act_calib="best")).sample_batches == 2
     assert run_facts(Recipe(act_calib="best", act_granularity="token")).sample_batches == 0

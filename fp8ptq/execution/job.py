@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..config.plan import build_plan, run_facts
+from ..config.plan import build_plan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
 from ..io.data import build_calibration_set, corpus_tokens, load_texts, resolve_calib_spec
@@ -70,13 +70,6 @@ def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
     return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
                       device_map=device_map, trust_pickle=trust_pickle,
                       trust_remote_code=trust_remote_code)
-
-
-def needs_calibration(recipe: Recipe) -> bool:
-    """Whether any stage of the job reads calibration data (the plan's run-level facts: static
-    inputs, SmoothQuant, attention / residual taps, BN re-tuning), known before the model
-    loads."""
-    return run_facts(recipe).needs_calibration
 
 
 def calibration_texts(recipe: Recipe, model_spec: str | None = None
@@ -238,5 +231,5 @@ def _batches(model, calib, batch_size: int) -> list:
 
 
 __all__ = ["JobTimings", "load", "calibration_texts", "calibration_set", "quantize_loaded",
-           "needs_calibration", "peak_rss_mb", "resolve_device", "DTYPES", "TargetRequest",
+           "peak_rss_mb", "resolve_device", "DTYPES", "TargetRequest",
            "target_texts", "quantize_to_target", "selection_and_verify"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..checkpoint import save_quantized
 from ..checkpoint.validate import static_violations
+from ..config.plan import needs_calibration
 from ..config.recipe import Recipe
 from ..config.schemes import scheme_flags
 from ..errors import UsageError
@@ -153,7 +154,7 @@ def _model_free(run: Run) -> dict:
 def _calibration_texts(run: Run):
     """(calibration documents, --target-delta's held-out documents), read before any model
     loads so that missing data fails in seconds; (None, None) where nothing reads them."""
-    if not (job.needs_calibration(run.recipe) or run.request is not None):
+    if not (needs_calibration(run.recipe) or run.request is not None):
         return None, None
     with run.progress.step("reading calibration data"), run.timings.timed("calibration data"):
         texts = job.calibration_texts(run.recipe, run.model)
