@@ -74,7 +74,7 @@ def validate(path, runtimes=RUNTIMES, *, reload: bool = True) -> Report:
     report = Report(str(path), list(runtimes))
     for rule in RULES:
         if rule.runtime in runtimes:
-            report.violations += rule.check(ck)
+            report.violations += [v for v in rule.check(ck) if v not in report.violations]
     if reload and "transformers" in runtimes and served(ck, "transformers"):
         try:
             report.reload = reload_difference(ck["path"])
