@@ -8,8 +8,9 @@ from fp8ptq.calibrators import registry as calibrators
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from fp8ptq.loading import is_torch_module_file
 from fp8ptq.placement import parse_placement
-from fp8ptq.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe
+from fp8ptq.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe, moot_options
 from fp8ptq.schemes import scheme_names
 
 
@@ -204,8 +205,10 @@ def parse_range(text):
     return (low, high)
 
 
-def build_recipe(kwargs: dict, **extra) -> Recipe:
-    """Recipe file (if any) < flags given on the command line. Pops the recipe flags."""
+def build_recipe(kwargs: dict, *, model: str | None = None, **extra) -> Recipe:
+    """Recipe file (if any) < flags given on the command line. Pops the recipe flags. With
+    ``model``, the options the resolved recipe makes moot are named in one ``warning:`` line
+    (refused where the command line contradicts itself, ``check_moot``)."""
     path = kwargs.pop("recipe_path", None)
     base = Recipe.load(path) if path else Recipe()
     flags = dict(
@@ -235,5 +238,38 @@ def build_recipe(kwargs: dict, **extra) -> Recipe:
         quantize_router=kwargs.pop("quantize_router"),
         unify_fused_scales=kwargs.pop("unify_fused_scales"),
         skip=list(kwargs.pop("skip")) or None, **extra)
-    return base.merged(**flags)
+    recipe = base.merged(**flags)
+    if model is not None:
+        check_moot(recipe, {k for k, v in flags.items() if v is not None},
+                   convolutions=is_torch_module_file(model))
+    return recipe
+
+
+def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False):
+    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot; a
+    ``UsageError`` where the command line names both a moot option and what makes it moot
+    (``--act-granularity token --act-calib mse``): that can only be a mistake."""
+    moot = moot_options(recipe, convolutions=convolutions)
+    mistakes = [m for m in moot if m.field in on_command_line
+                and on_command_line.intersection(m.causes)]
+    if mistakes:
+        m = mistakes[0]
+        causes = " ".join(_flag(recipe, c) for c in m.causes if c in on_command_line)
+        raise UsageError(f"{_flag(recipe, m.field)} has no effect with {causes}: {m.reason}; "
+                         "drop one of them")
+    if moot:
+        click.echo("warning: options with no effect under this recipe: " + "; ".join(
+            f"{_flag(recipe, m.field)} ({m.reason})" for m in moot), err=True)
+    return moot
+
+
+def _flag(recipe: Recipe, field: str) -> str:
+    """``field``'s value as the flag that sets it (``--act-calib best``, ``--no-gptq-asym``)."""
+    value = getattr(recipe, field)
+    name = {"seq_len": "seq-len", "batch_size": "batch-size"}.get(field, field.replace("_", "-"))
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    return f"--{name} {value}"
 

@@ -88,7 +88,8 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
         if budget is not None:
             flags["max_memory"] = None
     load_options = loading_from(flags)
-    recipe = absolute_calib_path(build_recipe(flags, format=get_format(fmt).name if fmt else None))
+    recipe = absolute_calib_path(build_recipe(flags, model=model,
+                                              format=get_format(fmt).name if fmt else None))
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
                              target_tokens, sequential, target_verify_tokens, target_metric)
     # Everything that can be checked without the model fails here, before a long load.
