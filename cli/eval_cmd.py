@@ -45,7 +45,7 @@ from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
 from fp8ptq.usage import time_line, usage
 
-from .options import build_recipe, loading_from, loading_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 from .quantize_cmd import calib_facts
 
@@ -110,6 +110,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     baseline. Exit 3 when a --max-delta gate fails."""
     load_options = loading_from(flags)
     check_model_spec(model)
+    note_source(model)
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = checkpoint_meta(model)

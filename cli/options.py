@@ -8,7 +8,7 @@ from fp8ptq.calibrators import registry as calibrators
 from fp8ptq.errors import UsageError
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
-from fp8ptq.loading import is_torch_module_file
+from fp8ptq.loading import is_torch_module_file, source_note
 from fp8ptq.placement import parse_placement
 from fp8ptq.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe, moot_options
 from fp8ptq.schemes import scheme_names
@@ -171,6 +171,14 @@ def loading_options(f):
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def note_source(model: str) -> None:
+    """One ``note:`` line (stderr) when MODEL is another tool's FP8 checkpoint, dequantized on
+    load (``fp8ptq.loading.source_note``)."""
+    note = source_note(model)
+    if note:
+        click.echo(f"note: {note}", err=True)
 
 
 def loading_from(kwargs: dict) -> dict:

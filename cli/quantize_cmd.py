@@ -25,7 +25,7 @@ from fp8ptq.target import HIGH_PRECISION, check_metric, check_target_recipe
 from fp8ptq.usage import usage
 from fp8ptq.validate import static_violations
 
-from .options import build_recipe, loading_from, loading_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 from .quantize_report import print_report
 
@@ -96,6 +96,7 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     if distributed.launched_rank() == 0:  # the writer (torchrun stops the others if it fails);
         check_output(output, force)  # a late rank of a model-free run may find its output made
     check_model_spec(model)  # a missing model is reported before the calibration data
+    note_source(model)
     job.resolve_device(device)
     timings = job.JobTimings()
     with timings.timed("plan"):
