@@ -93,6 +93,12 @@ _SPECS = [
          help="Keep the first and the last GEMM in high precision (CNNs)."),
     _opt("--quantize-attention", is_flag=True, default=None,
          help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
+    _opt("--kv-cache", type=click.Choice(["fp8"]),
+         help="Quantize the KV cache: K (after RoPE) and V in e4m3 with static scales from the "
+              "calibration pass, written as vLLM reads them (kv_cache_scheme, "
+              "<attention>.k_scale / .v_scale) and simulated by eval."),
+    _opt("--kv-granularity", type=click.Choice(["tensor", "head"]),
+         help="--kv-cache scales: one per attention layer, or one per KV head [tensor]."),
     _opt("--quantize-residual", is_flag=True, default=None,
          help="Also quantize the inputs of residual additions."),
     _opt("--calibrate-all-experts/--routed-experts-only", "calibrate_all_experts", default=None,
@@ -241,6 +247,7 @@ def build_recipe(kwargs: dict, *, model: str | None = None, **extra) -> Recipe:
         bn_retune=kwargs.pop("bn_retune"), keep_depthwise=kwargs.pop("keep_depthwise"),
         keep_first_last=kwargs.pop("keep_first_last"),
         quantize_attention=kwargs.pop("quantize_attention"),
+        kv_cache=kwargs.pop("kv_cache"), kv_granularity=kwargs.pop("kv_granularity"),
         quantize_residual=kwargs.pop("quantize_residual"),
         calibrate_all_experts=kwargs.pop("calibrate_all_experts"),
         quantize_router=kwargs.pop("quantize_router"),

@@ -27,6 +27,8 @@ from .schemes import expand_scheme
 # opens a seeded random document after the token every sequence opens with.
 CALIB_WINDOWS = ("random", "documents")
 SMOOTHQUANT_INTO = ("norms", "gemms", "all")  # where --smoothquant folds 1/s (smoothquant.py)
+KV_CACHE_FORMATS = {"fp8": "e4m3"}  # --kv-cache value -> the format of the cached K / V
+KV_GRANULARITIES = ("tensor", "head")  # compressed-tensors strategies "tensor" / "attn_head"
 
 # Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
 # compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
@@ -86,6 +88,10 @@ class Recipe(BaseModel):
     keep_depthwise: bool = False
     keep_first_last: bool = False
     quantize_attention: bool = False
+    # "fp8": K (after RoPE) and V quantized to e4m3 with static scales from the calibration
+    # pass, written as vLLM's kv_cache_scheme + <attention>.k_scale / .v_scale
+    kv_cache: str | None = None
+    kv_granularity: str = "tensor"  # one K / V scale per attention layer, or per KV head
     quantize_residual: bool = False
     calibrate_all_experts: bool = True  # MoE: every token also observed through every expert
     quantize_router: bool = False  # MoE: router / shared-expert gate GEMMs quantized too
@@ -195,6 +201,12 @@ class Recipe(BaseModel):
             raise UsageError(f"percentile must be in (0, 100], got {self.percentile}")
         if not 0 <= self.gptq_damp <= 1:
             raise UsageError(f"gptq_damp must be in [0, 1], got {self.gptq_damp}")
+        if self.kv_cache is not None:
+            _choice("kv_cache", self.kv_cache, KV_CACHE_FORMATS)
+        _choice("kv_granularity", self.kv_granularity, KV_GRANULARITIES)
+        if self.kv_cache is not None and self.quantize_attention:
+            raise UsageError("--kv-cache quantizes K and V itself; --quantize-attention also "
+                             "quantizes them (per tensor, in the activation format): drop one")
         if self.gptq_asym and not self.gptq_sequential and "gptq_asym" in self.model_fields_set:
             raise UsageError("gptq_asym needs sequential GPTQ (the float stream runs beside the "
                              "quantized one); drop --no-gptq-sequential")
@@ -272,6 +284,8 @@ def moot_options(recipe: Recipe, given=None, *, convolutions: bool = False) -> l
                         ("act_granularity",)))
     if recipe.smoothquant is None:
         out.append(Moot("smoothquant_into", "SmoothQuant is off", ("smoothquant",)))
+    if recipe.kv_cache is None:
+        out.append(Moot("kv_granularity", "the KV cache is not quantized", ("kv_cache",)))
     return [m for m in out if m.field in given]
 
 

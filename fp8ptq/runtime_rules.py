@@ -271,15 +271,38 @@ def _moe(ck) -> list[Violation]:
 
 def _kv(ck) -> list[Violation]:
     """KV-cache scales: vLLM reads ``<attention>.k_scale`` / ``.v_scale`` when the config has a
-    ``kv_cache_scheme``; a missing one is silently replaced by 1.0."""
+    ``kv_cache_scheme`` (one value per tensor, or per KV head with strategy ``attn_head``:
+    compressed-tensors shapes it ``[num_key_value_heads, 1, 1]``); a missing one is silently
+    replaced by 1.0, a NaN or non-positive one turns attention into NaN."""
     qc = ck["config"].get("quantization_config") or {}
-    if not qc.get("kv_cache_scheme"):
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
         return []
-    t = ck["tensors"]
+    t, out = ck["tensors"], []
+    shape = _kv_shape(ck["config"], scheme.get("strategy"))
     attn = sorted({n.rpartition(".")[0] for n in _modules(ck) if n.endswith(".q_proj")})
-    return [Violation("kv-scales", a, f"kv_cache_scheme is set but {a}.{k} is missing; vLLM "
-                      "would use 1.0", "re-quantize with --quantize-attention")
-            for a in attn for k in ("k_scale", "v_scale") if f"{a}.{k}" not in t]
+    for a in attn:
+        for k in ("k_scale", "v_scale"):
+            name, s = f"{a}.{k}", t.get(f"{a}.{k}")
+            if s is None:
+                out.append(Violation("kv-scales", a, f"kv_cache_scheme is set but {name} is "
+                                     "missing; vLLM would use 1.0", "re-quantize with --kv-cache"))
+            elif shape is not None and tuple(s.shape) != shape:
+                out.append(Violation("kv-scales", name, f"shape {tuple(s.shape)}, strategy "
+                                     f"{scheme.get('strategy')} needs {shape}",
+                                     "re-quantize with --kv-cache"))
+            elif scale_problem(s):
+                out.append(Violation("kv-scales", name, "a KV scale is not finite and > 0",
+                                     "re-quantize with --kv-cache"))
+    return out
+
+
+def _kv_shape(config: dict, strategy) -> tuple[int, ...] | None:
+    """The k/v scale shape compressed-tensors' ``initialize_qparams`` gives ``strategy``."""
+    if strategy == "tensor":
+        return (1,)
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    return (heads, 1, 1) if strategy == "attn_head" and heads else None
 
 
 def _scales(ck) -> list[Violation]:
