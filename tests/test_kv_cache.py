@@ -147,3 +147,18 @@ def test_eval_simulates_the_fp8_kv_cache(src, checkpoints, tmp_path):
     assert ppl["kv:e4m3"] == ppl["kv:head"]  # in memory = the checkpoint reloaded
     assert ppl["kv:e4m3"] != ppl["plain:e4m3"]
     assert ppl["kv:baseline"] == ppl["plain:baseline"]
+
+
+def test_kv_cache_alone_quantizes_no_gemm():
+    """--skip '*' --kv-cache fp8 prices the KV cache alone: no GEMM quantized, K and V taps."""
+    from fp8ptq.pipeline import quantize_model, token_batches
+    from fp8ptq.recipe import Recipe
+
+    model = tiny("llama", num_key_value_heads=KV_HEADS, attn=None)
+    ref = run(model, IDS[:2])
+    res = quantize_model(model, Recipe(skip=["*"], kv_cache="fp8", kv_granularity="head",
+                                       dtype="float32"), token_batches(IDS, 4))
+    assert res.modules == [] and {e["kind"] for e in res.extras["taps"].values()} == {"kv"}
+    assert all(len(e["scale"]) == KV_HEADS for e in res.extras["taps"].values())
+    out = run(model, IDS[:2])
+    assert not torch.equal(out, ref) and (out - ref).abs().max() < 0.1 * ref.abs().max()
