@@ -346,6 +346,16 @@ class ActivationTaps:
         self.mode = "quantize"
         self._install_residual_hooks()
 
+    @contextmanager
+    def paused(self):
+        """Every tap passes its tensor through unchanged while the block runs (e.g. to compare
+        with a runtime that does not quantize the KV cache)."""
+        previous, self.mode = self.mode, "pass"
+        try:
+            yield self
+        finally:
+            self.mode = previous
+
     # -- export -------------------------------------------------------------------------------
 
     def attention_scales(self) -> dict[str, dict[str, float]]:
@@ -359,6 +369,12 @@ class ActivationTaps:
         scales (written as ``<module>.k_scale`` / ``<module>.v_scale``)."""
         return {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
                 for a, s in self.attention_scales().items()}
+
+
+def model_taps(model: nn.Module) -> ActivationTaps | None:
+    """The ``ActivationTaps`` installed on ``model``'s attention modules, if any."""
+    return next((ATTENTION_OWNERS[m][0] for m in model.modules() if m in ATTENTION_OWNERS),
+                None)
 
 
 def _broadcast(scale: torch.Tensor) -> torch.Tensor:
@@ -403,5 +419,5 @@ def kv_granularity_from_report(report: dict | None) -> str | None:
 
 
 __all__ = ["ActivationTaps", "attention_scales_from_report", "kv_scales_from_report",
-           "kv_granularity_from_report",
+           "kv_granularity_from_report", "model_taps",
            "ATTN_IMPLEMENTATION", "fp8ptq_eager_attention", "register_attention_function"]

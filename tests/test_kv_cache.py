@@ -162,3 +162,15 @@ def test_kv_cache_alone_quantizes_no_gemm():
     assert all(len(e["scale"]) == KV_HEADS for e in res.extras["taps"].values())
     out = run(model, IDS[:2])
     assert not torch.equal(out, ref) and (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_validate_reload_with_the_kv_cache(checkpoints):
+    """transformers quantizes the KV cache only where compressed-tensors treats its attention as
+    KV-cached: the reload is compared with fp8ptq.load's K / V taps on and off, both recorded."""
+    report = validate(checkpoints["head"], ("transformers",))
+    r = report.reload
+    assert report.valid and r["ok"], r
+    assert r["kv_cache_off"]["relative"] != r["relative"]  # the KV taps change the logits
+    best = r["relative"] if r["transformers_quantizes_kv_cache"] else \
+        r["kv_cache_off"]["relative"]
+    assert best <= r["tolerance"]
