@@ -16,7 +16,9 @@ _PERCENTILE = {"percentile": "percentile of |x| to clip at, in (0, 100]"}
 _POW2 = {"pow2_range": "exponents LOW,HIGH searched around the base scale"}
 _GPTQ = {"gptq_damp": "dampening, a fraction of the Hessian's mean diagonal",
          "gptq_act_order": "columns in order of decreasing input energy",
-         "gptq_block": "lazy-update block (columns)"}
+         "gptq_block": "lazy-update block (columns)",
+         "gptq_sequential": "Hessians from the model quantized so far, group by group",
+         "gptq_asym": "aim at the float model's output (sequential only)"}
 
 register(CalibratorEntry("max", "activation", factory=MaxCalibrator))
 register(CalibratorEntry("percentile", "activation", factory=PercentileCalibrator,

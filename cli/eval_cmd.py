@@ -46,7 +46,7 @@ from fp8ptq.io.atomic import check_writable, write_file
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.runtime.usage import time_line, usage
 
-from .options import build_recipe, loading_from, loading_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 
 # eval's own --seq-len/--batch-size are about the evaluation; the calibration ones move aside
@@ -110,6 +110,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     baseline. Exit 3 when a --max-delta gate fails."""
     load_options = loading_from(flags)
     check_model_spec(model)
+    note_source(model)
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = checkpoint_meta(model)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import click
 
 from fp8ptq.calibrators import registry as calibrators
-from fp8ptq.config.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe
+from fp8ptq.config.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe, moot_options
 from fp8ptq.config.schemes import scheme_names
 from fp8ptq.errors import UsageError
 from fp8ptq.execution.placement import parse_placement
 from fp8ptq.formats import ROUNDINGS
 from fp8ptq.formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from fp8ptq.io.loading import is_torch_module_file, source_note
 
 
 def _opt(*decls: str, **attrs):
@@ -92,6 +93,12 @@ _SPECS = [
          help="Keep the first and the last GEMM in high precision (CNNs)."),
     _opt("--quantize-attention", is_flag=True, default=None,
          help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
+    _opt("--kv-cache", type=click.Choice(["fp8"]),
+         help="Quantize the KV cache: K (after RoPE) and V in e4m3 with static scales from the "
+              "calibration pass, written as vLLM reads them (kv_cache_scheme, "
+              "<attention>.k_scale / .v_scale) and simulated by eval."),
+    _opt("--kv-granularity", type=click.Choice(["tensor", "head"]),
+         help="--kv-cache scales: one per attention layer, or one per KV head [tensor]."),
     _opt("--quantize-residual", is_flag=True, default=None,
          help="Also quantize the inputs of residual additions."),
     _opt("--calibrate-all-experts/--routed-experts-only", "calibrate_all_experts", default=None,
@@ -173,6 +180,14 @@ def loading_options(f):
     return f
 
 
+def note_source(model: str) -> None:
+    """One ``note:`` line (stderr) when MODEL is another tool's FP8 checkpoint, dequantized on
+    load (``fp8ptq.io.loading.source_note``)."""
+    note = source_note(model)
+    if note:
+        click.echo(f"note: {note}", err=True)
+
+
 def loading_from(kwargs: dict) -> dict:
     """Pops the ``loading_options`` flags into keyword arguments of ``job.load``."""
     device_map, max_memory = kwargs.pop("device_map"), kwargs.pop("max_memory")
@@ -218,11 +233,47 @@ def recipe_params() -> list[str]:
     return [p for p in (_param_name(decls) for decls, _ in _SPECS) if p != "recipe_path"]
 
 
-def build_recipe(kwargs: dict, **extra) -> Recipe:
-    """Recipe file (if any) < flags given on the command line. Pops the recipe flags."""
+def build_recipe(kwargs: dict, *, model: str | None = None, **extra) -> Recipe:
+    """Recipe file (if any) < flags given on the command line. Pops the recipe flags. With
+    ``model``, the options the resolved recipe makes moot are named in one ``warning:`` line
+    (refused where the command line contradicts itself, ``check_moot``)."""
     path = kwargs.pop("recipe_path", None)
     base = Recipe.load(path) if path else Recipe()
     flags = {FIELD_OF.get(p, p): PARSE.get(p, lambda v: v)(kwargs.pop(p))
              for p in recipe_params()}
-    return base.merged(**flags, **extra)
+    flags.update(extra)
+    recipe = base.merged(**flags)
+    if model is not None:
+        check_moot(recipe, {k for k, v in flags.items() if v is not None},
+                   convolutions=is_torch_module_file(model))
+    return recipe
+
+
+def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False):
+    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot; a
+    ``UsageError`` where the command line names both a moot option and what makes it moot
+    (``--act-granularity token --act-calib mse``): that can only be a mistake."""
+    moot = moot_options(recipe, convolutions=convolutions)
+    mistakes = [m for m in moot if m.field in on_command_line
+                and on_command_line.intersection(m.causes)]
+    if mistakes:
+        m = mistakes[0]
+        causes = " ".join(_flag(recipe, c) for c in m.causes if c in on_command_line)
+        raise UsageError(f"{_flag(recipe, m.field)} has no effect with {causes}: {m.reason}; "
+                         "drop one of them")
+    if moot:
+        click.echo("warning: options with no effect under this recipe: " + "; ".join(
+            f"{_flag(recipe, m.field)} ({m.reason})" for m in moot), err=True)
+    return moot
+
+
+def _flag(recipe: Recipe, field: str) -> str:
+    """``field``'s value as the flag that sets it (``--act-calib best``, ``--no-gptq-asym``)."""
+    value = getattr(recipe, field)
+    name = {"seq_len": "seq-len", "batch_size": "batch-size"}.get(field, field.replace("_", "-"))
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    return f"--{name} {value}"
 

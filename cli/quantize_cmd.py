@@ -9,8 +9,9 @@ import click
 from fp8ptq.execution import distributed, strategy
 from fp8ptq.execution.quantize import quantize, target_request
 from fp8ptq.formats import get_format
+from fp8ptq.io.loading import check_model_spec
 
-from .options import build_recipe, loading_from, loading_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 from .quantize_report import print_report
 
@@ -73,9 +74,11 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
         if budget is not None:
             flags["max_memory"] = None
     load_options = loading_from(flags)
-    recipe = build_recipe(flags, format=get_format(fmt).name if fmt else None)
+    recipe = build_recipe(flags, model=model, format=get_format(fmt).name if fmt else None)
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
                              target_tokens, sequential, target_verify_tokens, target_metric)
+    check_model_spec(model)  # a missing model is reported before the calibration data
+    note_source(model)  # another tool's FP8 checkpoint: dequantized on load
     with progress_bars(enabled=not as_json and distributed.launched_rank() == 0) as bars:
         report = quantize(model, recipe, output, force=force, device=device,
                           load_options=load_options, sequential=sequential,

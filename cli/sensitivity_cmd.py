@@ -27,7 +27,7 @@ from fp8ptq.numbers import fmt_num
 from fp8ptq.runtime.usage import time_line, timed, usage
 from fp8ptq.sensitivity.stream import analyze_streamed
 
-from .options import build_recipe, loading_from, loading_options, recipe_options
+from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars, stderr_console
 
 
@@ -112,6 +112,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
             flags["max_memory"] = None
     load_options = loading_from(flags)
     check_model_spec(model)
+    note_source(model)
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
     recipe = build_recipe(flags, format=formats[0])

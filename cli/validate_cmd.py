@@ -43,6 +43,10 @@ def command(checkpoint, runtime, no_reload, as_json):
                 console.print(f"reload: max |logit difference| transformers vs fp8ptq.load "
                               f"{r['max_abs_logit_diff']:.3g} ({100 * r['relative']:.2f}% of the "
                               f"logit range; tolerance {100 * r['tolerance']:.0f}%)")
+                if "kv_cache_off" in r and not r["transformers_quantizes_kv_cache"]:
+                    console.print(f"[dim]note[/dim] transformers does not quantize the KV cache "
+                                  "here: against fp8ptq.load with K / V unquantized "
+                                  f"{100 * r['kv_cache_off']['relative']:.2f}%")
         verdict = "valid" if report.valid else "INVALID"
         console.print(f"{verdict} for {', '.join(runtimes)}: {checkpoint}")
         console.print(time_line(seconds, min_seconds=0))

@@ -178,3 +178,20 @@ def test_config_json_that_vllm_cannot_serve_is_flagged(A, tmp_path):
     assert res.exit_code == 4, res.output
     line = next(ln for ln in res.stdout.splitlines() if "[ct-scheme]" in ln)
     assert "asymmetric" in line and "fix:" in line and "group_0" in line
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "transformers", "all"])
+def test_config_compressed_tensors_cannot_parse_fails_every_runtime(A, tmp_path, runtime):
+    """Static per-token activations: compressed-tensors' QuantizationConfig refuses them, and
+    vLLM parses config.json with that class, so every runtime fails with the parse error."""
+    ck = tmp_path / "ck"
+    assert quantize(A, ck).exit_code == 0
+    cfg = json.loads((ck / "config.json").read_text())
+    for g in cfg["quantization_config"]["config_groups"].values():
+        g["input_activations"].update(strategy="token", dynamic=False)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    res = invoke(["validate", str(ck), "--runtime", runtime, "--no-reload"])
+    assert res.exit_code == 4, res.output
+    lines = [ln for ln in res.stdout.splitlines() if "[ct-config]" in ln]
+    assert len(lines) == 1 and lines[0].startswith("invalid"), res.stdout
+    assert "Cannot perform static token quantization" in lines[0] and "group_0" in lines[0]

@@ -141,18 +141,39 @@ def vllm_linear_scheme(w, a) -> str | None:
     return None
 
 
+def parse_ct_config(qc: dict):
+    """``quantization_config`` parsed by compressed-tensors' own ``QuantizationConfig``, as
+    vLLM and transformers both parse it: ``(config, None)``, or ``(None, violation)`` carrying
+    the parse error, since a config neither runtime can parse cannot be served by either."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        return QuantizationConfig.model_validate(qc), None
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError and friends
+        return None, Violation("ct-config", "config.json", "quantization_config does not "
+                               f"validate ({_parse_error(e)})", "re-write with fp8ptq quantize")
+
+
+def _parse_error(e: Exception) -> str:
+    """The first error of a pydantic ``ValidationError`` as ``where: message`` (its ``str``
+    runs over many lines and names only the model first); other exceptions' first line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors) and errors():
+        first = errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if "[" not in str(p))
+        return f"{where}: {first.get('msg', '')}" if where else first.get("msg", "")
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def _config_groups(ck) -> list[Violation]:
     """What vLLM reads is ``config.json``, not fp8ptq.json: every config group's arguments,
     parsed by compressed-tensors' own classes, must select a vLLM scheme."""
     qc = ck["config"].get("quantization_config")
     if not served(ck, "vllm") or not qc:
         return []
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        config = QuantizationConfig.model_validate(qc)
-    except Exception:  # noqa: BLE001 - reported by the transformers rule ct-config
-        return []
+    config, refused = parse_ct_config(qc)
+    if config is None:
+        return [refused]
     out = []
     for group, scheme in config.config_groups.items():
         where = f"{group} ({', '.join(scheme.targets)})"
@@ -250,15 +271,38 @@ def _moe(ck) -> list[Violation]:
 
 def _kv(ck) -> list[Violation]:
     """KV-cache scales: vLLM reads ``<attention>.k_scale`` / ``.v_scale`` when the config has a
-    ``kv_cache_scheme``; a missing one is silently replaced by 1.0."""
+    ``kv_cache_scheme`` (one value per tensor, or per KV head with strategy ``attn_head``:
+    compressed-tensors shapes it ``[num_key_value_heads, 1, 1]``); a missing one is silently
+    replaced by 1.0, a NaN or non-positive one turns attention into NaN."""
     qc = ck["config"].get("quantization_config") or {}
-    if not qc.get("kv_cache_scheme"):
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
         return []
-    t = ck["tensors"]
+    t, out = ck["tensors"], []
+    shape = _kv_shape(ck["config"], scheme.get("strategy"))
     attn = sorted({n.rpartition(".")[0] for n in _modules(ck) if n.endswith(".q_proj")})
-    return [Violation("kv-scales", a, f"kv_cache_scheme is set but {a}.{k} is missing; vLLM "
-                      "would use 1.0", "re-quantize with --quantize-attention")
-            for a in attn for k in ("k_scale", "v_scale") if f"{a}.{k}" not in t]
+    for a in attn:
+        for k in ("k_scale", "v_scale"):
+            name, s = f"{a}.{k}", t.get(f"{a}.{k}")
+            if s is None:
+                out.append(Violation("kv-scales", a, f"kv_cache_scheme is set but {name} is "
+                                     "missing; vLLM would use 1.0", "re-quantize with --kv-cache"))
+            elif shape is not None and tuple(s.shape) != shape:
+                out.append(Violation("kv-scales", name, f"shape {tuple(s.shape)}, strategy "
+                                     f"{scheme.get('strategy')} needs {shape}",
+                                     "re-quantize with --kv-cache"))
+            elif scale_problem(s):
+                out.append(Violation("kv-scales", name, "a KV scale is not finite and > 0",
+                                     "re-quantize with --kv-cache"))
+    return out
+
+
+def _kv_shape(config: dict, strategy) -> tuple[int, ...] | None:
+    """The k/v scale shape compressed-tensors' ``initialize_qparams`` gives ``strategy``."""
+    if strategy == "tensor":
+        return (1,)
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    return (heads, 1, 1) if strategy == "attn_head" and heads else None
 
 
 def _scales(ck) -> list[Violation]:
@@ -284,14 +328,8 @@ def _ct_config(ck) -> list[Violation]:
         return [Violation("layout", "checkpoint", "transformers does not know the fp8ptq-native "
                           "layout (it would load the model without its quantized weights)",
                           "load it with fp8ptq.load")]
-    from compressed_tensors.quantization import QuantizationConfig
-
-    try:
-        QuantizationConfig.model_validate(ck["config"]["quantization_config"])
-    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError and friends
-        return [Violation("ct-config", "config.json", f"quantization_config does not validate "
-                          f"({str(e).splitlines()[0]})", "re-write with fp8ptq quantize")]
-    return []
+    _, refused = parse_ct_config(ck["config"].get("quantization_config") or {})
+    return [] if refused is None else [refused]
 
 
 RULES = [

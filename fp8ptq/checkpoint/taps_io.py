@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import Fp8ptqError, NumericsError
-from ..observe.taps import ActivationTaps, kv_scales_from_report
+from ..observe.taps import ActivationTaps, kv_granularity_from_report, kv_scales_from_report
 
 
 def taps_report(result) -> dict | None:
@@ -35,15 +35,23 @@ def kv_cache_export(model: nn.Module, report: dict | None, layout
         return {}, None, None
     for name, entry in report.items():
         s = entry.get("scale")
-        if not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+        values = s if isinstance(s, list) and s else [s]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values):
             raise NumericsError(f"activation tap {name} has scale {s!r}; refusing to write a "
                                 "checkpoint that would decode to NaN/inf/0")
     kv = kv_scales_from_report(report)
     if not kv:
         return {}, None, None
-    tensors = {f"{a}.{k}": torch.tensor([s[k]], dtype=torch.float32)
-               for a, s in kv.items() for k in ("k_scale", "v_scale")}
+    tensors = {f"{a}.{k}": kv_scale_tensor(s[k]) for a, s in kv.items()
+               for k in ("k_scale", "v_scale")}
     return layout.kv_cache(model, report, tensors)
+
+
+def kv_scale_tensor(scale) -> torch.Tensor:
+    """A K / V scale as compressed-tensors' ``initialize_attn_qparams`` shapes it: ``[1]`` per
+    tensor, ``[num_key_value_heads, 1, 1]`` per head (strategy ``attn_head``); float32."""
+    t = torch.tensor(scale, dtype=torch.float32)
+    return t.reshape(1) if t.dim() == 0 else t.reshape(-1, 1, 1)
 
 
 def pop_kv_tensors(tensors: dict[str, torch.Tensor], report: dict | None, path) -> None:
@@ -52,8 +60,9 @@ def pop_kv_tensors(tensors: dict[str, torch.Tensor], report: dict | None, path) 
     for attn, scales in kv_scales_from_report(report or {}).items():
         for key, want in scales.items():
             t = tensors.pop(f"{attn}.{key}", None)
-            if t is not None and float(t.reshape(-1)[0]) != want:
-                raise Fp8ptqError(f"checkpoint {path}: {attn}.{key} = {float(t.reshape(-1)[0])} "
+            if t is not None and not torch.equal(t.float().reshape(-1),
+                                                 kv_scale_tensor(want).reshape(-1)):
+                raise Fp8ptqError(f"checkpoint {path}: {attn}.{key} = {t.reshape(-1).tolist()} "
                                   f"but fp8ptq.json says {want}")
 
 
@@ -62,6 +71,7 @@ def install_taps(model: nn.Module, report: dict | None) -> ActivationTaps | None
     if not report:
         return None
     kinds = {e.get("kind") for e in report.values()}
-    taps = ActivationTaps(model, attention="attention" in kinds, residual="residual" in kinds)
+    taps = ActivationTaps(model, attention="attention" in kinds, residual="residual" in kinds,
+                          kv=kv_granularity_from_report(report))
     taps.restore(report)
     return taps

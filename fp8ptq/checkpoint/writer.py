@@ -39,8 +39,10 @@ from pathlib import Path
 
 from torch import nn
 
+from ..config.recipe import Recipe, moot_options
 from ..errors import Fp8ptqError, UsageError
 from ..io.atomic import atomic_dir
+from ..model.gemm import CONV_TYPES
 from ..nn.quant_experts import ProjectionQuant, QuantExperts
 from ..nn.quant_gemm import QuantGemm
 from ..numbers import dumps, json_safe
@@ -316,6 +318,7 @@ class CheckpointWriter:
             "architectures": cfg.get("architectures"),
             "source": source or {},
             "recipe": recipe.to_dict() if hasattr(recipe, "to_dict") else recipe,
+            "moot_options": _moot(recipe, model),
             "calibration": calib,
             "modules": self._modules,
             "experts": self._experts,
@@ -334,6 +337,14 @@ class CheckpointWriter:
         if check is not None:
             check(tmp)
         return json_safe({"layout": self.layout.name, "files": files, **sizes})
+
+
+def _moot(recipe, model) -> dict[str, str]:
+    """The recipe fields this run ignored (``fp8ptq.config.recipe.moot_options``): field -> why."""
+    if not isinstance(recipe, Recipe):
+        return {}
+    convolutions = any(isinstance(m, CONV_TYPES) for m in model.modules())
+    return {m.field: m.reason for m in moot_options(recipe, convolutions=convolutions)}
 
 
 def _dotted(prefix: str) -> str:

@@ -167,7 +167,8 @@ def run_facts(recipe: Recipe, static_inputs: bool | None = None,
     return RunFacts(static_inputs=static_inputs,
                     layer_aware=calibrators.activation_entry(recipe.act_calib).layer_aware,
                     smoothquant=recipe.smoothquant is not None,
-                    taps=recipe.quantize_attention or recipe.quantize_residual,
+                    taps=(recipe.quantize_attention or recipe.quantize_residual
+                          or recipe.kv_cache is not None),
                     bn_retune=recipe.bn_retune, gptq=gptq,
                     gptq_in_order=gptq and recipe.gptq_sequential)
 

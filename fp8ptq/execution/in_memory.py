@@ -171,8 +171,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     plan = plan if plan is not None else build_plan(model, recipe)
     recipe, facts = plan.recipe, plan.facts
     targets, experts, skipped = plan.gemms, plan.experts, plan.skipped
-    if not targets and not experts:
-        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
+    if not targets and not experts and not facts.taps:  # taps alone: what the KV cache
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")  # costs
     if batches is None and facts.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")

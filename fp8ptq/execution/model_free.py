@@ -65,7 +65,7 @@ def refusal(recipe: Recipe) -> str | None:
                 "(weight-only)")
     for stage, needed in (("SmoothQuant (--smoothquant)", facts.smoothquant),
                           (f"GPTQ (--weight-calib {recipe.weight_calib})", facts.gptq),
-                          ("--quantize-attention / --quantize-residual", facts.taps),
+                          ("--quantize-attention / --quantize-residual / --kv-cache", facts.taps),
                           ("--bn-retune", facts.bn_retune)):
         if needed:
             return f"{stage} needs calibration data"

@@ -29,7 +29,7 @@ from ..vision import TinyMobileNet
 from .files import read_json
 from .gguf_convert import convert_gguf
 from .safe_pickle import load_torch_file
-from .source import is_safetensors_folder
+from .source import is_safetensors_folder, prequantized
 from .weights import load_streaming
 
 # the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
@@ -76,6 +76,18 @@ def load_model(
     if looks_like_path(spec):
         raise UsageError(f"cannot load model {spec!r}: no such file or folder")
     return _load_from_hub(spec, **load_kwargs)
+
+
+def source_note(spec: str) -> str | None:
+    """The ``note:`` a command prints for MODEL ``spec`` that another tool quantized to FP8
+    (compressed-tensors): its weights are dequantized on load, then quantized by the recipe."""
+    path = Path(spec).expanduser()
+    if not is_safetensors_folder(path) or (path / "fp8ptq.json").is_file():
+        return None
+    found = prequantized(path)
+    return None if found is None else (
+        f"{spec} holds {found.describe()}: its weights are dequantized on load (codes x "
+        "scales) and quantized again by this recipe")
 
 
 def check_model_spec(spec: str) -> None:
@@ -136,6 +148,10 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
             model = load_streaming(location, config, cls, dtype)
         except DataError as e:
             raise DataError(f"cannot load model {source!r}: {e}") from None
+    if model is None and is_safetensors_folder(Path(location)) and prequantized(location):
+        raise DataError(f"cannot load model {source!r}: its FP8 weights are dequantized by "
+                        "fp8ptq's own reader, which needs a local folder providing every "
+                        "parameter and no --device-map")
     if model is None:
         try:
             model = cls.from_pretrained(location, dtype=dtype, **extra, **hub_kwargs)

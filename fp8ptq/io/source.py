@@ -89,8 +89,74 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
     return out
 
 
+# compressed-tensors formats whose weights are 8-bit float codes with a float32 scale beside them
+CT_FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# tensors that describe a quantized checkpoint's numbers rather than a model parameter
+CT_SCALE_SUFFIXES = (".weight_scale", ".input_scale", ".weight_zero_point", ".input_zero_point",
+                     ".k_scale", ".v_scale", ".q_scale")
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """A checkpoint another tool wrote in FP8 (compressed-tensors' float-quantized format, as
+    llm-compressor writes FP8 / FP8_DYNAMIC / FP8_BLOCK): its ``weight`` codes times its
+    ``weight_scale`` (one per tensor, per output channel, or per ``block`` tile) are the
+    weights it stands for, which fp8ptq then quantizes like any float model's."""
+
+    strategies: tuple[str, ...]
+    block: tuple[int, int] | None
+
+    def describe(self) -> str:
+        block = f" {self.block[0]}x{self.block[1]}" if self.block else ""
+        return f"compressed-tensors FP8 ({'/'.join(self.strategies)}{block} weight scales)"
+
+    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """float32 weights: ``codes * scale``, a 2-D ``[rows/B, cols/B]`` scale spread over its
+        tiles (the last ones cut at the weight's edge)."""
+        w, scale = codes.float(), scale.float()
+        if scale.numel() == 1:
+            return w * scale.reshape(())
+        if scale.dim() == 2 and scale.shape[1] > 1:  # [rows/B, cols/B] tiles
+            bh, bw = self.block or (-(-w.shape[0] // scale.shape[0]),
+                                    -(-w.shape[1] // scale.shape[1]))
+            scale = scale.repeat_interleave(bh, 0)[:w.shape[0]]
+            return w * scale.repeat_interleave(bw, 1)[:, :w.shape[1]]
+        return w * scale.reshape(-1, *([1] * (w.dim() - 1)))  # one per output channel
+
+
+def prequantized(folder: str | Path) -> Prequantized | None:
+    """What ``folder``'s config.json says about weights already quantized by another tool:
+    ``None`` for a float checkpoint (or another method, left to ``from_pretrained``), a
+    ``Prequantized`` for compressed-tensors FP8 weights, a ``DataError`` for compressed-tensors
+    weights fp8ptq cannot undo (4-bit packs, integer codes, MXFP8)."""
+    path = Path(folder) / "config.json"
+    qc = read_json(path).get("quantization_config") if path.is_file() else None
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        return None  # another tool's own loader (from_pretrained) decides, as before
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    formats = {g.get("format") or qc.get("format") for g in groups}
+    if not formats <= set(CT_FLOAT_FORMATS) or not all(
+            w.get("type") == "float" and w.get("num_bits") == 8 and not w.get("dynamic")
+            and w.get("strategy") in ("tensor", "channel", "block") for w in weights):
+        raise DataError(f"{path}: compressed-tensors weights in format "
+                        f"{', '.join(sorted(map(str, formats)))}; fp8ptq dequantizes only "
+                        "compressed-tensors FP8 weights (float-quantized: tensor, channel or "
+                        "block scales)")
+    blocks = {tuple(w["block_structure"]) for w in weights if w.get("block_structure")}
+    return Prequantized(tuple(sorted({w["strategy"] for w in weights})),
+                        blocks.pop() if len(blocks) == 1 else None)
+
+
 class SafetensorsSource:
-    """The tensors of a (sharded) safetensors checkpoint folder, by name, in file order."""
+    """The tensors of a (sharded) safetensors checkpoint folder, by name, in file order. A
+    compressed-tensors FP8 checkpoint (``prequantized``) reads as the float model it stands
+    for: each FP8 ``weight`` dequantized with its ``weight_scale``, the scale tensors hidden
+    from ``names``, so every path (in-memory, sequential, model-free) sees float weights."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -126,6 +192,14 @@ class SafetensorsSource:
         self.files = {n: e.file for n, e in self.entries.items()}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._raw = self.entries  # scales included
+        self.prequantized = prequantized(self.folder)
+        self._scales = {} if self.prequantized is None else {
+            n: f"{n}_scale" for n, e in self._raw.items()
+            if e.dtype in FP8_DTYPES and n.endswith(".weight") and f"{n}_scale" in self._raw}
+        if self.prequantized is not None:
+            self.entries = {n: e for n, e in self._raw.items()
+                            if not n.endswith(CT_SCALE_SUFFIXES)}
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -141,8 +215,14 @@ class SafetensorsSource:
         return {n: self.read_one(n) for n in names}
 
     def read_one(self, name: str) -> torch.Tensor:
-        """A fresh tensor holding ``name`` (its own memory; nothing of the file stays mapped)."""
-        e = self.entries[name]
+        """A fresh tensor holding ``name`` (its own memory; nothing of the file stays mapped);
+        a prequantized weight dequantized (float32)."""
+        if name in self._scales:
+            return self.prequantized.dequantize(self._read(name), self._read(self._scales[name]))
+        return self._read(name)
+
+    def _read(self, name: str) -> torch.Tensor:
+        e = self._raw[name]
         buf = torch.empty(e.nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         fd, done = self._fd(e.file), 0
@@ -178,5 +258,5 @@ def is_safetensors_folder(path: Path) -> bool:
                                                  or (path / INDEX_NAME).is_file())
 
 
-__all__ = ["SafetensorsSource", "TensorEntry", "read_header", "is_safetensors_folder", "DTYPES",
-           "INDEX_NAME", "SINGLE_NAME"]
+__all__ = ["SafetensorsSource", "TensorEntry", "Prequantized", "prequantized", "read_header",
+           "is_safetensors_folder", "DTYPES", "INDEX_NAME", "SINGLE_NAME"]

@@ -5,6 +5,7 @@ fp8ptq checkpoint (``fp8ptq.checkpoint.reader``) share them without importing ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import (
@@ -16,6 +17,7 @@ from transformers import (
 )
 
 from ..errors import DataError, UsageError, first_line
+from ..io.source import prequantized
 
 TASK_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
@@ -56,7 +58,7 @@ def load_config(source, location, **hub_kwargs):
     transformers does not know, or a repository that ships its own code (refused unless
     ``trust_remote_code``)."""
     try:
-        return AutoConfig.from_pretrained(location, **hub_kwargs)
+        config = AutoConfig.from_pretrained(location, **hub_kwargs)
     except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
         if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
             raise UsageError(f"refusing to run the code that model {source!r} ships with "
@@ -64,3 +66,8 @@ def load_config(source, location, **hub_kwargs):
                              "--trust-remote-code (trust_remote_code=True) only if you trust "
                              "its source") from None
         raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
+    if Path(location).is_dir() and prequantized(location) is not None:
+        # read as the float model it stands for (``SafetensorsSource``): no quantizer, and no
+        # stale quantization_config in what fp8ptq writes
+        del config.quantization_config
+    return config

@@ -61,6 +61,7 @@ from torch import nn
 
 from ..calibrators.registry import activation_entry
 from ..config.plan import as_plan_parts, taps_plan
+from ..config.recipe import KV_CACHE_FORMATS
 from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..formats import fake_quantize, get_format
 from ..formats.scales import amax_to_scale, histogram_sqnr_db
@@ -78,6 +79,9 @@ from .tap_sites import (
     residual_branches,
 )
 
+KV_ROLES = ("k", "v")  # the KV cache's taps (``--kv-cache``): the tensors the runtime caches
+KV_OBSERVER = "minmax"  # compressed-tensors' name for the KV scales' observer: amax / max
+
 # ---------------------------------------------------------------------------------------------
 # ActivationTaps
 # ---------------------------------------------------------------------------------------------
@@ -91,14 +95,17 @@ class ActivationTaps:
     of ``model`` with static per-tensor scales (see the module docstring)."""
 
     def __init__(self, model: nn.Module, recipe=None, *, attention: bool | None = None,
-                 residual: bool | None = None):
+                 residual: bool | None = None, kv: str | None = None):
         self.model = model
         self.attention = bool(recipe.quantize_attention if attention is None and recipe
                               else attention)
         self.residual = bool(recipe.quantize_residual if residual is None and recipe
                              else residual)
-        if not (self.attention or self.residual):
-            raise UsageError("ActivationTaps: neither attention nor residual taps requested")
+        # the KV cache alone (``--kv-cache``): "tensor" / "head" scales of K and V
+        self.kv = (recipe.kv_granularity if recipe is not None and kv is None
+                   and getattr(recipe, "kv_cache", None) else kv)
+        if not (self.attention or self.residual or self.kv):
+            raise UsageError("ActivationTaps: no attention, residual or KV-cache taps requested")
         self.mode = "pass"  # "pass" | "observe" | "quantize"
         self.stats: dict[str, TensorStats] = {}
         self.kinds: dict[str, str] = {}
@@ -106,7 +113,7 @@ class ActivationTaps:
         self.warnings: list[str] = []
         self._scales: dict[str, torch.Tensor] = {}
         self._scale_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._fmt = None
+        self._fmts: dict[str, object] = {}  # tap -> FormatSpec (KV taps: the KV format)
         self._handles: list = []
         self._saved_impl: list[tuple] = []
         self._owned: list[nn.Module] = []
@@ -134,10 +141,11 @@ class ActivationTaps:
                     for r in rel:
                         self.branch_modules.append(f"{lname}.{r}")
                         self._add_tap(f"{lname}.{r}:output", "residual")
-        if self.attention:
+        if self.attention or self.kv:
             if not candidates:
-                raise UsageError("--quantize-attention: no attention module of this model goes "
-                                 "through transformers' attention interface")
+                raise UsageError(f"{'--quantize-attention' if self.attention else '--kv-cache'}"
+                                 ": no attention module of this model goes through "
+                                 "transformers' attention interface")
             self._install_attention(candidates)
 
     # -- setup / teardown ---------------------------------------------------------------------
@@ -166,8 +174,8 @@ class ActivationTaps:
             ATTENTION_OWNERS[mod] = (self, name)
             self._owned.append(mod)
             self.calls[name] = 0
-            for role in ATTENTION_ROLES:
-                self._add_tap(f"{name}:{role}", "attention")
+            for role in ATTENTION_ROLES if self.attention else KV_ROLES:
+                self._add_tap(f"{name}:{role}", "attention" if self.attention else "kv")
 
     def _restore_attention(self) -> None:
         for cfg, value in reversed(self._saved_impl):
@@ -204,18 +212,21 @@ class ActivationTaps:
     # -- the taps -----------------------------------------------------------------------------
 
     def _tap(self, name: str, x):
-        if not torch.is_tensor(x) or not x.is_floating_point() or self.mode == "pass":
+        if not torch.is_tensor(x) or not x.is_floating_point() or self.mode == "pass" \
+                or name not in self.stats:
             return x
         if self.mode == "observe":
             st = self.stats[name]
-            # P's last dim (key length) varies between batches: no per-channel amax for it
-            st.update(x.reshape(-1, 1) if name.endswith(":p") else x)
+            if self.kinds[name] == "kv":  # [batch, kv heads, seq, head_dim]: amax per head
+                st.update(x, channel_dim=1)
+            else:  # P's last dim (key length) varies between batches: no per-channel amax
+                st.update(x.reshape(-1, 1) if name.endswith(":p") else x)
             return x
         key = (name, x.device)
         scale = self._scale_cache.get(key)
         if scale is None:
             scale = self._scale_cache[key] = self._scales[name].to(x.device)
-        return fake_quantize(x, scale, self._fmt)
+        return fake_quantize(x, scale, self._fmts[name])
 
     def _input_hook(self, name):
         def hook(_module, args, kwargs):
@@ -245,6 +256,8 @@ class ActivationTaps:
         query = self._tap(f"{name}:q", query)
         key = self._tap(f"{name}:k", key)
         value = self._tap(f"{name}:v", value)
+        if not self.attention:  # the KV cache alone: Q and P stay as they are
+            return eager(module, query, key, value, attention_mask, *args, **kwargs)
         mode = ProbabilityTap(lambda p: self._tap(f"{name}:p", p))
         with mode:
             out = eager(module, query, key, value, attention_mask, *args, **kwargs)
@@ -279,29 +292,34 @@ class ActivationTaps:
         recipe, tap_plan = as_plan_parts(plan)
         if tap_plan is None:  # a recipe without --quantize-attention/-residual: its act format
             tap_plan = taps_plan(recipe, always=True)
-        self._fmt = fmt = tap_plan.format
         calib_name = tap_plan.calibrator
         entry = activation_entry(calib_name)
         calib = entry.build(**entry.options_from(recipe))
+        kv_fmt = get_format(KV_CACHE_FORMATS.get(getattr(recipe, "kv_cache", None), "e4m3"))
         report = {}
-        self._scales, self._scale_cache = {}, {}
+        self._scales, self._scale_cache, self._fmts = {}, {}, {}
         for name, st in self.stats.items():
+            kv = self.kinds[name] == "kv"
+            fmt = kv_fmt if kv else tap_plan.format
             warnings: list[str] = []
             if not st.seen:
                 warnings.append("saw no calibration data")
                 amax = 0.0
-            else:
-                if st.nonfinite:
-                    warnings.append(f"{st.nonfinite} non-finite values ignored")
+            elif st.nonfinite:
+                warnings.append(f"{st.nonfinite} non-finite values ignored")
+            if st.seen and kv:  # the runtime's observer: min-max, per tensor or per KV head
+                amax = st.channel_amax if self.kv == "head" else st.amax
+            elif st.seen:
                 amax = float(calib.amax(st, fmt))
-            scale = amax_to_scale(amax, fmt, pow2=recipe.scale_pow2, what=name,
-                                  warnings=warnings).reshape(())
-            self._scales[name] = scale
+            scale = amax_to_scale(amax, fmt, pow2=recipe.scale_pow2 and not kv, what=name,
+                                  warnings=warnings)
+            self._scales[name], self._fmts[name] = _broadcast(scale), fmt
             report[name] = {
-                "kind": self.kinds[name], "amax": amax, "scale": float(scale),
-                "format": fmt.name, "calib": calib_name,
-                "sqnr_db": histogram_sqnr_db(st, float(scale), fmt) if st.seen else None,
+                "kind": self.kinds[name], "amax": _number(amax), "scale": _number(scale),
+                "format": fmt.name, "calib": KV_OBSERVER if kv else calib_name,
+                "sqnr_db": histogram_sqnr_db(st, float(scale.max()), fmt) if st.seen else None,
                 "count": st.count, "warnings": warnings,
+                **({"granularity": self.kv} if kv else {}),
             }
             self.warnings += [f"{name}: {w}" for w in warnings]
         self.report = report
@@ -316,18 +334,27 @@ class ActivationTaps:
         if missing or extra:
             raise Fp8ptqError(f"activation taps of the model and of the report differ: missing "
                               f"{sorted(missing)[:3]}, unknown {sorted(extra)[:3]}")
-        formats = {e["format"] for e in report.values()}
-        if len(formats) != 1:
-            raise Fp8ptqError(f"activation taps use one format, the report has {sorted(formats)}")
-        scales = {n: torch.tensor(float(e["scale"]), dtype=torch.float32)
-                  for n, e in report.items()}
-        bad = [n for n, s in scales.items() if not (bool(torch.isfinite(s)) and float(s) > 0)]
+        scales = {n: torch.tensor(e["scale"], dtype=torch.float32) for n, e in report.items()}
+        bad = [n for n, s in scales.items() if not (bool(torch.isfinite(s).all())
+                                                     and bool((s > 0).all()))]
         if bad:
             raise NumericsError(f"activation tap scale of {bad[0]} is not finite and > 0")
-        self._fmt, self._scales, self._scale_cache = get_format(formats.pop()), scales, {}
+        self._scales = {n: _broadcast(s) for n, s in scales.items()}
+        self._fmts = {n: get_format(e["format"]) for n, e in report.items()}
+        self._scale_cache = {}
         self.report = report
         self.mode = "quantize"
         self._install_residual_hooks()
+
+    @contextmanager
+    def paused(self):
+        """Every tap passes its tensor through unchanged while the block runs (e.g. to compare
+        with a runtime that does not quantize the KV cache)."""
+        previous, self.mode = self.mode, "pass"
+        try:
+            yield self
+        finally:
+            self.mode = previous
 
     # -- export -------------------------------------------------------------------------------
 
@@ -344,6 +371,24 @@ class ActivationTaps:
                 for a, s in self.attention_scales().items()}
 
 
+def model_taps(model: nn.Module) -> ActivationTaps | None:
+    """The ``ActivationTaps`` installed on ``model``'s attention modules, if any."""
+    return next((ATTENTION_OWNERS[m][0] for m in model.modules() if m in ATTENTION_OWNERS),
+                None)
+
+
+def _broadcast(scale: torch.Tensor) -> torch.Tensor:
+    """A tap's scale as it multiplies its tensor: a scalar, or per KV head ``[1, H, 1, 1]``
+    against ``[batch, H, seq, head_dim]``."""
+    return scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1, 1)
+
+
+def _number(x):
+    """A scalar or per-head value as fp8ptq.json holds it: a float, or a list of floats."""
+    x = torch.as_tensor(x, dtype=torch.float32)
+    return float(x) if x.dim() == 0 else x.tolist()
+
+
 def attention_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
     """Per attention module ``{"q_scale", "k_scale", "v_scale", "p_scale"}`` from a ``freeze``
     report (e.g. ``QuantizeResult.extras["taps"]``, where the taps object itself is not kept)."""
@@ -355,11 +400,24 @@ def attention_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def kv_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
-    """``{attention module: {"k_scale", "v_scale"}}`` from a ``freeze`` report."""
-    return {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
-            for a, s in attention_scales_from_report(report).items()}
+def kv_scales_from_report(report: dict) -> dict[str, dict[str, float | list[float]]]:
+    """``{attention module: {"k_scale", "v_scale"}}`` from a ``freeze`` report: the attention
+    taps' K / V scales, or the KV-cache taps' (a list of one per KV head with ``head``)."""
+    out = {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
+           for a, s in attention_scales_from_report(report).items()}
+    for tap, entry in report.items():
+        module, _, role = tap.rpartition(":")
+        if entry.get("kind") == "kv" and role in KV_ROLES:
+            out.setdefault(module, {})[f"{role}_scale"] = entry["scale"]
+    return out
+
+
+def kv_granularity_from_report(report: dict | None) -> str | None:
+    """``"tensor"`` / ``"head"`` when ``report`` holds KV-cache taps, else None."""
+    return next((e.get("granularity", "tensor") for e in (report or {}).values()
+                 if e.get("kind") == "kv"), None)
 
 
 __all__ = ["ActivationTaps", "attention_scales_from_report", "kv_scales_from_report",
+           "kv_granularity_from_report", "model_taps",
            "ATTN_IMPLEMENTATION", "fp8ptq_eager_attention", "register_attention_function"]

@@ -30,6 +30,7 @@ from torch import nn
 from ...errors import DataError, Fp8ptqError, first_line
 from ...formats import get_format
 from ...nn.quant_experts import ProjectionQuant
+from ...observe.taps import KV_OBSERVER, kv_granularity_from_report
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
 from ..names import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type
@@ -81,6 +82,15 @@ def group_format(w: dict, a: dict | None) -> str:
     if w.get("scale_dtype") == "uint8":
         return CT_MXFP8
     return CT_NAIVE if a is None else (CT_FLOAT if w["type"] == "float" else CT_INT)
+
+
+def kv_cache_scheme(granularity: str) -> dict:
+    """compressed-tensors ``QuantizationArgs`` of an FP8 KV cache, as vLLM's
+    ``CompressedTensorsKVCacheMethod`` validates it (8-bit float, symmetric, strategy
+    ``tensor`` or ``attn_head``); static min-max scales from the calibration pass."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+            "strategy": "attn_head" if granularity == "head" else "tensor", "dynamic": False,
+            "observer": KV_OBSERVER}
 
 
 def _cached_attention(module: nn.Module) -> bool:
@@ -173,6 +183,12 @@ class CompressedTensorsLayout(Layout):
         return {"checkpoint_keys": checkpoint_keys(model_type, desc)}
 
     def kv_cache(self, model, report, tensors):
+        granularity = kv_granularity_from_report(report)
+        if granularity is not None:  # --kv-cache: written as vLLM reads it, whatever
+            # compressed-tensors' own KV-cached-attention detection says on this stack
+            return tensors, kv_cache_scheme(granularity), (
+                "kv_cache_scheme + tensors <attention>.k_scale / .v_scale "
+                f"({'[num_key_value_heads, 1, 1]' if granularity == 'head' else '[1]'})")
         fmt = get_format(next(iter(report.values()))["format"])
         kv_type = ct_type(fmt)
         if kv_type is None:
