@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -157,40 +157,94 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
         return _quantize_model(model, recipe, batches, progress, plan)
 
 
+@dataclass
+class StageRun:
+    """What a transform stage reads and changes: the model (in place), the recipe and plan,
+    the calibration batches and the run's extras (its report entry goes there by name)."""
+
+    model: nn.Module
+    recipe: Recipe
+    plan: QuantPlan | None
+    batches: list | None
+    progress: object
+    extras: dict
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One optional transform of the in-memory run, registered in ``STAGES``: ``at`` says when
+    it runs ("model": before the plan is built, since it may change the modules, e.g. untying
+    lm_head; "weights": after planning, before the statistics pass; "after": once every module
+    is quantized); ``applies(recipe)`` whether the recipe asks for it; ``needs_data`` whether
+    it reads calibration batches; ``run`` returns its report entry (``extras[name]``)."""
+
+    name: str
+    at: str
+    applies: Callable[[Recipe], bool]
+    run: Callable[[StageRun], object]
+    needs_data: bool = False
+
+
+def _rotation(run: StageRun):
+    materialize_offloaded(run.model)
+    run.plan = None  # a plan made before the rotation misses the untied lm_head
+    return rotate_model(run.model, run.recipe.rotate, seed=run.recipe.seed)
+
+
+def _smoothquant(run: StageRun):
+    materialize_offloaded(run.model)  # SmoothQuant folds its factors into the weights
+    search = run.recipe.smoothquant == "auto"
+    pre = collect_stats(run.model, run.plan.gemms, run.batches, run.progress,
+                        sample_batches=SAMPLE_BATCHES if search else 0)
+    return apply_smoothquant(run.model, run.plan.gemms, pre.stats,
+                             pre.row_samples() if search else {}, run.plan,
+                             example=run.batches[0])
+
+
+def _bn_retune(run: StageRun):
+    return retune_batchnorm(run.model, run.batches, run.progress)
+
+
+# The optional transforms, in the order they run within their ``at``. A new transform is its
+# algorithm (fp8ptq/algorithms/) plus one line here; the statistics pass, the calibrators and
+# GPTQ between "weights" and "after" are the run's core.
+STAGES: tuple[Stage, ...] = (
+    Stage("rotation", "model", lambda r: r.rotate is not None, _rotation),
+    Stage("smoothquant", "weights", lambda r: run_facts(r).smoothquant, _smoothquant,
+          needs_data=True),
+    Stage("bn_retune", "after", lambda r: run_facts(r).bn_retune, _bn_retune, needs_data=True),
+)
+
+
+def run_stages(at: str, run: StageRun, times: dict[str, float]) -> None:
+    """Every registered stage of ``at`` that the recipe asks for, timed under its name."""
+    for stage in STAGES:
+        if stage.at == at and stage.applies(run.recipe):
+            t0 = time.perf_counter()
+            run.extras[stage.name] = stage.run(run)
+            times[stage.name] = time.perf_counter() - t0
+
+
 def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                     progress, plan: QuantPlan | None) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
-    rotation = None
-    if recipe.rotate is not None:  # before planning: untying adds an lm_head weight
-        t0 = time.perf_counter()
-        materialize_offloaded(model)
-        rotation = rotate_model(model, recipe.rotate, seed=recipe.seed)
-        times["rotate"] = time.perf_counter() - t0
-        plan = None  # a plan made before the rotation misses the untied lm_head
-    plan = plan if plan is not None else build_plan(model, recipe)
+    run = StageRun(model, recipe, plan, batches, progress, {})
+    run_stages("model", run, times)  # before planning: a rotation unties lm_head
+    plan = run.plan = run.plan if run.plan is not None else build_plan(model, recipe)
     recipe, facts = plan.recipe, plan.facts
+    run.recipe = recipe  # the plan's (defaults resolved) from here on
     targets, experts, skipped = plan.gemms, plan.experts, plan.skipped
-    if not targets and not experts and not facts.taps:  # taps alone: what the KV cache
-        raise UsageError("no GEMM module left to quantize (check --skip / --override)")  # costs
+    if not targets and not experts:
+        raise UsageError("no GEMM module left to quantize (check --skip / --override)")
     if batches is None and facts.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
-    extras: dict = {} if rotation is None else {"rotation": rotation}
+    extras = run.extras
     if distributed.active() and facts.bn_retune:
         raise UsageError("--bn-retune is not supported across processes (torchrun); run it in "
                          "one process")
-
-    t0 = time.perf_counter()
-    if facts.smoothquant:
-        materialize_offloaded(model)  # SmoothQuant folds its factors into the weights
-        search = recipe.smoothquant == "auto"
-        pre = collect_stats(model, targets, batches, progress,
-                            sample_batches=SAMPLE_BATCHES if search else 0)
-        extras["smoothquant"] = apply_smoothquant(model, targets, pre.stats,
-                                                  pre.row_samples() if search else {}, plan,
-                                                  example=batches[0])
-    times["smoothquant"] = time.perf_counter() - t0
+    run_stages("weights", run, times)
 
     t0 = time.perf_counter()
     taps = ActivationTaps(model, recipe) if facts.taps else None
@@ -266,10 +320,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
         extras["taps"] = taps.freeze(plan)
     times["quantize"] = time.perf_counter() - t0
 
-    if facts.bn_retune:
-        t0 = time.perf_counter()
-        extras["bn_retune"] = retune_batchnorm(model, batches, progress)
-        times["bn_retune"] = time.perf_counter() - t0
+    run_stages("after", run, times)
     extras["high_precision"] = high_precision_report(model)
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras,
                           recipe=recipe, plan=plan)
