@@ -1,0 +1,86 @@
+"""Device bugs caught on a CPU-only machine: every stage below runs on fake ``"cuda"`` tensors
+(``tests/fake_cuda.py``), where an op that mixes a CUDA tensor with one the library made on the
+CPU raises torch's "Expected all tensors to be on the same device" error, as on a GPU. The
+Hessian stays a real CPU tensor, as the collector keeps it. Reads back to the host are counted:
+none may happen once per column of a GPTQ sweep."""
+
+import pytest
+import torch
+
+from fake_cuda import CUDA, fake_cuda
+from fp8ptq.calibrators.gptq import gptq_codes
+from fp8ptq.calibrators.registry import weight_entry
+from fp8ptq.formats import get_format
+from fp8ptq.granularity import weight_granularity
+from fp8ptq.weight_quant import choose_scale, half_layout, quantize_weight
+
+OUT, IN = 8, 80  # with BLOCK = 32: three GPTQ blocks, the last one partial (fake ops are slow)
+BLOCK = 32
+
+
+@pytest.fixture(autouse=True)
+def _format_tables():
+    """A format's lookup tables are built once, on the CPU, from real values: built here before
+    any fake mode, as a process's first quantize builds them before its first GEMM."""
+    half_layout(get_format("e4m3"))
+
+
+def _hessian(cols: int = IN) -> torch.Tensor:
+    x = torch.randn(4 * cols, cols, generator=torch.Generator().manual_seed(0))
+    x[:, 3] = 0.0  # an input that was always zero (the sweep's "dead" columns)
+    return (2 * x.T @ x / x.shape[0]).double()
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_sweeps_a_cuda_weight_with_a_cpu_hessian(act_order):
+    """The default recipe's two crashes on a GPU: the act-order permutation made on the
+    Hessian's device indexing the CUDA weight, and (without act order) the CUDA scales dividing
+    a CPU copy of the weight."""
+    H = _hessian()
+    fmt = get_format("e4m3")
+    with fake_cuda() as mode:
+        W = torch.randn(OUT, IN, device=CUDA)
+        S = torch.ones(OUT, 1, device=CUDA).expand(OUT, IN)
+        codes = gptq_codes(W, H, S, fmt, act_order=act_order, block=BLOCK)
+    assert codes.device == CUDA and codes.dtype == torch.uint8
+    assert tuple(codes.shape) == (OUT, IN)
+    # the Cholesky's success and its finiteness: a fixed number of reads per layer, none per
+    # column (IN columns would show up as dozens)
+    assert mode.syncs <= 2
+
+
+@pytest.mark.slow
+def test_host_reads_do_not_grow_with_the_columns():
+    """A sweep over twice the columns reads back to the host exactly as often."""
+    fmt = get_format("e4m3")
+    counts = []
+    for cols in (IN, 2 * IN):
+        H = _hessian(cols)
+        with fake_cuda() as mode:
+            W = torch.randn(OUT, cols, device=CUDA)
+            gptq_codes(W, H, torch.ones(OUT, 1, device=CUDA).expand(OUT, cols), fmt,
+                       act_order=True, block=BLOCK)
+        counts.append(mode.syncs)
+    assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("calibrator", ["gptq", "gptq-mse", "gptq-hmse", "hmse", "mse", "max",
+                                        "cast"])
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_weight_calibrators_on_a_cuda_weight(calibrator, granularity):
+    """Each weight calibrator's scale choice and rounding, as ``quantize_target`` runs them,
+    on a CUDA weight with a CPU Hessian."""
+    H = _hessian()
+    fmt = get_format("e4m3")
+    entry = weight_entry(calibrator)
+    w_calib = entry.build()
+    gran = weight_granularity(granularity, 16)
+    with fake_cuda():
+        W = torch.randn(OUT, IN, device=CUDA)
+        scale = choose_scale(W, fmt, gran, w_calib, hessian=H)
+        assert scale.device == CUDA
+        if entry.rounding == "gptq":
+            codes = gptq_codes(W, H, gran.expand(scale, W), fmt, block=BLOCK)
+        else:
+            codes = quantize_weight(W, scale, fmt, gran).codes
+    assert codes.device == CUDA and tuple(codes.shape) == (OUT, IN)
