@@ -146,5 +146,7 @@ _ACTIVE: list = []
 @contextmanager
 def fake_cuda():
     """A ``CountingFakeMode`` in which ``device="cuda"`` works on this CPU-only build."""
-    with native.disabled(), CountingFakeMode() as mode:  # fake tensors have no memory
-        yield mode                                          # for the C kernels to read
+    # fake tensors have no memory for the C kernels to read; autograd's device guard on a
+    # "cuda" tensor needs a CUDA build (inference and calibration run without grad anyway)
+    with native.disabled(), torch.no_grad(), CountingFakeMode() as mode:
+        yield mode
