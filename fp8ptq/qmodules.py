@@ -288,6 +288,20 @@ class QuantGemm(nn.Module):
 
 
 
+def gemm_paths(model: nn.Module) -> dict:
+    """How ``model``'s quantized GEMMs run where their weights are: ``{"gemms": N,
+    "real_fp8": n, "simulated": m}``, ``real_fp8`` counting the ``QuantGemm`` layers whose
+    forward is a real FP8 tensor-core GEMM (``torch._scaled_mm``: e4m3 / e5m2 codes, tensor or
+    channel weight scales, static or per-token inputs, on a GPU with compute capability >= 8.9)
+    and ``simulated`` the others (dequantized weights and fake-quantized inputs through the
+    model dtype's GEMM). Real and simulated results differ slightly (the kernel's accumulation
+    and its bfloat16 output), so a report says which ran."""
+    layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
+    real = sum(m.scaled_mm_plan(m.inner.weight.device) is not None for m in layers
+               if not m.inner.weight.is_meta)
+    return {"gemms": len(layers), "real_fp8": real, "simulated": len(layers) - real}
+
+
 def _fp8_capable(device: torch.device) -> bool:
     """A CUDA device with FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
