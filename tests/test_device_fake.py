@@ -11,7 +11,9 @@ from fake_cuda import CUDA, fake_cuda
 from fp8ptq.calibrators.gptq import gptq_codes
 from fp8ptq.calibrators.registry import weight_entry
 from fp8ptq.formats import get_format
+from fp8ptq.gptaq import asymmetric_target
 from fp8ptq.granularity import weight_granularity
+from fp8ptq.hessian import HessianCollector
 from fp8ptq.weight_quant import choose_scale, half_layout, quantize_weight
 
 OUT, IN = 8, 80  # with BLOCK = 32: three GPTQ blocks, the last one partial (fake ops are slow)
@@ -84,3 +86,23 @@ def test_weight_calibrators_on_a_cuda_weight(calibrator, granularity):
         else:
             codes = quantize_weight(W, scale, fmt, gran).codes
     assert codes.device == CUDA and tuple(codes.shape) == (OUT, IN)
+
+
+def test_asymmetric_gptq_target_on_a_cuda_weight():
+    """GPTAQ's ``W*`` from a CUDA weight and the collector's CPU ``H`` and ``C``."""
+    H, C = _hessian(), _hessian() * 1.01
+    with fake_cuda():
+        target = asymmetric_target(torch.randn(OUT, IN, device=CUDA), H, C, 0.01)
+    assert target.device == CUDA and target.dtype == torch.float64
+
+
+def test_hessian_collector_observes_a_cuda_gemm():
+    """The collector sums a CUDA layer's inputs into a CPU float64 Hessian."""
+    layer = torch.nn.Linear(IN, OUT, bias=False)
+    collector = HessianCollector({"layer": layer})
+    with fake_cuda():
+        layer.to(CUDA)
+        with collector.observing():
+            layer(torch.randn(3, 5, IN, device=CUDA))
+        H = collector.hessian("layer")
+    assert H.device.type == "cpu" and H.dtype == torch.float64 and tuple(H.shape) == (IN, IN)
