@@ -6,7 +6,7 @@ all tensors to be on the same device" error). Real CPU tensors met inside become
 tensors, so a CPU Hessian beside a "cuda" weight behaves as on a GPU machine.
 
 A fake tensor has no values, so reading one back to Python (``.item()``, ``float(t)``,
-``int(t)``, ``bool(t)``, ``.tolist()``: torch's ``_local_scalar_dense``) would stop the run.
+``int(t)``, ``bool(t)``, ``.tolist()``, ``torch.equal``) would stop the run.
 Those reads are the host syncs a GPU pays for; here each one is COUNTED (``mode.syncs``) and
 answered with a neutral value (integers 0, booleans True, floats 1.0: a Cholesky that
 succeeded, a finite norm), so a test can both run past a legitimate once-per-layer check and
@@ -36,6 +36,12 @@ class CountingFakeMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.syncs = 0
         self._saved: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.equal.default:  # torch.equal: a bool read back to the host
+            self.syncs += 1
+            return True
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _read(self, t: torch.Tensor):
         self.syncs += 1
@@ -90,22 +96,18 @@ def _contiguous(t, memory_format=torch.contiguous_format):
 
 
 def _getitem(t, index):
-    """``t[index]`` for ints, slices, None and Ellipsis (views, as torch's), or one integer
-    index tensor alone (a gather). A boolean mask's result has a data-dependent shape (a host
-    sync on a GPU): refused."""
+    """``t[index]``: ints, slices, None and Ellipsis as views (as torch's), index tensors then
+    gathered by ``aten.index`` at the dimensions they stand for. A boolean mask's result has a
+    data-dependent shape (a host sync on a GPU): refused."""
     aten = torch.ops.aten
-    if isinstance(index, torch.Tensor):
-        if index.dtype == torch.bool:
-            raise NotImplementedError("fake_cuda: boolean-mask indexing (a host sync)")
-        return aten.index.Tensor(t, [index])
     index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, torch.Tensor) for i in index):
-        raise NotImplementedError("fake_cuda: an index tensor beside other indices")
+    if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+        raise NotImplementedError("fake_cuda: boolean-mask indexing (a host sync)")
     if Ellipsis in index:
         at = index.index(Ellipsis)
         fill = t.dim() - sum(i is not None for i in index if i is not Ellipsis)
         index = index[:at] + (slice(None),) * fill + index[at + 1:]
-    dim = 0
+    dim, gathers = 0, {}
     for i in index:
         if i is None:
             t = aten.unsqueeze.default(t, dim)
@@ -115,8 +117,13 @@ def _getitem(t, index):
                 step = 1 if i.step is None else i.step
                 t = aten.slice.Tensor(t, dim, i.start, i.stop, step)
             dim += 1
+        elif isinstance(i, torch.Tensor):
+            gathers[dim] = i
+            dim += 1
         else:
             t = aten.select.int(t, dim, int(i))
+    if gathers:
+        t = aten.index.Tensor(t, [gathers.get(d) for d in range(max(gathers) + 1)])
     return t
 
 

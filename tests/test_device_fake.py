@@ -8,13 +8,18 @@ import pytest
 import torch
 
 from fake_cuda import CUDA, fake_cuda
+from fp8ptq import qmodules
 from fp8ptq.calibrators.gptq import gptq_codes
 from fp8ptq.calibrators.registry import weight_entry
 from fp8ptq.formats import get_format
 from fp8ptq.gptaq import asymmetric_target
 from fp8ptq.granularity import weight_granularity
 from fp8ptq.hessian import HessianCollector
+from fp8ptq.pipeline import quantize_model, token_batches
+from fp8ptq.qmodules import QuantGemm
+from fp8ptq.recipe import Recipe
 from fp8ptq.weight_quant import choose_scale, half_layout, quantize_weight
+from tiny_models import IDS, tiny
 
 OUT, IN = 8, 80  # with BLOCK = 32: three GPTQ blocks, the last one partial (fake ops are slow)
 BLOCK = 32
@@ -106,3 +111,23 @@ def test_hessian_collector_observes_a_cuda_gemm():
             layer(torch.randn(3, 5, IN, device=CUDA))
         H = collector.hessian("layer")
     assert H.device.type == "cpu" and H.dtype == torch.float64 and tuple(H.shape) == (IN, IN)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8_cores", [True, False])
+def test_sequential_gptq_quantizes_a_cuda_model(monkeypatch, fp8_cores):
+    """The default recipe (sequential GPTQ, here with per-token inputs) on a tiny Llama on
+    "cuda": calibration forwards, Hessians, each group's sweep and the quantized layers'
+    forwards that feed the next group, real FP8 GEMMs (``fp8_cores``) or simulated ones."""
+    monkeypatch.setattr(qmodules, "_fp8_capable", lambda device: fp8_cores)
+    model = tiny("llama")
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    dtype="float32")
+    with fake_cuda():
+        model.to(CUDA)
+        batches = [{k: v.to(CUDA) for k, v in b.items()}
+                   for b in token_batches(IDS[:2, :8], 2)]
+        quantize_model(model, recipe, batches)
+    layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
+    assert layers and all(m.weight.device == CUDA and m.weight_scale.device == CUDA
+                          for m in layers)
