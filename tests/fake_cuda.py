@@ -43,12 +43,9 @@ class CountingFakeMode(FakeTensorMode):
             return True
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def _read(self, t: torch.Tensor):
-        self.syncs += 1
-        value = True if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 0
-        for n in reversed(t.shape):
-            value = [value] * n
-        return value
+    @staticmethod
+    def _neutral(t: torch.Tensor):
+        return True if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 0
 
     def __enter__(self):
         patches = {name: self._read_as(name) for name in self.READS}
@@ -73,8 +70,13 @@ class CountingFakeMode(FakeTensorMode):
         cast = {"__int__": int, "__index__": int, "__float__": float, "__bool__": bool}.get(name)
 
         def read(t, *_args):
-            value = self._read(t)
-            return cast(value) if cast else value
+            self.syncs += 1
+            value = self._neutral(t)
+            if cast:  # a one-element tensor's value, whatever its shape
+                return cast(value)
+            for n in reversed(t.shape):
+                value = [value] * n
+            return value
         return read
 
 

@@ -113,16 +113,29 @@ def test_hessian_collector_observes_a_cuda_gemm():
     assert H.device.type == "cpu" and H.dtype == torch.float64 and tuple(H.shape) == (IN, IN)
 
 
+RECIPES = {
+    "gptq-token": dict(act_granularity="token", weight_calib="gptq"),
+    "gptq-static": {},  # the default recipe
+    "gptq-asym": dict(gptq_asym=True, act_granularity="token"),
+    "mse": dict(act_calib="mse", weight_calib="mse"),
+    "block-group": dict(weight_granularity="block", act_granularity="group",
+                        weight_calib="max"),
+    "rotate": dict(rotate="hadamard", weight_calib="max", act_granularity="token"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fp8_cores", [True, False])
-def test_sequential_gptq_quantizes_a_cuda_model(monkeypatch, fp8_cores):
-    """The default recipe (sequential GPTQ, here with per-token inputs) on a tiny Llama on
-    "cuda": calibration forwards, Hessians, each group's sweep and the quantized layers'
-    forwards that feed the next group, real FP8 GEMMs (``fp8_cores``) or simulated ones."""
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_recipes_quantize_a_cuda_model(monkeypatch, name, fp8_cores):
+    """Each recipe on a tiny Llama on "cuda" (the default: sequential GPTQ): calibration
+    forwards, statistics, Hessians, each group's sweep, the quantized layers' forwards that
+    feed the next group, with real FP8 GEMMs (``fp8_cores``) or simulated ones."""
+    if not fp8_cores and name != "gptq-token":
+        pytest.skip("the simulated GEMMs are checked on one recipe")
     monkeypatch.setattr(qmodules, "_fp8_capable", lambda device: fp8_cores)
     model = tiny("llama")
-    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
-                    dtype="float32")
+    recipe = Recipe(format="e4m3", dtype="float32", **RECIPES[name])
     with fake_cuda():
         model.to(CUDA)
         batches = [{k: v.to(CUDA) for k, v in b.items()}
