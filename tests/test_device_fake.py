@@ -19,7 +19,7 @@ from fp8ptq.pipeline import quantize_model, token_batches
 from fp8ptq.qmodules import QuantGemm
 from fp8ptq.recipe import Recipe
 from fp8ptq.weight_quant import choose_scale, half_layout, quantize_weight
-from tiny_models import IDS, tiny
+from tiny_models import IDS, invoke, saved_llama_with_calib, tiny
 
 OUT, IN = 8, 80  # with BLOCK = 32: three GPTQ blocks, the last one partial (fake ops are slow)
 BLOCK = 32
@@ -144,3 +144,19 @@ def test_recipes_quantize_a_cuda_model(monkeypatch, name, fp8_cores):
     layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
     assert layers and all(m.weight.device == CUDA and m.weight_scale.device == CUDA
                           for m in layers)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("command", ["quantize", "eval", "sensitivity"])
+def test_device_cuda_without_cuda_is_one_error_line(tmp_path, word_tokenizer, command):
+    src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
+    out = tmp_path / "out"
+    args = {"quantize": ["-o", out, "--calib-data", calib],
+            "eval": ["--tasks", "wikitext", "--data", f"wikitext={calib}", "--calib-data", calib],
+            "sensitivity": ["--calib-data", calib, "--eval-data", calib]}[command]
+    res = invoke([command, src, *args, "--device", "cuda"])
+    assert res.exit_code != 0
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --device cuda requested but no CUDA device is available"]
+    assert "Traceback" not in res.output
+    assert not out.exists()
