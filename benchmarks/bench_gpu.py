@@ -163,18 +163,8 @@ def real_vs_simulated(model, ids: torch.Tensor) -> dict:
     from fp8ptq import qmodules
     paths = qmodules.gemm_paths(model)
     real, ppl_real = logits_and_ppl(model, ids)
-    capable = qmodules._fp8_capable
-    qmodules._fp8_capable = lambda device: False
-    try:
-        for m in model.modules():
-            if isinstance(m, qmodules.QuantGemm):
-                m._mm_plan = None
+    with qmodules.simulated_gemms():
         simulated, ppl_sim = logits_and_ppl(model, ids)
-    finally:
-        qmodules._fp8_capable = capable
-        for m in model.modules():
-            if isinstance(m, qmodules.QuantGemm):
-                m._mm_plan = None
     return {"gemms_real": f"{paths['real_fp8']}/{paths['gemms']}",
             "logits_rel_diff": float((real - simulated).norm() / simulated.norm()),
             "ppl_real": ppl_real, "ppl_simulated": ppl_sim}

@@ -8,6 +8,7 @@ tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
 
@@ -247,6 +248,8 @@ class QuantGemm(nn.Module):
         layout ``_scaled_mm`` does not take, or a GPU without FP8 tensor cores, compute
         capability < 8.9). Decided once per device: the capability query and the scale
         layouts are not redone at every forward."""
+        if _SIMULATE.depth:
+            return None
         cached = getattr(self, "_mm_plan", None)
         if cached is not None and cached[0] == device:
             return cached[1]
@@ -300,6 +303,25 @@ def gemm_paths(model: nn.Module) -> dict:
     real = sum(m.scaled_mm_plan(m.inner.weight.device) is not None for m in layers
                if not m.inner.weight.is_meta)
     return {"gemms": len(layers), "real_fp8": real, "simulated": len(layers) - real}
+
+
+class _Simulate(threading.local):
+    depth = 0
+
+
+_SIMULATE = _Simulate()
+
+
+@contextmanager
+def simulated_gemms():
+    """Inside this block (in this thread) every ``QuantGemm`` simulates its GEMM, real FP8
+    kernels or not: to compare the two on the same device and inputs. The layers' plans are
+    kept, and used again after the block."""
+    _SIMULATE.depth += 1
+    try:
+        yield
+    finally:
+        _SIMULATE.depth -= 1
 
 
 def _fp8_capable(device: torch.device) -> bool:

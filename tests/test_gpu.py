@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import fp8ptq
 from fp8ptq import qmodules
 from fp8ptq.qmodules import QuantGemm, gemm_paths
-from tiny_models import invoke, saved_llama_with_calib, tiny
+from tiny_models import invoke, saved_llama_with_calib
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -123,7 +123,7 @@ def test_real_scaled_mm_against_the_simulation_per_gemm(act, weight_gran):
 
 
 @needs_fp8
-def test_real_fp8_on_a_whole_tiny_model(model_dir, tmp_path, monkeypatch):
+def test_real_fp8_on_a_whole_tiny_model(model_dir, tmp_path):
     quantize(model_dir, tmp_path / "q", "cpu", "--scheme", "fp8-dynamic", "--weight-calib",
              "max", "--dtype", "bfloat16")
     loaded = fp8ptq.load(tmp_path / "q", device="cuda")
@@ -132,12 +132,10 @@ def test_real_fp8_on_a_whole_tiny_model(model_dir, tmp_path, monkeypatch):
     ids = torch.randint(2, 128, (4, 32), device="cuda")
     with torch.no_grad():
         real = loaded.model(input_ids=ids).logits.float()
-        for m in loaded.model.modules():
-            if isinstance(m, QuantGemm):
-                m._mm_plan = None
-        monkeypatch.setattr(qmodules, "_fp8_capable", lambda device: False)
-        simulated = loaded.model(input_ids=ids).logits.float()
-    assert gemm_paths(loaded.model)["real_fp8"] == 0
+        with qmodules.simulated_gemms():
+            simulated = loaded.model(input_ids=ids).logits.float()
+            assert gemm_paths(loaded.model)["real_fp8"] == 0
+    assert gemm_paths(loaded.model)["real_fp8"] == paths["gemms"]
     assert float((real - simulated).norm() / simulated.norm()) < 0.02
 
 
@@ -165,8 +163,3 @@ def test_eval_on_cuda_says_how_its_gemms_ran(model_dir, tmp_path):
     assert real + simulated == total > 0 and (real == total) == FP8_GPU
     assert "peak GPU" in res.output
 
-
-def test_tiny_models_build_on_cuda():
-    """The tiny builders the tier uses place on the GPU (a check of the tier itself)."""
-    model = tiny("llama").cuda()
-    assert next(model.parameters()).is_cuda

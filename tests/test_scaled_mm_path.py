@@ -116,3 +116,15 @@ def test_a_layer_scaled_mm_cannot_take_is_simulated_on_cuda(monkeypatch):
         y = q(torch.randn(3, 64, device=CUDA))
         assert q.scaled_mm_plan(CUDA) is None
     assert y.device == CUDA and tuple(y.shape) == (3, 24)
+
+
+def test_simulated_gemms_turns_the_real_path_off_for_its_block(monkeypatch):
+    monkeypatch.setattr(qmodules, "_fp8_capable", lambda device: device.type == "cuda")
+    q = _gemm("token")
+    with fake_cuda():
+        q.to(CUDA)
+        with qmodules.simulated_gemms():
+            assert q.scaled_mm_plan(CUDA) is None
+            assert qmodules.gemm_paths(q) == {"gemms": 1, "real_fp8": 0, "simulated": 1}
+        assert q.scaled_mm_plan(CUDA) is not None
+        assert qmodules.gemm_paths(q) == {"gemms": 1, "real_fp8": 1, "simulated": 0}

@@ -36,7 +36,7 @@ def torch_dtype(spec: FormatSpec) -> torch.dtype | None:
 _DEVICE_TABLES: dict = {}
 
 
-def on_device(table, device: torch.device, move):
+def _on_device(table, device: torch.device, move):
     """``move(table)`` (a copy of the CPU lookup ``table`` onto ``device``), made once per
     ``table``, ``device`` and ``move``'s ``key``. Only plain tensors are kept: a tensor
     subclass (a fake or functional tensor of a tracing mode) belongs to that mode's life."""
@@ -52,16 +52,16 @@ def on_device(table, device: torch.device, move):
 
 
 def _tables_on(spec: FormatSpec, device: torch.device) -> BinadeTables:
-    """``binade_tables(spec)`` on ``device`` (see ``on_device``)."""
-    return on_device(binade_tables(spec), device, lambda t: t.to(device))
+    """``binade_tables(spec)`` on ``device`` (see ``_on_device``)."""
+    return _on_device(binade_tables(spec), device, lambda t: t.to(device))
 
 
 def _values_on(spec: FormatSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The value of each code of ``spec`` as ``dtype`` on ``device`` (see ``on_device``)."""
+    """The value of each code of ``spec`` as ``dtype`` on ``device`` (see ``_on_device``)."""
     def move(t):
         return t.to(device=device, dtype=dtype)
     move.key = dtype
-    return on_device(spec.layout.values, device, move)
+    return _on_device(spec.layout.values, device, move)
 
 
 def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None = None,
