@@ -62,11 +62,12 @@ def weighted_errors(w2d: torch.Tensor, gran, fmt, amax: torch.Tensor, ratios: to
     """``[len(ratios), *amax.shape]``: per candidate and scale group, ``sum_j h_j (w - s Q(w /
     s))^2`` with ``s = amax * r / calibration_max`` (the scale ``amax_to_scale`` would make of
     that clip range, bit for bit) and ``h`` the input energies ``hdiag`` (None: all 1, the
-    plain squared error). Row chunks keep the temporaries bounded on big GEMMs."""
+    plain squared error; moved to the weight's device, as the Hessian collector keeps its sums
+    on the CPU). Row chunks keep the temporaries bounded on big GEMMs."""
     rows, cols = w2d.shape
     h = None
     if hdiag is not None:
-        h = hdiag.detach().float().reshape(1, cols).clamp(min=0)
+        h = hdiag.detach().to(w2d.device, torch.float32).reshape(1, cols).clamp(min=0)
         top = float(h.max()) if h.numel() else 0.0
         if not bool(torch.isfinite(h).all()):
             h = None  # no usable energies: every input counts the same
@@ -98,7 +99,7 @@ def best_amax(amax: torch.Tensor, ratios: torch.Tensor, errors: torch.Tensor) ->
     ones; NaN errors never win); all-zero / non-finite groups keep ``amax``
     (``amax_to_scale`` guards them)."""
     best = torch.argmin(torch.nan_to_num(errors, nan=float("inf")), dim=0)
-    chosen = amax * ratios.to(amax.dtype)[best]
+    chosen = amax * ratios.to(amax.device, amax.dtype).take(best)
     return torch.where(torch.isfinite(amax) & (amax > 0), chosen, amax)
 
 

@@ -147,7 +147,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
                   mode=delta_mode)
     if update_card:
         update_evaluation(Path(model), to_markdown(rows, delta_mode),
-                          protocol_lines(protocol) + [f"note: {n}" for n in notes])
+                          protocol_lines(protocol, rows) + [f"note: {n}" for n in notes])
     if gates:
         apply_gates(rows, list(gates), gate_on)
 
@@ -191,7 +191,7 @@ def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str =
     if not console.is_terminal:  # a log file or CI: no need to squeeze into 80 columns
         console.width = max(console.width, 200)
     console.print(render_table(rows, mode))
-    for line in protocol_lines(protocol) + [f"note: {n}" for n in notes]:
+    for line in protocol_lines(protocol, rows) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -204,6 +204,7 @@ def write_reports(rows, protocol, recipe: Recipe, context: dict, *, json_path=No
         doc = report.to_json(rows, protocol, recipe.to_dict()) | context
         for entry, row in zip(doc["variants"], rows):
             entry.update({k: row[k] for k in ("kind", "source", "dtype", "timings")})
+            entry["gemm_paths"] = row.get("gemm_paths")
         write_file(json_path, lambda p: p.write_text(json.dumps(doc, indent=2) + "\n"))
     if markdown_path:
         write_file(markdown_path, lambda p: p.write_text(report.to_markdown(rows, mode)))

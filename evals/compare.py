@@ -27,6 +27,7 @@ from fp8ptq.errors import UsageError
 from fp8ptq.execution import job
 from fp8ptq.formats import get_format
 from fp8ptq.io.loading import hub_offline
+from fp8ptq.nn.quant_gemm import gemm_paths
 
 from . import wikitext
 from .extractive_qa import is_extractive_qa
@@ -248,6 +249,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
                                prefix_token=prefix_token, **eval_kwargs)
         if not rows and "wikitext" in tasks:
             notes += prefix_notes(loaded.model, tokenizer, prefix_token, eval_kwargs)
+        paths = gemm_paths(loaded.model)
         del loaded
         _free_memory(device)
         if protocol is None:
@@ -255,7 +257,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
         elif result.protocol != protocol:
             notes.append(f"{v.name} was measured differently from {rows[0]['name']}: "
                          f"{_protocol_diff(protocol, result.protocol)}")
-        rows.append(_row(v, result, timings))
+        rows.append(_row(v, result, timings) | {"gemm_paths": paths})
     return rows, protocol, next(iter(calibs.values()), None)
 
 
@@ -308,10 +310,21 @@ def _protocol_diff(a: dict, b: dict) -> str:
     return ", ".join(diffs)
 
 
-def protocol_lines(protocol: dict) -> list[str]:
+def protocol_lines(protocol: dict, rows: list[dict] | None = None) -> list[str]:
+    """One line per task's protocol, and (``rows``: the report's variants) one saying how each
+    variant's quantized GEMMs ran (``gemm_paths_text``)."""
     def show(value):
         return value if isinstance(value, (int, float, bool)) or value is None or \
             (isinstance(value, str) and "\n" not in value) else json.dumps(value)
 
-    return [f"protocol {task}: " + ", ".join(f"{k}={show(v)}" for k, v in facts.items())
-            for task, facts in protocol.items()]
+    lines = [f"protocol {task}: " + ", ".join(f"{k}={show(v)}" for k, v in facts.items())
+             for task, facts in protocol.items()]
+    ran = [f"{r['name']} {gemm_paths_text(r['gemm_paths'])}" for r in rows or ()
+           if r.get("gemm_paths", {}).get("gemms")]
+    return lines + ([f"protocol gemms: {'; '.join(ran)}"] if ran else [])
+
+
+def gemm_paths_text(paths: dict) -> str:
+    """``real FP8 kernels 210 of 210, simulated 0`` (``fp8ptq.nn.quant_gemm.gemm_paths``)."""
+    return (f"real FP8 kernels {paths['real_fp8']} of {paths['gemms']}, "
+            f"simulated {paths['simulated']}")

@@ -96,9 +96,17 @@ def test_baseline_int8_e4m3_table_json_markdown_plot(files, tmp_path):
                  "bos=", "split=articles on ' = X = ' headings", "documents=3"):
         assert text in res.stdout, text
     assert "gate failed" not in res.output
+    # on the CPU every quantized GEMM is simulated, and the report says so
+    ran = re.search(r"protocol gemms: int8 real FP8 kernels 0 of (\d+), simulated (\d+); "
+                    r"e4m3 real FP8 kernels 0 of (\d+), simulated (\d+)", res.stdout)
+    assert ran and len(set(ran.groups())) == 1 and int(ran.group(1)) > 0, res.stdout
 
     doc = json.loads((out / "r.json").read_text())
     variants = doc["variants"]
+    gemms = int(ran.group(1))
+    assert [v["gemm_paths"] for v in variants] == [{"gemms": 0, "real_fp8": 0, "simulated": 0}] \
+        + [{"gemms": gemms, "real_fp8": 0, "simulated": gemms}] * 2 \
+        + [{"gemms": 0, "real_fp8": 0, "simulated": 0}]
     # fp32 is the baseline's own dtype: folded into it, not evaluated twice
     assert [v["name"] for v in variants] == ["baseline", "int8", "e4m3", "bf16"]
     assert [v["kind"] for v in variants] == ["baseline", "quantized", "quantized", "dtype"]

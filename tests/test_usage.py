@@ -23,12 +23,25 @@ def test_time_line_and_json_fields():
     fields = usage(seconds)
     assert fields["seconds"] == {"load": 1.234, "plan": 0.01, "write": 0.0, "quantize": 12.06}
     assert fields["peak_rss_mb"] > 0
+    assert "peak_gpu_mb" not in fields and "GPU" not in line  # CUDA never used here
     acc: dict = {}
     with timed(acc, "a"):
         pass
     with timed(acc, "a"):
         sum(range(10000))
     assert set(acc) == {"a"} and acc["a"] > 0
+
+
+def test_peak_gpu_memory_is_reported_where_cuda_was_used(monkeypatch):
+    """Two devices used, 3 and 1.5 MiB allocated at their peaks: 4.5 MiB beside the RSS."""
+    import torch
+    peaks = {0: 3 * 2**20, 1: 3 * 2**19}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d])
+    assert usage({"load": 1.0})["peak_gpu_mb"] == 4.5
+    assert re.fullmatch(r"time: load 1\.0s; peak RSS \d+ MiB, peak GPU 4 MiB",
+                        time_line({"load": 1.0}))
 
 
 def test_peak_rss_is_the_process_high_water_mark():

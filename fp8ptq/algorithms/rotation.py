@@ -92,6 +92,7 @@ def _linear_in(lin: nn.Module, Q: torch.Tensor, gain=None, bias=None, conv1d=Fal
     ``bias`` [in] folds into the GEMM's own bias."""
     W = lin.weight.double()
     W = W.T if conv1d else W  # Conv1D stores [in, out]
+    Q, gain, bias = (None if t is None else t.to(W.device) for t in (Q, gain, bias))
     if bias is not None:
         extra = W @ bias
         if lin.bias is None:
@@ -107,6 +108,7 @@ def _linear_out(lin: nn.Module, Q: torch.Tensor, conv1d=False) -> None:
     """Writer to the rotated stream: ``y -> y Q``, i.e. ``W -> Q^T W`` and ``b -> b Q``."""
     W = lin.weight.double()
     W = W.T if conv1d else W
+    Q = Q.to(W.device)
     _set(lin.weight, (Q.T @ W).T if conv1d else Q.T @ W)
     if lin.bias is not None:
         _set(lin.bias, lin.bias.double() @ Q)
@@ -144,7 +146,7 @@ def _rotate_llama(model, gen) -> dict:
     Q = random_hadamard(hidden, gen)
     _untie(model)
     emb = base.embed_tokens
-    _set(emb.weight, emb.weight.double() @ Q)
+    _set(emb.weight, emb.weight.double() @ Q.to(emb.weight.device))
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     for layer in base.layers:
@@ -156,7 +158,8 @@ def _rotate_llama(model, gen) -> dict:
         Hv = _head_rotation(head_dim, kv_heads, gen_fork(gen))
         Ho = torch.block_diag(*([Hv[:head_dim, :head_dim]] * cfg.num_attention_heads))
         _linear_out(attn.v_proj, Hv)
-        _set(attn.o_proj.weight, attn.o_proj.weight.double() @ Ho)
+        Wo = attn.o_proj.weight.double()
+        _set(attn.o_proj.weight, Wo @ Ho.to(Wo.device))
         _linear_out(attn.o_proj, Q)
         g, _ = _norm_reset(layer.post_attention_layernorm)
         for lin in (mlp.gate_proj, mlp.up_proj):
@@ -174,15 +177,15 @@ def _rotate_gpt2(model, gen) -> dict:
     Q = keep_ones(random_hadamard(hidden, gen))
     _untie(model)
     for emb in (tr.wte, tr.wpe):
-        _set(emb.weight, emb.weight.double() @ Q)
+        _set(emb.weight, emb.weight.double() @ Q.to(emb.weight.device))
     heads = cfg.n_head
     head_dim = hidden // heads
     for block in tr.h:
         attn, mlp = block.attn, block.mlp
         g, b = _norm_reset(block.ln_1)
         _linear_in(attn.c_attn, Q, gain=g, bias=b, conv1d=True)
-        Hv = _head_rotation(head_dim, heads, gen_fork(gen))
         W = attn.c_attn.weight.double()  # [in, 3*hidden]: q | k | v
+        Hv = _head_rotation(head_dim, heads, gen_fork(gen)).to(W.device)
         Wv = W[:, 2 * hidden:] @ Hv
         _set(attn.c_attn.weight, torch.cat([W[:, :2 * hidden], Wv], 1))
         bb = attn.c_attn.bias.double()
@@ -197,7 +200,8 @@ def _rotate_gpt2(model, gen) -> dict:
     if b is not None and bool((b != 0).any()):
         if bool((g == 0).any()):
             raise UsageError("cannot rotate: the final LayerNorm has a bias and a zero gain")
-        _set(tr.ln_f.bias, (b / g) @ Q)  # n(x)Q + (b/g)Q, then lm_head W g Q^T: = W(g n + b)
+        # n(x)Q + (b/g)Q, then lm_head W g Q^T: = W(g n + b)
+        _set(tr.ln_f.bias, (b / g) @ Q.to(b.device))
     return {"hidden": hidden, "head_dim": head_dim, "kind": _kind(hidden) + ", keeps 1"}
 
 

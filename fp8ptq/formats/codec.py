@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import native
-from .binades import binade_tables, exponent_field, native_tables
+from .binades import BinadeTables, binade_tables, exponent_field, native_tables
 from .spec import FormatSpec
 
 _TORCH_FP8 = {
@@ -29,6 +29,40 @@ _TORCH_FP8 = {
 def torch_dtype(spec: FormatSpec) -> torch.dtype | None:
     """torch's float8 dtype whose bit layout equals ``spec``, if torch has one."""
     return _TORCH_FP8.get(spec.torch_dtype) if spec.torch_dtype else None
+
+
+# Small lookup tables (a format's values, its binade tables) copied to a device once per
+# (table, device, dtype), not once per call: a GPTQ sweep decodes a column at a time, and each
+# host-to-device copy of a table would stall the GPU's queue.
+_DEVICE_TABLES: dict = {}
+
+
+def _on_device(table, device: torch.device, move):
+    """``move(table)`` (a copy of the CPU lookup ``table`` onto ``device``), made once per
+    ``table``, ``device`` and ``move``'s ``key``. Only plain tensors are kept: a tensor
+    subclass (a fake or functional tensor of a tracing mode) belongs to that mode's life."""
+    if device.type == "cpu":
+        return move(table)
+    key = (id(table), device, getattr(move, "key", None))
+    got = _DEVICE_TABLES.get(key)
+    if got is None or got[0] is not table:
+        got = (table, move(table))
+        if type(got[1]) in (torch.Tensor, BinadeTables):
+            _DEVICE_TABLES[key] = got
+    return got[1]
+
+
+def _tables_on(spec: FormatSpec, device: torch.device) -> BinadeTables:
+    """``binade_tables(spec)`` on ``device`` (see ``_on_device``)."""
+    return _on_device(binade_tables(spec), device, lambda t: t.to(device))
+
+
+def _values_on(spec: FormatSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The value of each code of ``spec`` as ``dtype`` on ``device`` (see ``_on_device``)."""
+    def move(t):
+        return t.to(device=device, dtype=dtype)
+    move.key = dtype
+    return _on_device(spec.layout.values, device, move)
 
 
 def quantize_values(x: torch.Tensor, spec: FormatSpec, *, rounding: str | None = None,
@@ -91,12 +125,12 @@ def _quantize_dense(x, spec, *, rounding, saturate, nan_to_zero, generator):
     lay = spec.layout
     a = x.abs()
     field = exponent_field(a)
-    t = binade_tables(spec).to(x.device)
-    y = a * t.inv_step[field]  # exact: multiplication by a power of two
+    t = _tables_on(spec, x.device)
+    y = a * t.inv_step.take(field)  # exact: multiplication by a power of two
     whole = torch.floor(y)
     frac = y - whole  # exact for the |y| < 2^24 that matter
     up = _round_up(whole, frac, rounding, src, field - 127, generator)
-    q = (whole + up) * t.step[field]
+    q = (whole + up) * t.step.take(field)
     overflow = q > lay.max
     if saturate:
         q = torch.where(overflow, torch.full_like(q, lay.max), q)
@@ -211,11 +245,11 @@ def _encode_dense(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
 def _grid_codes(q: torch.Tensor, spec: FormatSpec) -> torch.Tensor:
     """Code of each magnitude of grid values ``q`` (non-finite -> code of 0): the rank of
     ``|q|`` among the grid's magnitudes is arithmetic within its binade, no search."""
-    t = binade_tables(spec).to(q.device)
+    t = _tables_on(spec, q.device)
     a = torch.where(torch.isfinite(q), q.abs(), 0.0)
     field = exponent_field(a)
-    rank = (a - t.first[field]).mul_(t.inv_step[field]).add_(t.first_rank[field])
-    return t.codes[rank.long()]
+    rank = (a - t.first.take(field)).mul_(t.inv_step.take(field)).add_(t.first_rank.take(field))
+    return t.codes.take(rank.long())
 
 
 def encode_reference(x: torch.Tensor, spec: FormatSpec, **kwargs) -> torch.Tensor:
@@ -261,9 +295,9 @@ def dequantize(codes: torch.Tensor, scale, spec: FormatSpec,
         if out is not None:
             return out.reshape(codes.shape)
     if scale is None:
-        return spec.layout.values.to(device=codes.device, dtype=dtype)[codes.long()]
-    values = spec.layout.values.to(device=codes.device, dtype=torch.float32)  # float64 table
-    return (values[codes.long()] * scale).to(dtype)
+        return _values_on(spec, codes.device, dtype).take(codes.long())
+    values = _values_on(spec, codes.device, torch.float32)  # a float64 table
+    return (values.take(codes.long()) * scale).to(dtype)
 
 
 def encode_scaled(x: torch.Tensor, scale, spec: FormatSpec) -> torch.Tensor:

@@ -112,15 +112,16 @@ class FormatSpec:
     def has_negative_zero(self) -> bool:
         return self.layout.has_negative_zero
 
-    @property
+    @cached_property
     def tapered(self) -> bool:
         """Precision varies across binades (HiFloat8), so mapping amax onto ``max`` is not
-        automatically the best scale."""
+        automatically the best scale. Cached, as ``calibration_max``: a dynamic scale reads it
+        at every forward of every GEMM."""
         steps = self.layout.step_log2.tolist()
         widths = {e - s for e, s in zip(range(self.layout.e_lo, self.layout.e_hi + 1), steps)}
         return self.is_float and len(widths - {min(widths)}) > 1
 
-    @property
+    @cached_property
     def calibration_max(self) -> float:
         """The value a calibrated amax is mapped onto. For uniform formats their max; for
         tapered ones the top of the full-precision range (2^4 for HiF8, whose 3-bit mantissa

@@ -8,6 +8,9 @@ tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -37,6 +40,70 @@ def fake_quantize_dynamic(x: torch.Tensor, gran, fmt) -> torch.Tensor:
     if gran.name == "group":  # the kernels take one scale per group as it is
         return fake_quantize(x, scale, fmt, group_size=gran.size)
     return fake_quantize(x, gran.expand(scale, x), fmt)
+
+
+def quantize_activation(x2: torch.Tensor, static_scale: torch.Tensor | None, gran,
+                        fmt: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real FP8 GEMM's input ``x2`` [M, K] as torch float8 codes and their scale: the
+    calibrated ``static_scale`` ([1]), or (``gran``: per token) each row's amax onto the
+    format's max. Exactly the values the simulation's ``fake_quantize`` rounds to (same scale
+    rule, same saturating round-to-nearest-even). Written as one function so that
+    ``torch.compile`` can fuse its amax, divide, clamp and cast into one or two kernels
+    (``activation_quantizer``); eagerly it is five elementwise passes over the activations."""
+    scale = static_scale if gran is None else dynamic_scale(gran.amax(x2), fmt)
+    return to_torch_float8(x2.float() / scale, fmt), scale
+
+
+@cache
+def activation_quantizer(fmt_name: str, per_token: bool, device_type: str):
+    """``quantize_activation`` for one format and scale kind on one kind of device: compiled
+    (``torch.compile``, dynamic shapes: one graph for every token count) on CUDA where
+    compiling is available, else the eager function. Made once per process and key, shared by
+    every module with that key (compiling per module would repeat the same work hundreds of
+    times)."""
+    gran = act_granularity_of("token") if per_token else None
+    eager = partial(quantize_activation, gran=gran, fmt=get_format(fmt_name))
+    if device_type != "cuda" or not _can_compile():
+        return eager
+    return _CompiledOrEager(torch.compile(eager, dynamic=True), eager)
+
+
+def _can_compile() -> bool:
+    """Whether ``torch.compile`` can build GPU kernels here (its Triton backend installed)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return hasattr(torch, "compile") and has_triton()
+
+
+class _CompiledOrEager:
+    """The compiled quantizer, falling back for good to the eager one if compiling fails (a
+    missing C compiler, an unsupported GPU): the GEMM then runs unfused, never stops."""
+
+    def __init__(self, compiled, eager):
+        self.compiled, self.eager, self.failed = compiled, eager, False
+
+    def __call__(self, x2, static_scale):
+        if not self.failed:
+            try:
+                return self.compiled(x2, static_scale)
+            except Exception:  # noqa: BLE001 - any compile failure: the eager path is exact
+                self.failed = True
+        return self.eager(x2, static_scale)
+
+
+@dataclass(frozen=True)
+class ScaledMmPlan:
+    """What a ``QuantGemm``'s real FP8 GEMM needs on one device, decided at its first forward
+    there and kept: the activation quantizer, whether the scales are row-wise (a per-channel
+    weight or per-token input: ``_scaled_mm``'s [M, 1] x [1, N] layout, bfloat16 output) and
+    the weight's scale in that layout."""
+
+    device: torch.device
+    quantize: object
+    rowwise: bool
+    scale_b: torch.Tensor
 
 
 class QuantGemm(nn.Module):
@@ -158,43 +225,59 @@ class QuantGemm(nn.Module):
             out = fake_quantize_dynamic(x, self._act_gran, self.act_format)
         return _SHARED_INPUT.put(x, key, out)
 
-    def _act_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The input's scale, broadcastable against ``x``: static, per token or per group."""
-        if self.act_granularity == "tensor":
-            return self.input_scale
-        scale = dynamic_scale(self._act_gran.amax(x.detach()), self.act_format)
-        return self._act_gran.expand(scale, x)
-
     def forward(self, x, *args, **kwargs):
         if self.act_format is None:
             return self.inner(x, *args, **kwargs)
-        if x.is_cuda and self._can_scaled_mm():
-            return self._scaled_mm_forward(x)
+        plan = self.scaled_mm_plan(x.device) if x.is_cuda else None
+        if plan is not None:
+            return self._scaled_mm_forward(x, plan)
         return self.inner(self.quantize_input(x), *args, **kwargs)
 
-    def _can_scaled_mm(self) -> bool:
+    def _scaled_mm_layout(self) -> bool:
+        """Whether ``_scaled_mm`` takes this layer's formats, shape (both GEMM dimensions
+        multiples of 16, as its kernels require) and scale layouts at all."""
+        out_features, in_features = weight_2d(self.inner).shape
         return (self.kind in ("linear", "conv1d_hf")
-                and scaled_mm_pair(self.weight_format, self.act_format)
+                and out_features % 16 == 0 and in_features % 16 == 0
+                and bool(scaled_mm_pair(self.weight_format, self.act_format))
                 and self.weight_granularity.name in ("tensor", "channel")
-                and self.act_granularity in ("tensor", "token")
-                and torch.cuda.get_device_capability(self.inner.weight.device) >= (8, 9))
+                and self.act_granularity in ("tensor", "token"))
 
-    def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scaled_mm_plan(self, device: torch.device) -> ScaledMmPlan | None:
+        """The real FP8 GEMM's plan on ``device`` (None: this layer is simulated there: a
+        layout ``_scaled_mm`` does not take, or a GPU without FP8 tensor cores, compute
+        capability < 8.9). Decided once per device: the capability query and the scale
+        layouts are not redone at every forward."""
+        if _SIMULATE.depth:
+            return None
+        cached = getattr(self, "_mm_plan", None)
+        if cached is not None and cached[0] == device:
+            return cached[1]
+        plan = None
+        if self.act_format is not None and self._scaled_mm_layout() and \
+                _fp8_capable(self.inner.weight.device):
+            rowwise = self.weight_granularity.name == "channel" or self.act_granularity == "token"
+            scale_b = self.weight_scale.reshape(1, -1).to(device)
+            n = weight_2d(self.inner).shape[0]
+            scale_b = scale_b.expand(1, n).contiguous() if rowwise else scale_b.reshape(())
+            plan = ScaledMmPlan(device, activation_quantizer(
+                self.act_format.name, self.act_granularity == "token", device.type),
+                rowwise, scale_b)
+        self._mm_plan = (device, plan)
+        return plan
+
+    def _scaled_mm_forward(self, x: torch.Tensor, plan: ScaledMmPlan) -> torch.Tensor:
         """Real FP8 GEMM: a [M, K] row-major x b [K, N] column-major (the codes' transpose)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        scale_a = self._act_scale(x2)
-        a = to_torch_float8(x2.float() / scale_a, self.act_format)
+        a, scale_a = plan.quantize(x2, self.input_scale)
         b = self._fp8_codes().t()
-        scale_b = self.weight_scale.reshape(1, -1)
-        rowwise = self.weight_granularity.name == "channel" or self.act_granularity == "token"
-        if rowwise:
+        if plan.rowwise:
             scale_a = scale_a.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
-            scale_b = scale_b.expand(1, b.shape[1]).contiguous()
         else:
-            scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
-        out_dtype = torch.bfloat16 if rowwise else x.dtype
-        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+            scale_a = scale_a.reshape(())
+        out_dtype = torch.bfloat16 if plan.rowwise else x.dtype
+        y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=plan.scale_b, out_dtype=out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], -1)
@@ -206,6 +289,44 @@ class QuantGemm(nn.Module):
         return (f"kind={self.kind}, weight={self.weight_format.name}/"
                 f"{self.weight_granularity.name}, act={act}")
 
+
+
+def gemm_paths(model: nn.Module) -> dict:
+    """How ``model``'s quantized GEMMs run where their weights are: ``{"gemms": N,
+    "real_fp8": n, "simulated": m}``, ``real_fp8`` counting the ``QuantGemm`` layers whose
+    forward is a real FP8 tensor-core GEMM (``torch._scaled_mm``: e4m3 / e5m2 codes, tensor or
+    channel weight scales, static or per-token inputs, on a GPU with compute capability >= 8.9)
+    and ``simulated`` the others (dequantized weights and fake-quantized inputs through the
+    model dtype's GEMM). Real and simulated results differ slightly (the kernel's accumulation
+    and its bfloat16 output), so a report says which ran."""
+    layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
+    real = sum(m.scaled_mm_plan(m.inner.weight.device) is not None for m in layers
+               if not m.inner.weight.is_meta)
+    return {"gemms": len(layers), "real_fp8": real, "simulated": len(layers) - real}
+
+
+class _Simulate(threading.local):
+    depth = 0
+
+
+_SIMULATE = _Simulate()
+
+
+@contextmanager
+def simulated_gemms():
+    """Inside this block (in this thread) every ``QuantGemm`` simulates its GEMM, real FP8
+    kernels or not: to compare the two on the same device and inputs. The layers' plans are
+    kept, and used again after the block."""
+    _SIMULATE.depth += 1
+    try:
+        yield
+    finally:
+        _SIMULATE.depth -= 1
+
+
+def _fp8_capable(device: torch.device) -> bool:
+    """A CUDA device with FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class _SharedInput(threading.local):

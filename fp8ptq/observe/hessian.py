@@ -95,7 +95,7 @@ class HessianCollector:
 
     @staticmethod
     def _add(store: dict, owner: str, t: torch.Tensor) -> None:
-        t = t.double().cpu()
+        t = t.cpu().double()  # a GPU's float32 sum crosses at half the bytes; same values
         if owner in store:
             store[owner] += t
         else:

@@ -75,8 +75,12 @@ class TensorStats:
             self.channel_amax, ch)
         self.amax = max(self.amax, float(ch.max())) if ch.numel() else self.amax
         self.count += a.numel()
-        counts = torch.bincount(histogram_index(a).reshape(-1), minlength=NUM_BINS)
-        self.histogram += counts.to(torch.float64).cpu()
+        # a scatter into NUM_BINS counters, where bincount's output size would depend on the
+        # data (a host sync per batch on a GPU); the same integer counts
+        idx = histogram_index(a).reshape(-1)
+        counts = torch.zeros(NUM_BINS, dtype=torch.int64, device=idx.device).scatter_add_(
+            0, idx.long(), torch.ones_like(idx, dtype=torch.int64))
+        self.histogram += counts.cpu().to(torch.float64)
 
     def _update_native(self, x: torch.Tensor, channel_dim: int) -> bool:
         """``update`` in one pass of the C kernel (same statistics, bit for bit): |x|, channel

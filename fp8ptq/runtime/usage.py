@@ -1,8 +1,9 @@
 """What a command used - wall time per stage and peak resident memory - in one format for every
 command's timing line and ``--json``: ``quantize``, ``eval``, ``sensitivity`` and ``validate``
 print ``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB`` and put ``seconds`` and
-``peak_rss_mb`` in their JSON. Users size machines and CI runners from these numbers, so every
-command reports them the same way.
+``peak_rss_mb`` in their JSON; where CUDA was used, the peak GPU memory beside it
+(``peak GPU ... MiB``, ``peak_gpu_mb``). Users size machines and CI runners from these
+numbers, so every command reports them the same way.
 
 Peak RSS is the kernel's high-water mark of this process's resident memory (``getrusage``:
 KiB on Linux, bytes on macOS), the number ``/usr/bin/time -v`` prints as "Maximum resident set
@@ -24,6 +25,19 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
+
+
+def peak_gpu_mb() -> float | None:
+    """The peak GPU memory torch's allocator handed out in this process, in MiB (summed over
+    the devices it used), or None when CUDA was never used (torch not imported, or CUDA never
+    initialized): then there is nothing to report beside the peak RSS. Read from torch's
+    allocator statistics (``torch.cuda.max_memory_allocated``): the tensors' own high-water
+    mark, not the cached blocks the allocator keeps reserved around them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    total = sum(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count()))
+    return total / 2**20
 
 
 def _glibc(name: str, argtypes: list):
@@ -161,16 +175,25 @@ def release_free_memory() -> None:
 
 
 def usage(seconds: dict[str, float]) -> dict:
-    """The JSON fields: ``seconds`` (rounded to ms) and ``peak_rss_mb`` (rounded to 0.1)."""
-    return {"seconds": {k: round(v, 3) for k, v in seconds.items()},
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+    """The JSON fields: ``seconds`` (rounded to ms) and ``peak_rss_mb`` (rounded to 0.1), and
+    ``peak_gpu_mb`` beside it whenever CUDA was used (``peak_gpu_mb``)."""
+    out = {"seconds": {k: round(v, 3) for k, v in seconds.items()},
+           "peak_rss_mb": round(peak_rss_mb(), 1)}
+    gpu = peak_gpu_mb()
+    if gpu is not None:
+        out["peak_gpu_mb"] = round(gpu, 1)
+    return out
 
 
 def time_line(seconds: dict[str, float], *, min_seconds: float = 0.05, always=()) -> str:
-    """``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB``: stages shorter than
-    ``min_seconds`` are left out unless named in ``always``."""
+    """``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB`` (and ``, peak GPU 1050 MiB`` when
+    CUDA was used): stages shorter than ``min_seconds`` are left out unless named in
+    ``always``."""
     parts = [f"{k} {v:.1f}s" for k, v in seconds.items() if v >= min_seconds or k in always]
-    return f"time: {', '.join(parts) or '-'}; peak RSS {peak_rss_mb():.0f} MiB"
+    gpu = peak_gpu_mb()
+    memory = f"peak RSS {peak_rss_mb():.0f} MiB" + (
+        "" if gpu is None else f", peak GPU {gpu:.0f} MiB")
+    return f"time: {', '.join(parts) or '-'}; {memory}"
 
 
 @contextmanager
@@ -184,5 +207,5 @@ def timed(seconds: dict[str, float], key: str):
 
 
 __all__ = ["HUGEPAGE_COMMANDS", "bound_heap", "command_name", "exec_with_hugepages",
-           "hugepage_env", "hugepages_for", "peak_rss_mb",
+           "hugepage_env", "hugepages_for", "peak_gpu_mb", "peak_rss_mb",
            "release_free_memory", "time_line", "timed", "usage"]

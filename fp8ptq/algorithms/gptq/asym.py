@@ -102,16 +102,17 @@ def asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor,
     """``W* = W0 + W0 (C - H) (H + lambda I)^-1`` [out, in] (float64), with ``H = X~^T X~``,
     ``C = X^T X~`` (the same scaling) and lambda = ``damp`` x mean(diag H): the weight whose
     output on ``X~`` best matches ``W0``'s on ``X``. Inputs that were always zero in ``X~``
-    keep ``W0``'s column (nothing there to fit)."""
-    W, H, C = W.double(), H.double(), C.double()
-    eye = torch.eye(H.shape[0], dtype=torch.float64)
+    keep ``W0``'s column (nothing there to fit). Computed on ``W``'s device (the collector
+    keeps ``H`` and ``C`` on the CPU), with masks instead of boolean indexing (no host sync)."""
+    dev = W.device
+    W, H, C = W.double(), H.to(dev, torch.float64), C.to(dev, torch.float64)
+    eye = torch.eye(H.shape[0], dtype=torch.float64, device=dev)
     mean = float(torch.diag(H).mean()) or 1.0
     dead = torch.diag(H) == 0
-    D = C - H
-    D[:, dead] = 0.0
+    D = (C - H).masked_fill_(dead.unsqueeze(0), 0.0)
     for factor in (damp, max(damp, 1e-4) * 10, max(damp, 1e-4) * 100):  # as GPTQ's own
         A = H + factor * mean * eye
-        A[dead, dead] = 1.0
+        A.diagonal().masked_fill_(dead, 1.0)
         L, info = torch.linalg.cholesky_ex(A)
         if int(info) == 0:
             # (C - H) A^-1 = (A^-1 (C - H)^T)^T, A symmetric

@@ -19,6 +19,7 @@ so the codes and scales are exactly what the checkpoint layouts store.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -49,18 +50,18 @@ def _inverse_cholesky(H: torch.Tensor, damp: float,
     five or six, which for a 70B model's 28,672-input ``down_proj`` is the difference between
     about 12 GiB (plus its 6 GiB Hessian) and over 30 GiB."""
     n = H.shape[0]
-    rev = (order if order is not None else torch.arange(n)).flip(0)
-    base = torch.diagonal(H).double()[rev]
-    base[base == 0] = 1.0  # inputs that were always zero: any weight is free there
-    mean = float(base.mean()) or 1.0
+    rev = (order if order is not None else torch.arange(n, device=H.device)).flip(0)
+    base = torch.diagonal(H).double().index_select(0, rev)
+    base.masked_fill_(base == 0, 1.0)  # inputs that were always zero: any weight is free there
+    mean = base.mean()  # >= 1 / n: never zero after the fill above; kept on the device
     for factor in (damp, damp * 10, damp * 100, 1.0):
         F = H.detach().index_select(0, rev).double().index_select(1, rev)  # P A P
-        torch.add(base, factor * mean, out=F.diagonal())
+        torch.add(base, mean * factor, out=F.diagonal())
         L, info = torch.linalg.cholesky_ex(F)
         del F
-        if int(info) != 0:
+        if int(info) != 0:  # one host sync per try, never per column
             continue
-        U = torch.eye(n, dtype=torch.float64)
+        U = torch.eye(n, dtype=torch.float64, device=H.device)
         torch.linalg.solve_triangular(L, U, upper=False, out=U)  # L^-1, in place
         del L
         U = U.flip(0, 1)
@@ -77,53 +78,74 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
 
     ``scale_matrix`` [out, in]: the scale of every weight (the granularity's scales expanded);
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
-    modified)."""
+    modified). Everything runs on ``W``'s device: the Hessian (kept on the CPU by the collector,
+    where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
+    GPU. Float64 on every device: the Cholesky factor needs it, and the same arithmetic gives the
+    same codes on a GPU as on the CPU (the sweep's elementwise steps are exact-rounding IEEE
+    operations; only the blocks' GEMM may sum in another order)."""
+    dev = W.device
+    H = H.detach().to(dev)
     hdiag = torch.diagonal(H).double()
     perm = torch.argsort(hdiag, descending=True) if act_order else None
     U = _inverse_cholesky(H, damp, perm)
     # the one weight-sized float64 copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
-    # input energy first). The scales stay the caller's (an expanded view: no copy), read one
-    # column at a time; float32 scales in float64 arithmetic promote exactly.
+    # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
+    # one block of columns at a time; float32 scales in float64 arithmetic promote exactly.
     src = W.detach().T if perm is None else W.detach().T.index_select(0, perm)
-    Wt = torch.empty(src.shape, dtype=torch.float64).copy_(src)
+    Wt = torch.empty(src.shape, dtype=torch.float64, device=dev).copy_(src)
     del src
     dead = hdiag == 0  # inputs that were always zero: any weight is free there
-    Wt[dead if perm is None else dead[perm]] = 0.0
-    St = scale_matrix.detach().expand_as(W).T  # [in, out], a view
-    order = None if perm is None else perm.tolist()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # per-column ops are tiny: threads only add sync cost (much
-    try:                      # slower on a loaded CPU), so the sweep runs on one
+    Wt.masked_fill_((dead if perm is None else dead.index_select(0, perm)).unsqueeze(1), 0.0)
+    St = scale_matrix.detach().to(dev).expand_as(W).T  # [in, out], a view
+    kw = {"rounding": rounding} if rounding else {}
+    with _sweep_threads(dev):
         # plain tensor math: a torch-function mode around the caller (the quantize stage's
         # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
         # sweep's ~10 small ops per column is a measurable share of the sweep
         with torch._C.DisableTorchFunction():
-            codes = _sweep(Wt, St, U, fmt, block, {"rounding": rounding} if rounding else {},
-                           order)
+            codes = _sweep(Wt, St, U, fmt, block, kw, perm)
+    if perm is not None:
+        codes = codes.index_select(1, torch.argsort(perm))
+    return codes.contiguous()
+
+
+@contextmanager
+def _sweep_threads(device: torch.device):
+    """One intra-op thread for a CPU sweep (its per-column ops are tiny: threads only add sync
+    cost, 15x on a loaded 2-core box, measured), the caller's count restored after; a GPU
+    sweep leaves the CPU threads alone."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
-    if perm is not None:
-        codes = codes[:, torch.argsort(perm)]
-    return codes.contiguous()
 
 
 def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
     """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight ``Wt``
     [in, out] (updated in place), so each step reads, encodes and updates contiguous memory
     (several times faster on a CPU than strided columns). ``St`` [in, out]: the scales in the
-    weight's own column order; ``order``: the sweep's column order (None: as they are)."""
+    weight's
+    own column order; ``order``: the sweep's column order (a tensor on ``Wt``'s device; None:
+    as they are), applied to the scales one block at a time so that no step of the column
+    loop reads a value back to the host (a GPU sweep then queues its kernels without a
+    sync)."""
     cols, rows = Wt.shape
-    codes = torch.empty(cols, rows, dtype=torch.uint8)
+    codes = torch.empty(cols, rows, dtype=torch.uint8, device=Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
-        err = torch.empty(i2 - i1, rows, dtype=torch.float64)
+        S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
+        err = torch.empty(i2 - i1, rows, dtype=torch.float64, device=Wt.device)
         for i in range(i2 - i1):
-            j = i1 + i
-            w, s, e = W1[i], St[j if order is None else order[j]], err[i]
+            w, s, e = W1[i], S1[i], err[i]
             c = encode((w / s).float(), fmt, **kw)
-            codes[j] = c
+            codes[i1 + i] = c
             torch.sub(w, decode(c, fmt).double() * s, out=e)
             e.div_(U1[i, i])
             W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e.unsqueeze(0)

@@ -1,0 +1,274 @@
+"""fp8ptq on a GPU, one command: an 8B-shaped Llama with ``--layers`` blocks, quantized per recipe
+and run with real FP8 GEMMs against the simulation and against bfloat16.
+
+On CUDA it builds a Llama with Llama-3-8B's widths (hidden 4096, intermediate 14336, 32 heads,
+8 key-value heads; vocabulary from ``--tokenizer``'s tokenizer, else 32000 with a word-level
+tokenizer trained on the calibration text), random weights, saved as safetensors to a cache
+folder outside the repository (``--cache``), once per shape. Then per recipe (``default``:
+sequential GPTQ, ``fp8-static``, ``fp8-dynamic``) it reports:
+
+- the ``fp8ptq quantize`` command's wall time, its peak GPU memory and peak RSS (its ``--json``);
+- real FP8 GEMMs (``torch._scaled_mm``) against fp8ptq's simulation of them on the same device
+  and inputs: relative difference of the logits, perplexity of each on WikiText-2 tokens;
+- prefill tokens/s of the checkpoint loaded with ``fp8ptq.load(..., device=...)`` against the
+  bfloat16 model in transformers (``--batch`` x ``--prefill-len`` tokens, the decoder stack
+  without the LM head, the median of ``--repeat`` timed passes after a warm-up);
+- llm-compressor's ``oneshot`` (GPTQ + FP8_DYNAMIC) on the same model and device where it is
+  importable, else a note that it was skipped.
+
+``--device cpu`` runs the same report on a small shape (hidden 256, 2 layers by default): every
+GEMM is simulated there, so the real-vs-simulated columns compare the simulation with itself.
+``--json PATH`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import CALIB, WIKITEXT, emit
+
+RECIPES = {"default": [], "fp8-static": ["--scheme", "fp8-static"],
+           "fp8-dynamic": ["--scheme", "fp8-dynamic"]}
+CUDA_SHAPE = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}
+CPU_SHAPE = {"hidden": 256, "intermediate": 896, "heads": 4, "kv_heads": 2}
+DEFAULT_CACHE = Path.home() / ".cache/fp8ptq-bench/gpu"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: 4 on CUDA, 2 on "
+                   "CPU; 32 is the full 8B depth)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 4096 on "
+                   "CUDA, 256 on CPU; intermediate = 3.5x, as Llama-3-8B)")
+    p.add_argument("--tokenizer", default=None, help="a local tokenizer folder")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--calib", default=CALIB)
+    p.add_argument("--wikitext", default=WIKITEXT)
+    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--eval-tokens", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--prefill-len", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    defaults = dict(layers=4 if cuda else 2, num_samples=128 if cuda else 8,
+                    seq_len=512 if cuda else 64, eval_tokens=2048 if cuda else 256,
+                    batch=4 if cuda else 1, prefill_len=2048 if cuda else 128)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    shape = dict(CUDA_SHAPE if cuda else CPU_SHAPE)
+    if args.hidden:
+        shape.update(hidden=args.hidden, intermediate=args.hidden * 7 // 2)
+    args.shape = shape
+    return args
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tokenizer_for(args):
+    """``--tokenizer``'s tokenizer, or a word-level one trained on the calibration text."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    if args.tokenizer:
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=32000, special_tokens=["<unk>", "<eos>"])
+    tok.train([args.calib], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+def build_model(args) -> Path:
+    """The random 8B-shaped (or ``--hidden``) Llama with ``--layers`` blocks, saved once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    s = args.shape
+    tag = "tok" if args.tokenizer else "words"
+    folder = args.cache / f"llama-h{s['hidden']}-l{args.layers}-{tag}"
+    if (folder / "config.json").is_file():
+        return folder
+    tok = tokenizer_for(args)
+    vocab = max(32000, len(tok)) if not args.tokenizer else len(tok)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=s["hidden"],
+                      intermediate_size=s["intermediate"], num_hidden_layers=args.layers,
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                      max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    args.cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=args.cache))  # then renamed:
+    model.save_pretrained(tmp)                                             # never half-written
+    tok.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def quantize(args, src: Path, out: Path, flags: list[str]) -> dict:
+    """``fp8ptq quantize`` in a fresh process; its ``--json`` report plus the wall time."""
+    cmd = [sys.executable, "-m", "fp8ptq.cli", "quantize", str(src), "-o", str(out),
+           "--format", "e4m3", "--calib-data", args.calib, "--num-samples",
+           str(args.num_samples), "--seq-len", str(args.seq_len), "--device", args.device,
+           "--dtype", "bfloat16", "--json", *flags]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    return {"wall_s": wall, "peak_gpu_mb": report.get("peak_gpu_mb"),
+            "peak_rss_mb": report.get("peak_rss_mb")}
+
+
+def eval_ids(args, tokenizer) -> torch.Tensor:
+    text = Path(args.wikitext).read_text(encoding="utf-8")[: 40 * args.eval_tokens]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.eval_tokens]
+    return ids.to(args.device)
+
+
+def logits_and_ppl(model, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    return logits, math.exp(float(nll))
+
+
+def real_vs_simulated(model, ids: torch.Tensor) -> dict:
+    """Logits and perplexity with the GEMMs as they run on the device (real FP8 where
+    ``gemm_paths`` says so), then with every GEMM simulated, same device and inputs."""
+    from fp8ptq.nn import quant_gemm
+    paths = quant_gemm.gemm_paths(model)
+    real, ppl_real = logits_and_ppl(model, ids)
+    with quant_gemm.simulated_gemms():
+        simulated, ppl_sim = logits_and_ppl(model, ids)
+    return {"gemms_real": f"{paths['real_fp8']}/{paths['gemms']}",
+            "logits_rel_diff": float((real - simulated).norm() / simulated.norm()),
+            "ppl_real": ppl_real, "ppl_simulated": ppl_sim}
+
+
+def prefill_seconds(model, args, vocab: int) -> float:
+    """The median wall time of one prefill of ``--batch`` x ``--prefill-len`` tokens through
+    the decoder stack (no LM head), after a warm-up pass."""
+    ids = torch.randint(0, vocab, (args.batch, args.prefill_len),
+                        generator=torch.Generator().manual_seed(0)).to(args.device)
+    times = []
+    with torch.no_grad():
+        for i in range(args.repeat + 1):
+            sync(args.device)
+            t0 = time.perf_counter()
+            model.model(input_ids=ids)
+            sync(args.device)
+            if i:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bf16_prefill(args, src: Path, vocab: int) -> float:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(args.device)
+    seconds = prefill_seconds(model.eval(), args, vocab)
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return seconds
+
+
+LLMC_CHILD = r'''
+import sys, time, torch
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from datasets import Dataset
+src, calib, n, seq, device = sys.argv[1:6]
+n, seq = int(n), int(seq)
+tok = AutoTokenizer.from_pretrained(src)
+text = open(calib).read().split("\n\n")
+ds = Dataset.from_dict({"text": [t for t in text if t.strip()][:n]})
+ds = ds.map(lambda r: tok(r["text"], truncation=True, max_length=seq), remove_columns=["text"])
+t0 = time.perf_counter()
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device)
+oneshot(model=model, dataset=ds, recipe=GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC",
+        ignore=["lm_head"]), max_seq_length=seq, num_calibration_samples=n)
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+print("LLMC_SECONDS", time.perf_counter() - t0)
+'''
+
+
+def llm_compressor(args, src: Path) -> tuple[float | None, str | None]:
+    """llm-compressor's GPTQ + FP8_DYNAMIC wall time (load and oneshot) or a note why not."""
+    if importlib.util.find_spec("llmcompressor") is None:
+        return None, "llm-compressor is not importable here: its oneshot was skipped"
+    done = subprocess.run([sys.executable, "-c", LLMC_CHILD, str(src), args.calib,
+                           str(args.num_samples), str(args.seq_len), args.device],
+                          capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("LLMC_SECONDS"):
+            return float(line.split()[1]), None
+    return None, f"llm-compressor's oneshot failed: {done.stderr.strip()[-300:]}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import fp8ptq
+    src = build_model(args)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    vocab = len(tokenizer)
+    ids = eval_ids(args, tokenizer)
+    bf16_s = bf16_prefill(args, src, vocab)
+    tokens = args.batch * args.prefill_len
+    rows = [{"recipe": "bf16 (transformers)", "prefill_tok_s": tokens / bf16_s}]
+    with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-gpu-") as tmp:
+        for name in args.recipes.split(","):
+            out = Path(tmp) / name
+            row = {"recipe": name, **quantize(args, src, out, RECIPES[name])}
+            loaded = fp8ptq.load(out, device=args.device, dtype=torch.bfloat16)
+            row.update(real_vs_simulated(loaded.model, ids))
+            seconds = prefill_seconds(loaded.model, args, vocab)
+            row.update(prefill_tok_s=tokens / seconds, vs_bf16=bf16_s / seconds)
+            rows.append(row)
+            del loaded
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    llmc_s, note = llm_compressor(args, src)
+    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", "wall_s": llmc_s})
+    s = args.shape
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    extra = {"device": device, "torch": torch.__version__, "layers": args.layers, **s,
+             "calibration": f"{args.num_samples} x {args.seq_len}",
+             "eval_tokens": int(ids.shape[1]), "prefill": f"{args.batch} x {args.prefill_len}",
+             "notes": [n for n in [note] if n]}
+    title = (f"fp8ptq on {device}: Llama h{s['hidden']}/i{s['intermediate']} x {args.layers} "
+             "layers")
+    emit(title, rows, args.json, extra)
+    for n in extra["notes"]:
+        print(f"note: {n}")
+
+
+if __name__ == "__main__":
+    main()

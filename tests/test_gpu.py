@@ -1,0 +1,165 @@
+"""The GPU tier (``pytest -m gpu`` on a CUDA machine; skipped without CUDA): every CLI recipe
+with ``--device cuda`` on tiny models, the real FP8 GEMM (``torch._scaled_mm``) against the
+simulation per GEMM and on a whole model, a checkpoint quantized on the GPU against one
+quantized on the CPU, ``fp8ptq.load(..., device="cuda")`` and ``eval --device cuda``.
+
+Tolerances, and why: the real kernel accumulates in float32 in its own order and rounds to
+bfloat16 for row-wise scales, so a GEMM's output is within 0.5% (relative Frobenius norm) of
+the float32 product of the same codes and scales; the simulation as well. GPTQ's sweep does the
+same float64 arithmetic on both devices except the blocks' GEMMs (another summation order), so
+a few codes may round the other way: at most 1% differ; the max calibrator's codes (elementwise
+math only) are identical."""
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fp8ptq
+from fp8ptq.nn import quant_gemm
+from fp8ptq.nn.quant_gemm import QuantGemm, gemm_paths
+from tiny_models import invoke, saved_llama_with_calib
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8 = pytest.mark.skipif(not FP8_GPU, reason="needs FP8 tensor cores (compute capability "
+                               ">= 8.9)")
+
+RECIPES = {
+    "default": [],
+    "no-act-order": ["--no-gptq-act-order"],
+    "gptq-asym": ["--gptq-asym"],
+    "fp8-static": ["--scheme", "fp8-static"],
+    "fp8-dynamic-max": ["--scheme", "fp8-dynamic", "--weight-calib", "max"],
+    "gptq-mse": ["--weight-calib", "gptq-mse"],
+    "gptq-hmse": ["--weight-calib", "gptq-hmse"],
+    "hmse": ["--weight-calib", "hmse"],
+    "mse": ["--weight-calib", "mse"],
+    "cast": ["--weight-calib", "cast"],
+    "one-pass-gptq": ["--no-gptq-sequential"],
+    "rotate": ["--rotate", "hadamard"],
+    "smoothquant": ["--scheme", "fp8-static", "--smoothquant", "0.5"],
+    "sequential": ["--sequential"],
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, word_tokenizer):
+    return saved_llama_with_calib(tmp_path_factory.mktemp("gpu"), word_tokenizer)
+
+
+def quantize(model_dir, out, device: str, *flags):
+    src, calib = model_dir
+    res = invoke(["quantize", src, "-o", out, "--format", "e4m3", "--calib-data", calib,
+                  "--num-samples", "4", "--seq-len", "16", "--device", device, "--json",
+                  *flags])
+    assert res.exit_code == 0, res.output
+    return res
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_runs_on_cuda(model_dir, tmp_path, name):
+    res = quantize(model_dir, tmp_path / "out", "cuda", *RECIPES[name])
+    assert "peak GPU" in res.output
+    report = json.loads(res.output[res.output.index("{"):])
+    assert report["peak_gpu_mb"] > 0
+    assert (tmp_path / "out" / "fp8ptq.json").is_file()
+
+
+def _codes(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return {k: v.view(torch.uint8) for k, v in tensors.items()
+            if v.dtype in (torch.uint8, torch.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("flags,tolerance", [
+    (["--scheme", "fp8-dynamic", "--weight-calib", "max"], 0.0),
+    ([], 0.01),
+])
+def test_a_gpu_checkpoint_matches_a_cpu_one(model_dir, tmp_path, flags, tolerance):
+    quantize(model_dir, tmp_path / "gpu", "cuda", *flags)
+    quantize(model_dir, tmp_path / "cpu", "cpu", *flags)
+    gpu, cpu = _codes(tmp_path / "gpu"), _codes(tmp_path / "cpu")
+    assert gpu.keys() == cpu.keys() and gpu
+    differ = sum(int((gpu[k] != cpu[k]).sum()) for k in gpu)
+    total = sum(v.numel() for v in gpu.values())
+    assert differ <= tolerance * total, f"{differ} of {total} codes differ"
+
+
+def _layer(act: str, weight_gran: str) -> QuantGemm:
+    from fp8ptq.formats import encode_scaled, get_format
+    from fp8ptq.formats.granularity import weight_granularity
+    fmt = get_format("e4m3")
+    inner = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16)
+    gran = weight_granularity(weight_gran)
+    w = inner.weight.detach().float()
+    scale = gran.amax(w) / fmt.layout.max
+    codes = encode_scaled(w, gran.expand(scale, w), fmt)
+    return QuantGemm(inner, weight_format=fmt, weight_codes=codes, weight_scale=scale,
+                     weight_granularity=gran, act_format=fmt,
+                     input_scale=torch.tensor([0.05]) if act == "tensor" else None,
+                     act_granularity=act).cuda()
+
+
+@needs_fp8
+@pytest.mark.parametrize("act,weight_gran", [("tensor", "tensor"), ("tensor", "channel"),
+                                             ("token", "channel"), ("token", "tensor")])
+def test_real_scaled_mm_against_the_simulation_per_gemm(act, weight_gran):
+    q = _layer(act, weight_gran)
+    x = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert q.scaled_mm_plan(x.device) is not None
+        real = q(x).float()
+        simulated = q.inner(q.quantize_input(x)).float()
+        reference = q.quantize_input(x).float() @ q.dequantized_weight_2d().float().T
+    for y in (real, simulated):
+        assert float((y - reference).norm() / reference.norm()) < 0.005
+
+
+@needs_fp8
+def test_real_fp8_on_a_whole_tiny_model(model_dir, tmp_path):
+    quantize(model_dir, tmp_path / "q", "cpu", "--scheme", "fp8-dynamic", "--weight-calib",
+             "max", "--dtype", "bfloat16")
+    loaded = fp8ptq.load(tmp_path / "q", device="cuda")
+    paths = gemm_paths(loaded.model)
+    assert paths["real_fp8"] == paths["gemms"] > 0
+    ids = torch.randint(2, 128, (4, 32), device="cuda")
+    with torch.no_grad():
+        real = loaded.model(input_ids=ids).logits.float()
+        with quant_gemm.simulated_gemms():
+            simulated = loaded.model(input_ids=ids).logits.float()
+            assert gemm_paths(loaded.model)["real_fp8"] == 0
+    assert gemm_paths(loaded.model)["real_fp8"] == paths["gemms"]
+    assert float((real - simulated).norm() / simulated.norm()) < 0.02
+
+
+def test_load_on_cuda_runs_there(model_dir, tmp_path):
+    quantize(model_dir, tmp_path / "q", "cpu", "--scheme", "fp8-static")
+    loaded = fp8ptq.load(tmp_path / "q", device="cuda")
+    assert {p.device.type for p in loaded.model.parameters()} == {"cuda"}
+    ids = torch.randint(2, 128, (2, 16), device="cuda")
+    with torch.no_grad():
+        out = loaded.model(input_ids=ids).logits
+    assert out.device.type == "cuda" and bool(torch.isfinite(out).all())
+
+
+def test_eval_on_cuda_says_how_its_gemms_ran(model_dir, tmp_path):
+    src, calib = model_dir
+    wiki = tmp_path / "wiki.test.raw"
+    wiki.write_text(" = A = \n\n the quick brown fox jumps over the lazy dog \n" * 20)
+    res = invoke(["eval", src, "--tasks", "wikitext", "--data", f"wikitext={wiki}",
+                  "--compare", "e4m3", "--calib-data", calib, "--num-samples", "4",
+                  "--calib-seq-len", "16", "--device", "cuda"])
+    assert res.exit_code == 0, res.output
+    ran = re.search(r"e4m3 real FP8 kernels (\d+) of (\d+), simulated (\d+)", res.output)
+    assert ran, res.output
+    real, total, simulated = map(int, ran.groups())
+    assert real + simulated == total > 0 and (real == total) == FP8_GPU
+    assert "peak GPU" in res.output
+
