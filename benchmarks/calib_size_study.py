@@ -104,8 +104,8 @@ def main(argv=None) -> str:
     ap.add_argument("--seed-size", type=int, default=32, help="the size the other seeds run at")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--articles", type=int, default=5)
-    ap.add_argument("--dtype", default="float32",
-                    help="model dtype (float32: this CPU has no fast bf16 GEMM)")
+    ap.add_argument("--dtype", default=Recipe().dtype,
+                    help="model dtype [the recipe default, as the main job loads it]")
     args = ap.parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
