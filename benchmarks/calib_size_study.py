@@ -10,8 +10,8 @@ articles by ``benchmarks/recipe_study.py``'s harness (the same code ``fp8ptq eva
 runs; rows cached, so an interrupted study resumes). The report gives, per size, the
 calibrate + quantize seconds and the word-perplexity delta against the unquantized model with
 its paired bootstrap 95% interval; with several seeds at ``--seed-size``, their spread. The
-printed markdown section is what ``docs/results.md`` carries, with the machine, date and load
-it was measured under.
+markdown section (printed, and spliced into ``--doc``'s ``calib-size`` block, which
+``reproduce.py`` keeps) gives the machine, date and load it was measured under.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from recipe_study import MODELS, records_from_json, run_one  # noqa: E402
+from results_page import splice  # noqa: E402
 
 from fp8ptq import job  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
@@ -99,6 +100,8 @@ def main(argv=None) -> str:
     ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
                                                        str(ROOT.parent / "shared/assets")))
     ap.add_argument("--out", default=str(ROOT / "out/calib-size"))
+    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"),
+                    help="the page whose calib-size block the section replaces ('' : none)")
     ap.add_argument("--sizes", default="32,64,128", help="calibration samples per row")
     ap.add_argument("--seeds", default="0", help="calibration seeds; the first for every size")
     ap.add_argument("--seed-size", type=int, default=32, help="the size the other seeds run at")
@@ -134,6 +137,9 @@ def main(argv=None) -> str:
     (out / "report.json").write_text(json.dumps(report_doc, indent=1) + "\n")
     text = section(docs, report_doc, args, started, load)
     (out / "section.md").write_text(text)
+    if args.doc:
+        doc = Path(args.doc)
+        doc.write_text(splice(doc.read_text(), text, "calib-size"))
     print(text)
     return text
 
