@@ -64,11 +64,11 @@ def section(docs: list[dict], report_doc: dict, args, started: str, load: str) -
              "(e4m3, channel weights, dynamic per-token activations, sequential GPTQ with "
              f"act-order, document windows) at N x {args.seq_len} tokens of "
              "`calib/wiki-paragraphs.txt`. Machine: "
-             f"{platform.machine()} {os.cpu_count()} cores, shared; started {started}; "
-             f"load average at the start {load}. Seconds: calibrate + quantize of the row, "
-             "under that load.", "",
-             "| calibration | seed | quantize s | word ppl | delta | 95% CI |",
-             "|---|---|---|---|---|---|"]
+             f"{platform.machine()} {os.cpu_count()} cores, shared with other jobs; report "
+             f"written {started} at load average {load}. Seconds: calibrate + quantize of the "
+             "row, under whatever ran beside it (finished: when the row was cached, UTC).", "",
+             "| calibration | seed | quantize s | word ppl | delta | 95% CI | finished |",
+             "|---|---|---|---|---|---|---|"]
     by_name = {v["name"]: v for v in report_doc["variants"]}
     base = by_name["baseline"]
     lines.insert(-2, f"Baseline: {_metric(base):.3f}.")
@@ -78,7 +78,8 @@ def section(docs: list[dict], report_doc: dict, args, started: str, load: str) -
         delta = _delta(v)
         lines.append(f"| {d['fields']['num_samples']} x {args.seq_len} | "
                      f"{d['fields']['seed']} | {quantize_seconds(d):.0f} | {_metric(v):.3f} | "
-                     f"{delta[0]:+.2f}% | {delta[1]:+.2f}..{delta[2]:+.2f}% |")
+                     f"{delta[0]:+.2f}% | {delta[1]:+.2f}..{delta[2]:+.2f}% | "
+                     f"{time.strftime('%H:%M', time.gmtime(d['finished']))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -129,6 +130,7 @@ def main(argv=None) -> str:
         name = row_name(size, seed)
         docs.append(run_one(name, {"num_samples": size, "seed": seed}, spec, base, texts,
                             m["task"], eval_kwargs, out))
+        docs[-1]["finished"] = (out / f"{name}.json").stat().st_mtime
         print(f"{name}: {docs[-1]['metrics']} (quantize {quantize_seconds(docs[-1]):.0f} s, "
               f"row {docs[-1]['wall_seconds']:.0f} s)", flush=True)
     rows = [{**d, "records": records_from_json(d["records"])} for d in docs]
