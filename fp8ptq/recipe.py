@@ -91,9 +91,9 @@ class Recipe(BaseModel):
     unify_fused_scales: bool | None = None  # None: on for e4m3 / int8 (compressed-tensors)
     calib_data: str | None = None
     text_field: str | None = None
-    # 32 x 512 calibration tokens: on SmolLM2 the default recipe's WikiText delta is as good
-    # at 32 samples as at 64 or 128 within the paired intervals, at a fraction of the
-    # quantize time (benchmarks/calib_size_study.py, docs/results.md)
+    # 32 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
+    # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
+    # seeds (docs/results.md, "Calibration size of the default recipe")
     num_samples: int = 32
     seq_len: int = 512
     # how the samples are cut (``fp8ptq.data.CALIB_WINDOWS``): "documents" (each opens a
