@@ -139,7 +139,7 @@ def main() -> None:
         exps = [e for e in exps if e.name in wanted]
     for exp in exps:
         run(exp, s, args.rerun)
-    from results_page import kept_block, render, splice  # noqa: PLC0415 (sibling module)
+    from results_page import kept_blocks, render, splice  # noqa: PLC0415 (sibling module)
 
     every = experiments(s)
     for exp in every:
@@ -149,8 +149,9 @@ def main() -> None:
     doc = Path(args.doc)
     old = doc.read_text() if doc.exists() else ""
     page = render({e.name: e for e in every}, s, plt)
-    kept = kept_block(old)  # recipe_table.py's tables (their rows come from other scripts)
-    doc.write_text(splice(page, kept) if kept else page)
+    for name, block in kept_blocks(old).items():  # recipe_table.py's, calib_size_study.py's
+        page = splice(page, block, name)
+    doc.write_text(page)
     print(f"wrote {args.doc}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -10,8 +11,6 @@ from fp8ptq.numbers import fmt_num
 
 WORD_PPL = "wikitext.word_perplexity"
 TOKEN_PPL = "wikitext.token_perplexity"
-# the block recipe_table.py writes; kept when the rest of the page is regenerated
-BEGIN, END = "<!-- recipes:begin -->", "<!-- recipes:end -->"
 
 
 def _num(v, digits=3) -> str:
@@ -326,18 +325,26 @@ about 70 s.
 """  # noqa: E501 (a markdown table, one row a line)
 
 
-def splice(doc: str, block: str) -> str:
-    """``doc`` with the marked block replaced by ``block`` (appended when there is none)."""
-    block = f"{BEGIN}\n{block.strip()}\n{END}"
-    if BEGIN in doc and END in doc:
-        head, _, rest = doc.partition(BEGIN)
-        return head + block + rest.partition(END)[2]
+def markers(name: str = "recipes") -> tuple[str, str]:
+    """The comments around the block that script ``name`` writes (``recipes``:
+    recipe_table.py's, ``calib-size``: calib_size_study.py's)."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def splice(doc: str, block: str, name: str = "recipes") -> str:
+    """``doc`` with the marked block ``name`` replaced by ``block`` (appended when there is
+    none)."""
+    begin, end = markers(name)
+    block = f"{begin}\n{block.strip()}\n{end}"
+    if begin in doc and end in doc:
+        head, _, rest = doc.partition(begin)
+        return head + block + rest.partition(end)[2]
     return doc.rstrip("\n") + "\n\n" + block + "\n"
 
 
-def kept_block(doc: str) -> str:
-    """The text inside the marked block of ``doc`` ("" when none): what ``reproduce.py``
-    carries over into the regenerated page."""
-    if BEGIN not in doc or END not in doc:
-        return ""
-    return doc.partition(BEGIN)[2].partition(END)[0].strip()
+def kept_blocks(doc: str) -> dict[str, str]:
+    """name -> the text inside each marked block of ``doc``: what ``reproduce.py`` carries
+    over into the regenerated page (the blocks' rows come from other scripts)."""
+    names = re.findall(r"<!-- ([\w-]+):begin -->", doc)
+    return {n: doc.partition(markers(n)[0])[2].partition(markers(n)[1])[0].strip()
+            for n in names if markers(n)[1] in doc}

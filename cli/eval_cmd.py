@@ -36,6 +36,7 @@ from fp8ptq.evals.compare import (  # noqa: F401
     check_calib_overlap,
     checkpoint_meta,
     evaluate_variants,
+    how_made,
     plan_variants,
     protocol_lines,
 )
@@ -132,7 +133,8 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     with progress_bars() as bars:
         result = request.run(bars)
     rows, protocol, notes, calib = result.rows, result.protocol, result.notes, result.calib
-    print_report(rows, protocol, notes, delta_mode)
+    print_report(rows, protocol, notes, delta_mode,
+                 made=[how_made(v) for v in request.variants])
     stages = result.stage_seconds
     shown = {k: v for k, v in stages.items() if k != "calibrate+quantize"}  # its parts shown
     line = time_line(shown, always=("load", "eval"))  # shown even when fast, for scripts
@@ -186,12 +188,14 @@ def _check_gate_syntax(gates, tasks: list[str], has_baseline: bool) -> None:
 # --- output ------------------------------------------------------------------------------------
 
 
-def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str = "pct") -> None:
+def print_report(rows: list[dict], protocol: dict, notes: list[str], mode: str = "pct",
+                 made: list[str] = ()) -> None:
+    """The table, then how each variant was made (``made``), the protocol and the notes."""
     console = Console()
     if not console.is_terminal:  # a log file or CI: no need to squeeze into 80 columns
         console.width = max(console.width, 200)
     console.print(render_table(rows, mode))
-    for line in protocol_lines(protocol, rows) + [f"note: {n}" for n in notes]:
+    for line in list(made) + protocol_lines(protocol, rows) + [f"note: {n}" for n in notes]:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 

@@ -28,7 +28,7 @@ _SPECS = [
          "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub); for "
                  "CNNs an image tensor file (.pt/.npz) or 'digits'."),
     _opt("--text-field", help="Text field of .json/.jsonl/.parquet calibration data."),
-    _opt("--num-samples", type=int, help="Calibration sequences [128]."),
+    _opt("--num-samples", type=int, help="Calibration sequences [64]."),
     _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
     _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
     _opt("--calib-windows", type=click.Choice(CALIB_WINDOWS),

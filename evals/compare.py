@@ -296,6 +296,34 @@ def _row(v: Variant, result, timings: job.JobTimings) -> dict:
     }
 
 
+def how_made(v: Variant) -> str:
+    """One line under the table saying how variant ``v`` was produced: the baseline's model and
+    dtype, a checkpoint's folder and recorded recipe, or the recipe it was quantized with in
+    this run."""
+    if v.kind == "checkpoint":
+        recipe = (v.meta or {}).get("recipe")
+        made = f"checkpoint {v.spec}, " + (recipe_line(recipe) if recipe else
+                                           "another tool's (loaded by transformers)")
+    elif v.kind == "quantized":
+        made = f"{v.spec} quantized in this run, {recipe_line(v.recipe.to_dict())}"
+    else:
+        made = f"{v.spec} unquantized, {v.recipe.dtype}"
+    return f"{v.name}: {made}"
+
+
+def recipe_line(r: dict) -> str:
+    """The fields of a recipe (``Recipe.to_dict``) that say what a quantized variant is."""
+    acts = "weight-only" if r.get("act_format") == "none" else \
+        f"{r.get('act_granularity')} activations"
+    text = (f"{r.get('scheme') or r.get('format')}, {r.get('weight_calib')} "
+            f"{r.get('weight_granularity')} weights, {acts}")
+    if r.get("weight_calib", "").startswith("gptq") and r.get("gptq_sequential"):
+        text += " (sequential GPTQ)"
+    if r.get("calib_data"):
+        text += f", {r.get('num_samples')} x {r.get('seq_len')} calibration tokens"
+    return text
+
+
 def _free_memory(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):

@@ -204,6 +204,14 @@ def test_checkpoint_folder_in_compare_and_as_model(files, checkpoint, tmp_path):
     assert res.exit_code == 0, res.output
     a = {v["name"]: v for v in json.loads((tmp_path / "a.json").read_text())["variants"]}
     assert list(a) == ["baseline", "ckpt-e4m3", "e4m3"]
+    # under the table, how each variant was made: a checkpoint and an on-the-fly variant of the
+    # same recipe read the same but for where they came from
+    recipe = ("e4m3, gptq channel weights, token activations (sequential GPTQ), "
+              "4 x 16 calibration tokens")
+    lines = res.stdout.splitlines()
+    assert f"baseline: {files.llama} unquantized, float32" in lines
+    assert f"ckpt-e4m3: checkpoint {checkpoint}, {recipe}" in lines
+    assert f"e4m3: {files.llama} quantized in this run, {recipe}" in lines
     assert a["ckpt-e4m3"]["kind"] == "checkpoint" and a["ckpt-e4m3"]["recipe"]["format"] == "e4m3"
     # written with the same recipe and calibration data: the reloaded checkpoint computes the
     # same as the variant quantized on the fly

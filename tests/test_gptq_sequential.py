@@ -284,3 +284,35 @@ def test_replay_records_what_a_later_forward_can_use_only():
     partial.run(0, [mlp.down_proj], to_down)
     assert set(partial.kept[0]) == {"model.layers.0.self_attn", "model.layers.0.mlp.gate_proj",
                                     "model.layers.0.mlp.up_proj"}
+
+
+def test_next_block_inputs_replay_attention_and_gate_up(monkeypatch):
+    """The forward that makes block 1's inputs replays block 0's attention and gate/up as the
+    down_proj group's forward recorded them (only down_proj runs again), so block 0's
+    attention runs twice per batch (the o_proj and gate/up groups' forwards) where
+    recomputing runs it four times; bit for bit the same codes either way
+    (``test_replayed_partial_forwards_change_no_bit``)."""
+    from fp8ptq.algorithms.gptq import sequential
+    from fp8ptq.algorithms.gptq.replay import PartialForwards
+
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    dtype="float32")
+    counts = {}
+    for budget in (1 << 30, 0):
+        monkeypatch.setattr(sequential, "PartialForwards",
+                            lambda unit, _budget, b=budget: PartialForwards(unit, b))
+        model = tiny("llama").float()
+        attn = model.model.layers[0].self_attn
+        runs = []
+        cls_forward = type(attn).forward
+
+        def counting(self, *args, _f=cls_forward, _attn=attn, _runs=runs, **kwargs):
+            if self is _attn:
+                _runs.append(1)
+            return _f(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(attn), "forward", counting)
+        quantize_model(model, recipe, BATCHES)
+        monkeypatch.setattr(type(attn), "forward", cls_forward)
+        counts[budget] = len(runs)
+    assert counts[0] - counts[1 << 30] == 2 * len(BATCHES), counts

@@ -100,7 +100,10 @@ class Recipe(BaseModel):
     unify_fused_scales: bool | None = None  # None: on for e4m3 / int8 (compressed-tensors)
     calib_data: str | None = None
     text_field: str | None = None
-    num_samples: int = 128
+    # 64 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
+    # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
+    # seeds (docs/results.md, "Calibration size of the default recipe")
+    num_samples: int = 64
     seq_len: int = 512
     # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
     # document after the BOS; the default: on SmolLM2 both the default GPTQ recipe and

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -104,12 +105,15 @@ def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list,
 
 
 def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict | None],
-              out: ActivationStore) -> bool:
+              out: ActivationStore, replay=None) -> bool:
     """Every captured batch through ``block`` into ``out``, in the statistics pass's
     micro-batches of about ``MICRO_TOKENS`` tokens (``fp8ptq.model.forward.micro_batch_spans``:
     the block's intermediate activations are those of one piece, its outputs the whole
     batch's bit for bit); True when the block returns a tuple (transformers' older layer
-    convention), which stand-ins must mimic."""
+    convention), which stand-ins must mimic. ``replay``: sequential GPTQ's records
+    (``fp8ptq.algorithms.gptq.replay.PartialForwards``) of submodule outputs still valid for this
+    forward; a
+    batch with records runs whole (they are the whole batch's) with them replayed."""
     tupled = False
     with torch.inference_mode(), float32_gemms(model=block), lean_forwards(block):
         for i, kw in enumerate(kwargs_list):
@@ -117,18 +121,21 @@ def run_block(block: nn.Module, store: ActivationStore, kwargs_list: list[dict |
                 continue
             hidden = store.get(i)
             result = None
-            spans = micro_batch_spans({"hidden_states": hidden, **kw})
-            for start, piece in spans:
-                y = block(**piece)
-                tupled = isinstance(y, tuple)
-                h = y[0] if tupled else y
-                if len(spans) == 1:
-                    result = h
-                    break
-                if result is None:  # the pieces' outputs written into one batch tensor
-                    result = h.new_empty((hidden.shape[0], *h.shape[1:]))
-                result[start:start + h.shape[0]] = h
-            del hidden, spans
+            batch = {"hidden_states": hidden, **kw}
+            replayed = replay is not None and i in replay.kept
+            spans = [(0, batch)] if replayed else micro_batch_spans(batch)
+            with replay.replaying(i) if replayed else nullcontext():
+                for start, piece in spans:
+                    y = block(**piece)
+                    tupled = isinstance(y, tuple)
+                    h = y[0] if tupled else y
+                    if len(spans) == 1:
+                        result = h
+                        break
+                    if result is None:  # the pieces' outputs written into one batch tensor
+                        result = h.new_empty((hidden.shape[0], *h.shape[1:]))
+                    result[start:start + h.shape[0]] = h
+            del hidden, spans, batch
             out.put(i, result)
             del result
     return tupled

@@ -195,7 +195,7 @@ def build_calibration_set(
     texts: list[str],
     tokenizer,
     *,
-    num_samples: int = 128,
+    num_samples: int = 64,
     seq_len: int = 512,
     seed: int = 0,
     source: str = "",

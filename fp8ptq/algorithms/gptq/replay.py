@@ -21,8 +21,9 @@ on the same batch with the same weights (``tests/test_gptq_sequential.py``). Wha
   wrapper's output is the one replayed);
 - outputs that are a tensor or a tuple of tensors / None, copied on record and on replay, so
   that in-place updates downstream cannot touch the record;
-- nothing in a unit's last group (no forward follows it, so a record there would only hold
-  memory);
+- in a unit's last group, only when a forward of the whole unit follows (a block's outputs
+  for the next block: ``fp8ptq.execution.block_inputs.run_block`` replays them and recomputes only
+  ``down_proj`` and what follows it); otherwise nothing;
 - at most ``budget`` bytes (what the sequential activation budget leaves beside the block
   inputs held in memory): past it a batch recomputes, as before.
 Not used with asymmetric GPTQ's float stream.
@@ -104,6 +105,14 @@ class PartialForwards:
                 for h in handles:
                     h.remove()
         self._keep(j, done, calls)
+
+    @contextmanager
+    def replaying(self, j: int):
+        """Batch ``j``'s records replayed (and dropped) during a forward run by someone else:
+        the whole-unit forward after the unit's last group, whose records (modules done
+        before that group) its quantization did not change."""
+        with self._replaying(self.kept.pop(j, {})):
+            yield
 
     @contextmanager
     def _replaying(self, replay: dict[str, object]):

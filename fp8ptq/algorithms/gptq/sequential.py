@@ -15,9 +15,13 @@ every earlier group already quantized, activations included (a ``QuantGemm`` sim
 quantization). Cost and memory stay those of one block: the calibration batches run once up to
 block 0 (``fp8ptq.execution.block_inputs``: in memory up to a budget, spilled to files beyond),
 then per
-block one partial forward per group (stopped at the group's input) and one full forward through
+block one partial forward per group (stopped at the group's input) and one forward through
 the quantized block to make the next block's inputs (plus one forward of a single sequence
-that finds the groups). Only one group's Hessians are held at once.
+that finds the groups). Each forward replays what the one before it finished and the
+quantization in between did not change (``fp8ptq.algorithms.gptq.replay``): the forward that makes
+the next
+block's inputs recomputes only ``down_proj`` and what follows it. Only one group's Hessians
+are held at once.
 
 Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
 outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model;
@@ -76,8 +80,9 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, asym_damp)
-        _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
-                       activation_budget)
+        partial = _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
+                                 activation_budget)
+        _count_replayed(facts, partial)
         _summarise(facts)
         return facts
     list_name, blocks = found
@@ -101,13 +106,17 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
                                              for j, kw in enumerate(kwargs_list)]
                                             for s in (store, fstore))
             floats = _Floats(block, float_batches, asym_damp)
-            _quantize_unit(block, local, {t.name for t in local if t.target.name in gptq},
-                           block_batches, lambda lt, h, aim: quantize(lt.target, h, aim),
-                           facts, floats, max(0, activation_budget - store.resident_bytes))
+            follows = i + 1 < len(blocks)
+            partial = _quantize_unit(
+                block, local, {t.name for t in local if t.target.name in gptq}, block_batches,
+                lambda lt, h, aim: quantize(lt.target, h, aim), facts, floats,
+                max(0, activation_budget - store.resident_bytes), follows=follows)
             facts["blocks"] += 1
-            if i + 1 < len(blocks):
+            if follows:
+                # the next block's inputs: what the last group's forward finished before that
+                # group (the attention, gate/up in a Llama block) is replayed, not recomputed
                 nxt = ActivationStore(activation_budget, spill_dir)
-                run_block(block, store, kwargs_list, nxt)
+                run_block(block, store, kwargs_list, nxt, replay=partial)
                 facts["forwards"] += 1
                 store.close()
                 store = nxt
@@ -117,11 +126,18 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
                     facts["forwards"] += 1
                     fstore.close()
                     fstore = fnxt
+            _count_replayed(facts, partial)
     finally:
         store.close()
         fstore.close()
     _summarise(facts)
     return facts
+
+
+def _count_replayed(facts: dict, partial: PartialForwards | None) -> None:
+    if partial is not None:
+        facts["replayed_outputs"] += partial.replayed
+        partial.clear()
 
 
 class _Floats:
@@ -161,12 +177,15 @@ class _Local:
 
 def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
                    quantize: Quantize, facts: dict, floats: _Floats,
-                   reuse_budget: int = 1 << 30) -> None:
+                   reuse_budget: int = 1 << 30, follows: bool = False
+                   ) -> PartialForwards | None:
     """The targets of one unit (a block, or a model without blocks) group by group in run
     order; each GPTQ group's Hessian from a forward through the unit as quantized so far
-    (and, asymmetric, the float copy's forward on the float stream)."""
+    (and, asymmetric, the float copy's forward on the float stream). ``follows``: a forward
+    of the whole unit comes next (a block's outputs for the next block), which can replay
+    what the last group's forward recorded. Returns the replay records (None: none kept)."""
     if not targets:
-        return
+        return None
     # what one group's forward computed before reaching that group, replayed in the next
     # group's (``fp8ptq.algorithms.gptq.replay``); not beside asymmetric GPTQ's float stream
     partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
@@ -175,9 +194,10 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
         wanted = [t for t in group if t.name in gptq]
         hessians = None
         if wanted and any(b is not None for b in batches):
-            # the unit's last group records nothing: no forward of this unit follows
+            # the unit's last group records only for the forward that follows the unit
             hessians = _group_hessians(unit, wanted, batches, floats, partial,
-                                       [t.module for t in group], record=g + 1 < len(groups))
+                                       [t.module for t in group],
+                                       record=follows or g + 1 < len(groups))
             facts["forwards"] += 1 + (floats.unit is not None)
             facts["max_hessian_bytes"] = max(facts["max_hessian_bytes"], hessians.nbytes)
         elif partial is not None:
@@ -192,8 +212,7 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
                 facts["asym_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
             quantize(t, h, aim)
-    if partial is not None:
-        facts["replayed_outputs"] += partial.replayed
+    return partial
 
 
 def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:

@@ -80,20 +80,23 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
     modified). Everything runs on ``W``'s device: the Hessian (kept on the CPU by the collector,
     where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
-    GPU. Float64 on every device: the Cholesky factor needs it, and the same arithmetic gives the
-    same codes on a GPU as on the CPU (the sweep's elementwise steps are exact-rounding IEEE
-    operations; only the blocks' GEMM may sum in another order)."""
+    GPU. The Cholesky factor is float64 on every device; the sweep is float32, so a GPU and a CPU
+    agree on the codes except where a value sits within float32 rounding of a code boundary and
+    the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
     H = H.detach().to(dev)
     hdiag = torch.diagonal(H).double()
     perm = torch.argsort(hdiag, descending=True) if act_order else None
-    U = _inverse_cholesky(H, damp, perm)
-    # the one weight-sized float64 copy the sweep updates: W TRANSPOSED (a column of W is a
+    # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), the sweep
+    # in float32 like the reference code: its error terms are far below a code's step, and
+    # float32 halves the sweep's memory traffic and skips a dtype conversion per column
+    U = _inverse_cholesky(H, damp, perm).float()
+    # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
-    # one block of columns at a time; float32 scales in float64 arithmetic promote exactly.
+    # one block of columns at a time.
     src = W.detach().T if perm is None else W.detach().T.index_select(0, perm)
-    Wt = torch.empty(src.shape, dtype=torch.float64, device=dev).copy_(src)
+    Wt = torch.empty(src.shape, dtype=torch.float32, device=dev).copy_(src)
     del src
     dead = hdiag == 0  # inputs that were always zero: any weight is free there
     Wt.masked_fill_((dead if perm is None else dead.index_select(0, perm)).unsqueeze(1), 0.0)
@@ -141,15 +144,15 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
-        err = torch.empty(i2 - i1, rows, dtype=torch.float64, device=Wt.device)
+        err = torch.empty(i2 - i1, rows, dtype=torch.float32, device=Wt.device)
         for i in range(i2 - i1):
             w, s, e = W1[i], S1[i], err[i]
             c = encode((w / s).float(), fmt, **kw)
             codes[i1 + i] = c
-            torch.sub(w, decode(c, fmt).double() * s, out=e)
+            torch.sub(w, decode(c, fmt).mul_(s), out=e)
             e.div_(U1[i, i])
-            W1[i + 1:] -= U1[i, i + 1:].unsqueeze(1) * e.unsqueeze(0)
-        Wt[i2:] -= U[i1:i2, i2:].T @ err
+            W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1)  # rank-1, no outer-product temporary
+        Wt[i2:].addmm_(U[i1:i2, i2:].T, err, alpha=-1)
     return codes.T
 
 
