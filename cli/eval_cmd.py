@@ -45,6 +45,7 @@ from fp8ptq.loading import check_model_spec
 from fp8ptq.recipe import Recipe
 from fp8ptq.usage import time_line, usage
 
+from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars
 from .quantize_cmd import calib_facts
@@ -54,7 +55,11 @@ CALIB_FLAG_NAMES = {"calib_seq_len": "--calib-seq-len", "calib_batch_size": "--c
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-@click.command("eval")
+@click.command("eval", cls=OneScreenCommand, epilog=example(
+    f"fp8ptq eval {EXAMPLE_MODEL} --tasks wikitext --compare int8,e4m3 \\",
+    "    --calib-data calib.txt --max-delta wikitext.word_perplexity=2%"),
+    common=("tasks", "compare", "data_items", "limit", "json_path", "markdown_path", "gates",
+            "device", "calib_data"))
 @click.argument("model")
 @click.option("--tasks", required=True,
               help="Comma-separated: wikitext, squad, any lm-eval task, or a task YAML in "

@@ -26,6 +26,7 @@ from fp8ptq.sensitivity.stream import analyze_streamed
 from fp8ptq.sequential import calibration_from_folder
 from fp8ptq.usage import time_line, timed, usage
 
+from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, recipe_options
 from .progress import progress_bars, stderr_console
 from .quantize_cmd import calib_facts
@@ -62,7 +63,11 @@ def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
     return load_texts(spec)
 
 
-@click.command("sensitivity")
+@click.command("sensitivity", cls=OneScreenCommand, epilog=example(
+    f"fp8ptq sensitivity {EXAMPLE_MODEL} --format e4m3 --calib-data calib.txt \\",
+    "    --eval-data wiki.test.raw --target-delta 1% --json sens.json"),
+    common=("fmt", "level", "metric", "eval_data", "target_delta", "json_path",
+            "device", "calib_data"))
 @click.argument("model")
 @click.option("--format", "fmt", default="e4m3", show_default=True,
               help="Format(s) measured with the metric, comma-separated; the first is the "
