@@ -113,6 +113,7 @@ def sensitive_llama():
     return model
 
 
+@pytest.mark.slow
 def test_choose_moves_only_the_sensitive_module():
     model = sensitive_llama()
     batches = list(token_batches(windows(8, 32, 100), 4))
@@ -177,6 +178,7 @@ def test_offloaded_hessians_round_trip(tmp_path):
     assert not list(tmp_path.rglob("*.bin")) and h.hessian(names[0]) is None
 
 
+@pytest.mark.slow
 def test_sweep_reads_hessians_from_disk(tmp_path, monkeypatch):
     """``choose`` keeps GPTQ's Hessians on disk during the sweeps (none resident when a unit
     is quantized), removes them afterwards, and decides exactly as with them in memory."""
@@ -233,6 +235,7 @@ def llama_dir(tmp_path_factory, word_tokenizer):
                                 word_tokenizer, 40)
 
 
+@pytest.mark.slow
 def test_cli_target_delta(llama_dir, tmp_path):
     out = tmp_path / "q"
     report = target_delta_report(llama_dir, out, "--target-delta", "0", "--target-metric", "ppl")

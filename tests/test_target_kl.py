@@ -63,6 +63,7 @@ def trained():
     return sensitive_llama()
 
 
+@pytest.mark.slow
 def test_kl_probe_against_full_vocabulary(trained):
     model = trained
     ids = windows(4, 32, 200)
@@ -139,6 +140,7 @@ def kl_dir(tmp_path_factory, word_tokenizer, trained):
                                 200)
 
 
+@pytest.mark.slow
 def test_cli_target_metric_kl(kl_dir, tmp_path):
     out = tmp_path / "q"
     t = target_delta_report(kl_dir, out, "--target-delta", "2%", "--target-metric", "kl")
