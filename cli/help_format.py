@@ -36,11 +36,20 @@ def _write_names(formatter: click.HelpFormatter, names: list[str]) -> None:
         formatter.write(f"{'':>{formatter.current_indent}}{line}\n")
 
 
+def full_help(ctx: click.Context) -> str:
+    """The help of ``ctx``'s command with every option described (what ``--help-all`` prints;
+    a generated CLI reference reads this one)."""
+    ctx.meta[_FULL] = True
+    try:
+        return ctx.get_help()
+    finally:
+        del ctx.meta[_FULL]
+
+
 def _show_full_help(ctx: click.Context, _param, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    ctx.meta[_FULL] = True
-    click.echo(ctx.get_help(), color=ctx.color)
+    click.echo(full_help(ctx), color=ctx.color)
     ctx.exit()
 
 

@@ -9,7 +9,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from fp8ptq.cli.help_format import SCREEN_COLUMNS, SCREEN_LINES
+from fp8ptq.cli.help_format import SCREEN_COLUMNS, SCREEN_LINES, full_help
 from fp8ptq.cli.main import main
 
 COMMANDS = main.list_commands(None)
@@ -71,4 +71,10 @@ def test_help_names_every_option_and_help_all_describes_each(name):
 def test_the_big_commands_describe_the_rest_with_help_all():
     for name in ("quantize", "eval", "sensitivity"):
         assert _has_help_all(name)
-        assert len(_help(name, "--help-all").splitlines()) > 2 * SCREEN_LINES
+        full = _help(name, "--help-all")
+        assert len(full.splitlines()) > 2 * SCREEN_LINES
+        ctx = click.Context(_command(name), info_name=name, terminal_width=SCREEN_COLUMNS,
+                            max_content_width=SCREEN_COLUMNS)
+        # the reference a generated page reads (all but the usage line's program name)
+        assert full_help(ctx).splitlines()[1:] == full.splitlines()[1:]
+        assert ctx.get_help() != full_help(ctx)  # and --help stays the short one
