@@ -25,10 +25,21 @@ FORMATS = sorted(set(preset_names()) | {"e3m4", "e2m5", "e5m2b10", "e4m3b5fn", "
                                         "e2m1", "e1m6fn"})
 ROUNDINGS = ["nearest_even", "half_away", "stochastic", "hybrid"]
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason="C kernels off (FP8PTQ_NATIVE=0) or no C compiler")
 
 
-def test_kernels_build_where_a_compiler_exists():
+@pytest.fixture
+def native_on(monkeypatch):
+    """The kernels switched on whatever FP8PTQ_NATIVE the suite runs under (the tests that use
+    this are about building them); ``native.library()`` re-resolved before and after."""
+    monkeypatch.setenv("FP8PTQ_NATIVE", "1")
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_kernels_build_where_a_compiler_exists(native_on):
     if shutil.which("cc") or shutil.which("gcc"):
         assert native.available()
 
@@ -234,7 +245,8 @@ def test_off_switch(fresh_library, monkeypatch):
     assert not fresh_library.exists()  # nothing built, nothing written
 
 
-def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, monkeypatch, caplog):
+def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, native_on, monkeypatch,
+                                                        caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     spec = get_format("e4m3")
     x = torch.randn(300)
