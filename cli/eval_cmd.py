@@ -47,6 +47,7 @@ from fp8ptq.io.atomic import check_writable, write_file
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.runtime.usage import time_line, usage
 
+from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 
@@ -55,7 +56,11 @@ CALIB_FLAG_NAMES = {"calib_seq_len": "--calib-seq-len", "calib_batch_size": "--c
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-@click.command("eval")
+@click.command("eval", cls=OneScreenCommand, epilog=example(
+    f"fp8ptq eval {EXAMPLE_MODEL} --tasks wikitext --compare int8,e4m3 \\",
+    "    --calib-data calib.txt --max-delta wikitext.word_perplexity=2%"),
+    common=("tasks", "compare", "data_items", "limit", "json_path", "markdown_path", "gates",
+            "device", "calib_data"))
 @click.argument("model")
 @click.option("--tasks", required=True,
               help="Comma-separated: wikitext, squad, any lm-eval task, or a task YAML in "

@@ -15,6 +15,7 @@ from fp8ptq.config.schemes import SCHEMES, scheme_flags
 from fp8ptq.formats import PRESETS, decode, get_format
 from fp8ptq.numbers import json_number
 
+from .help_format import OneScreenCommand, example
 from .tables import Column, fitted_table
 
 
@@ -25,7 +26,7 @@ def _pow2(v: float) -> str:
 
 
 
-@click.command()
+@click.command(cls=OneScreenCommand, epilog=example("fp8ptq formats e4m3 --codes"))
 @click.argument("name", required=False)
 @click.option("--codes", is_flag=True, help="List all codes of NAME with their values.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
@@ -81,7 +82,7 @@ def _print_codes(spec, as_json):
     Console().print(table)
 
 
-@click.command()
+@click.command(cls=OneScreenCommand, epilog=example("fp8ptq schemes --json"))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 def schemes(as_json):
     """Show the named presets of --scheme: the flags each stands for, what the peers call it,

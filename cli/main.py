@@ -23,6 +23,8 @@ from fp8ptq.errors import Fp8ptqError, first_line
 from fp8ptq.execution import distributed
 from fp8ptq.runtime.usage import bound_heap
 
+from .help_format import EXAMPLE_MODEL, SCREEN_COLUMNS, example
+
 # name -> (module of this package, attribute). A command's module is imported when that command
 # runs (click's documented "lazily loading subcommands" pattern), not all five at start-up:
 # ``eval`` pulls lm-eval, datasets, pandas and pyarrow, resident memory that
@@ -153,7 +155,10 @@ def _fail(message: str, code: int):
     sys.exit(code)
 
 
-@click.group(cls=Fp8ptqGroup)
+@click.group(cls=Fp8ptqGroup, context_settings={"max_content_width": SCREEN_COLUMNS},
+             epilog=example(f"fp8ptq quantize {EXAMPLE_MODEL} --calib-data calib.txt -o out/e4m3",
+                            "fp8ptq eval out/e4m3 --tasks wikitext",
+                            "fp8ptq validate out/e4m3 --runtime vllm"))
 @click.version_option(__version__, prog_name="fp8ptq")
 @click.option("--verbose", is_flag=True, help="Let the libraries' own logs and bars through.")
 @click.option("--debug", is_flag=True,

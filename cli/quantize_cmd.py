@@ -11,12 +11,16 @@ from fp8ptq.execution.quantize import quantize, target_request
 from fp8ptq.formats import get_format
 from fp8ptq.io.loading import check_model_spec
 
+from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars
 from .quantize_report import print_report
 
 
-@click.command("quantize")
+@click.command("quantize", cls=OneScreenCommand, epilog=example(
+    f"fp8ptq quantize {EXAMPLE_MODEL} --calib-data calib.txt -o out/smollm2-e4m3"),
+    common=("fmt", "output", "device", "scheme", "recipe_path", "calib_data", "num_samples",
+            "target_delta", "as_json"))
 @click.argument("model")
 @click.option("--format", "fmt", default=None, help="Format name (fp8ptq formats) [e4m3].")
 @click.option("--output", "-o", required=True, type=click.Path(), help="Output folder.")

@@ -27,6 +27,7 @@ from fp8ptq.numbers import fmt_num
 from fp8ptq.runtime.usage import time_line, timed, usage
 from fp8ptq.sensitivity.stream import analyze_streamed
 
+from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
 from .progress import progress_bars, stderr_console
 
@@ -62,7 +63,11 @@ def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
     return load_texts(spec)
 
 
-@click.command("sensitivity")
+@click.command("sensitivity", cls=OneScreenCommand, epilog=example(
+    f"fp8ptq sensitivity {EXAMPLE_MODEL} --format e4m3 --calib-data calib.txt \\",
+    "    --eval-data wiki.test.raw --target-delta 1% --json sens.json"),
+    common=("fmt", "level", "metric", "eval_data", "target_delta", "json_path",
+            "device", "calib_data"))
 @click.argument("model")
 @click.option("--format", "fmt", default="e4m3", show_default=True,
               help="Format(s) measured with the metric, comma-separated; the first is the "

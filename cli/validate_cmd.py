@@ -11,10 +11,13 @@ from rich.markup import escape
 from fp8ptq.checkpoint import validate as v
 from fp8ptq.runtime.usage import time_line, timed, usage
 
+from .help_format import OneScreenCommand, example
+
 INVALID = 4
 
 
-@click.command("validate")
+@click.command("validate", cls=OneScreenCommand,
+               epilog=example("fp8ptq validate out/smollm2-e4m3 --runtime vllm"))
 @click.argument("checkpoint", type=click.Path())
 @click.option("--runtime", type=click.Choice(["vllm", "transformers", "all"]), default="all",
               show_default=True, help="Which runtime's rules to check.")

@@ -505,6 +505,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_one_error_line_nothing_left(A, tmp_path, case):
     build, code, fragment = CASES[case]
@@ -587,6 +588,7 @@ def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(A, tmp_path, monkeypatch):
     res = invoke(["--debug", "quantize", "/no/such/model", "-o",
                   str(tmp_path / "o")])
@@ -603,6 +605,7 @@ def chatter(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if any(c in ln for c in CHATTER)]
 
 
+@pytest.mark.slow
 def test_quiet_by_default(A, tmp_path):
     """A successful quantize and eval print no library chatter on stderr (transformers'
     "Loading weights" bars, lm-eval's notes about ``pretrained``, tqdm bars) unless
@@ -706,6 +709,7 @@ def test_gate_override_and_placement_parsers_never_traceback(text):
 
 # --- interruptions -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase,sig", [("load", signal.SIGINT), ("calibrate", signal.SIGINT),
                                        ("write", signal.SIGINT), ("write", signal.SIGTERM)])
 def test_interrupt_in_each_phase_cleans_up(A, tmp_path, phase, sig):

@@ -78,6 +78,7 @@ def direct_cast(digits, fmt, **options):
 # --- the accuracy evidence -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_coarse_cast_loses_accuracy_and_bn_retune_recovers_it(digits):
     assert digits.fp32 >= 0.95
     cast, cast_err, _ = direct_cast(digits, "e4m0fn")
@@ -91,6 +92,7 @@ def test_coarse_cast_loses_accuracy_and_bn_retune_recovers_it(digits):
                                         if isinstance(m, nn.BatchNorm2d)}
 
 
+@pytest.mark.slow
 def test_keep_depthwise_recovers_and_combines_with_retune(digits):
     cast, cast_err, _ = direct_cast(digits, "e4m0fn")
     kept, kept_err, result = direct_cast(digits, "e4m0fn", keep_depthwise=True)
@@ -102,6 +104,7 @@ def test_keep_depthwise_recovers_and_combines_with_retune(digits):
     assert both_err < min(kept_err, retuned_err)
 
 
+@pytest.mark.slow
 def test_fp8_e5m2_keeps_accuracy_and_retune_cuts_output_error(digits):
     cast, cast_err, _ = direct_cast(digits, "e5m2")
     _, retuned_err, _ = direct_cast(digits, "e5m2", bn_retune=True)
@@ -223,6 +226,7 @@ CLI_RECIPE = ["--format", "e5m2", "--act-calib", "cast", "--weight-calib", "cast
               "--dtype", "float32", "--num-samples", "96", "--batch-size", "32"]
 
 
+@pytest.mark.slow
 def test_cli_quantizes_a_pt_module_and_fp8ptq_load_reloads_it(digits, tmp_path):
     model_file, out = tmp_path / "cnn.pt", tmp_path / "q"
     torch.save(digits.model, model_file)
@@ -256,6 +260,7 @@ def test_cli_quantizes_a_pt_module_and_fp8ptq_load_reloads_it(digits, tmp_path):
     assert accuracy(reloaded, digits.test_x, digits.test_y) >= digits.fp32 - 0.03
 
 
+@pytest.mark.slow
 def test_cli_state_dict_with_npz_images(digits, tmp_path):
     sd_file, images, out = tmp_path / "cnn_sd.pt", tmp_path / "images.npz", tmp_path / "q"
     torch.save(digits.model.state_dict(), sd_file)

@@ -86,6 +86,7 @@ def test_max_and_percentile_calibrators():
     assert activation_calibrator("percentile", percentile=100).amax(st, E4M3) == 100.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_mse_calibrator_is_near_the_brute_force_optimum(fmt):
     torch.manual_seed(0)

@@ -121,6 +121,7 @@ ROUND_TRIPS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ROUND_TRIPS, ids=[c[0] for c in ROUND_TRIPS])
 def test_round_trip_is_bit_exact(tmp_path, case):
     _, arch, kwargs, dtype, layout = case
@@ -221,6 +222,7 @@ def _ct_quantized_equal(hf_model, ours):
                for n, q in _qmods(ours).items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [
     {},
     dict(weight_granularity="tensor", act_granularity="token"),

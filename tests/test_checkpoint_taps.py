@@ -59,6 +59,7 @@ def tensor_names(path):
         return {k: f.get_tensor(k) for k in f.keys() if k.endswith(("k_scale", "v_scale"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_taps_round_trip_exactly(tmp_path, monkeypatch, case):
     _, arch, kwargs, layout, kv_type = case

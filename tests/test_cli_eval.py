@@ -84,6 +84,7 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(job, "load", refuse)
 
 
+@pytest.mark.slow
 def test_baseline_int8_e4m3_table_json_markdown_plot(files, tmp_path):
     out = tmp_path / "out"
     res = eval_wiki(files, files.llama, "--compare", "int8,e4m3,fp32,bf16", "--batch-size", 2,
@@ -145,6 +146,7 @@ def test_baseline_int8_e4m3_table_json_markdown_plot(files, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["r.json", "r.md", "r.png"]  # no temp files
 
 
+@pytest.mark.slow
 def test_failed_gate_exits_3_and_names_the_metric(files, tmp_path):
     res = eval_wiki(files, files.llama, "--compare", "int8,e4m3,e3m0,bf16", "--json",
                     tmp_path / "r.json", "--max-delta", "wikitext.word_perplexity=0",
@@ -174,6 +176,7 @@ def test_calibration_file_used_for_evaluation_is_refused(files, tmp_path):
     assert "--allow-calib-overlap" in res.stderr
 
 
+@pytest.mark.slow
 def test_calibration_overlap_allowed_is_noted(files, tmp_path):
     res = run("eval", files.llama, "--tasks", "wikitext", "--data", f"wikitext={files.wiki}",
               "--compare", "int8", "--calib-data", files.wiki, "--num-samples", 2,
@@ -198,6 +201,7 @@ def test_checkpoint_calibrated_on_the_eval_file_is_refused(files, checkpoint):
     assert f"the calibration data of {checkpoint.name} {files.calib} is also" in res.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_folder_in_compare_and_as_model(files, checkpoint, tmp_path):
     res = eval_wiki(files, files.llama, "--compare", f"{checkpoint},e4m3", "--limit", 2,
                     "--json", tmp_path / "a.json")
@@ -285,6 +289,7 @@ def test_unknown_task_is_refused_before_loading(files, monkeypatch, tmp_path):
     assert res.stderr.startswith("error: unknown task 'no_such_task'")
 
 
+@pytest.mark.slow
 def test_extractive_squad_on_a_tiny_bert(files, tmp_path):
     res = run("eval", files.bert, "--tasks", "squad", "--data", f"squad={files.squad}",
               "--compare", "int8", *calib_flags(files), "--json", tmp_path / "r.json")
@@ -301,12 +306,13 @@ def test_extractive_squad_on_a_tiny_bert(files, tmp_path):
 def test_flag_names_of_eval_and_quantize():
     eval_help = run("eval", "--help").stdout
     assert "--calib-seq-len" in eval_help and "--calib-batch-size" in eval_help
-    assert "Maximum evaluation context" in eval_help
+    assert "Maximum evaluation context" in run("eval", "--help-all").stdout
     quantize_help = run("quantize", "--help").stdout
     assert "--seq-len" in quantize_help and "--batch-size" in quantize_help
     assert "--calib-seq-len" not in quantize_help
 
 
+@pytest.mark.slow
 def test_python_m_fp8ptq_cli_eval(files, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(

@@ -150,6 +150,7 @@ def test_codes_needs_a_name():
     assert "--codes needs a format NAME" in res.output
 
 
+@pytest.mark.slow
 def test_subprocess_entry_point():
     """The real process: ``python -m fp8ptq.cli`` (the ``fp8ptq`` script's ``main``). One run only:
     importing torch in a fresh interpreter costs seconds."""

@@ -311,6 +311,7 @@ def test_report_table_shows_module_names(assets, tmp_path, columns):
     assert "checkpoint" in text and "KiB vs original" in text
 
 
+@pytest.mark.slow
 def test_real_processes(assets, tmp_path):
     """``python -m fp8ptq.cli`` and the installed ``fp8ptq`` script, run side by side (each
     process pays the torch/transformers import)."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 import io
 import random
 
+import pytest
 from rich.console import Console
 
 from fp8ptq.cli import tables
 from fp8ptq.cli.tables import Column, fitted_table
+
+pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
 
 
 def _brute_force(console, columns, **kw):

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from tiny_models import STATIC, tiny
 
+pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
+
 HERE = Path(__file__).parent
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
         "hello world and hello again"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -50,6 +51,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_big_vocabulary_eval_peak_rss_is_model_plus_two_gb(tmp_path):
     from pathlib import Path
 
@@ -76,6 +78,7 @@ def _largest_allocation(lm, wiki) -> tuple[int, float]:
     return max(e.self_cpu_memory_usage for e in calls), out.metrics["word_perplexity"]
 
 
+@pytest.mark.slow
 def test_no_op_allocates_logits_beyond_one_chunk(tmp_path, word_tokenizer, monkeypatch):
     """Allocation-level guard (torch profiler, not RSS or wall time): with a 32k vocabulary at
     context 512, batch 4, lm-eval's own path allocates the batch's float32 logits at once
@@ -130,6 +133,7 @@ def test_prefix_note_scores_through_the_chunked_path(word_tokenizer, monkeypatch
     assert largest < CONTEXT * VOCAB * 4 // 4, largest
 
 
+@pytest.mark.slow
 def test_perplexity_probe_scores_without_the_batch_logits(monkeypatch):
     """``sensitivity`` / ``--target-delta``'s perplexity probe used ``model(ids, labels=ids)``:
     the batch's float32 logits and, inside the loss, their log-softmax (~0.8 GB per SmolLM2

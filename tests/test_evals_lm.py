@@ -175,6 +175,7 @@ def test_run_tasks_wikitext_and_generative_squad(model, tokenizer, wiki_file, sq
     assert set(result.seconds) == {"wikitext", "squad"}
 
 
+@pytest.mark.slow
 def test_run_tasks_rejects_bad_requests(model, tokenizer, wiki_file, tmp_path):
     with pytest.raises(UsageError, match="unknown task"):
         run_tasks(model, tokenizer, ["no_such_task_xyz"], include_path=str(tmp_path))

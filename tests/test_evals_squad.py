@@ -72,6 +72,7 @@ def test_load_examples_order_limit_and_errors(tmp_path):
         load_examples(path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MINILM.is_dir() or not HELDOUT.is_file(), reason="needs ../shared/assets")
 def test_minilm_extractive_squad(monkeypatch, tmp_path):
     import torch

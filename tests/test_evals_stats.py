@@ -91,6 +91,7 @@ def test_gate_on_ci_upper_fails_what_the_point_estimate_passes():
     assert len(failures) == 1 and "worse end of the 95% CI" in failures[0]
 
 
+@pytest.mark.slow
 def test_eval_cli_reports_relative_deltas_intervals_and_samples(tmp_path, word_tokenizer):
 
     from tiny_models import invoke, tiny

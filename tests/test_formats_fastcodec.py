@@ -45,6 +45,7 @@ def _values(spec, n=4000, seed=0):
                       torch.nextafter(mids, mids * 2), rand, tiny, logu, edge])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rounding", ["nearest_even", "half_away", "stochastic", "hybrid"])
 def test_fast_rounding_matches_reference(name, rounding):

@@ -342,6 +342,7 @@ def test_torch_e4m3fn_cast_saturates():
 # quantize_values / decode / fake_quantize consistency
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("saturate", [True, False])
 def test_decode_encode_equals_quantize_values(name, saturate):
@@ -398,6 +399,7 @@ def _assert_same(a, b):
     assert torch.equal(torch.signbit(a[fin]), torch.signbit(b[fin]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_fake_quantize_equals_generic_path(name):
     spec = get_format(name)
@@ -428,6 +430,7 @@ def test_fake_quantize_equals_generic_path(name):
                  _fq_reference(x, 0.5, spec, nan_to_zero=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TORCH_NAMES)
 def test_fake_quantize_large_tensor_fast_path_bit_exact(name):
     """A tensor large enough for any chunking / multithreading in the fast path."""

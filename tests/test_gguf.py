@@ -56,6 +56,7 @@ def test_conversion_equals_transformers_gguf_loader(any_gguf, tmp_path):
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids
 
 
+@pytest.mark.slow
 def test_conversion_holds_about_one_block(tmp_path):
     """Peak traced allocation (numpy arrays the dequantizer makes, which the written tensors
     share) while converting a 6-block model with one-tensor shards: under two blocks' float32
@@ -112,6 +113,7 @@ def test_moe_expert_widths_come_from_the_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv", "src"]
 
 
+@pytest.mark.slow
 def test_sequential_gguf_equals_in_memory(any_gguf, tmp_path):
     gguf_file, architecture, _ = any_gguf
     calib = tmp_path / "calib.txt"

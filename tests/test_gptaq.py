@@ -139,6 +139,7 @@ def _inputs(model, names, transform=None):
     return {n: torch.cat(v) for n, v in got.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_each_target_is_fitted_to_the_final_quantized_and_float_inputs(monkeypatch, arch):
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
@@ -158,6 +159,7 @@ def test_each_target_is_fitted_to_the_final_quantized_and_float_inputs(monkeypat
         assert float((aim - want).norm()) <= 1e-3 * float((want - w0).norm()), name
 
 
+@pytest.mark.slow
 def test_model_output_is_closer_to_the_float_model_than_plain_gptq():
     ref = tiny("llama").float()
     errors = {}

@@ -134,6 +134,7 @@ MINILM = Path(os.environ.get("FP8PTQ_ASSETS", Path(__file__).resolve().parents[2
                             "assets")) / "models" / "minilm-squad"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MINILM.is_dir(), reason="needs ../shared/assets")
 def test_mx_gptq_on_real_minilm_layers():
     """The same property on real tensors: MiniLM-SQuAD's FFN GEMMs with the inputs a real
@@ -163,6 +164,7 @@ def test_mx_gptq_on_real_minilm_layers():
         assert output_error(W, gq, X) < output_error(W, rtn, X)
 
 
+@pytest.mark.slow
 def test_pipeline_mx_gptq_stores_e8m0_groups(tmp_path):
     """``--format mxfp8 --weight-calib gptq`` end to end: the QuantGemms hold group-32
     power-of-two weight scales, the model error is below round to nearest's, and the
@@ -208,6 +210,7 @@ print(base, before, status("VmHWM"))
 """
 
 
+@pytest.mark.slow
 def test_gptq_holds_few_hessian_sized_temporaries():
     """GPTQ's working memory beyond the caller's Hessian and weight, measured (the kernel's
     peak RSS of a fresh process, reset just before the call; 2048 x 2048, act-order): at most

@@ -34,6 +34,7 @@ def recorded_run(monkeypatch, model, recipe):
     return quantize_model(model, recipe, BATCHES), seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_each_hessian_is_what_the_quantized_model_feeds_that_gemm(monkeypatch, arch):
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
@@ -63,6 +64,7 @@ def test_each_hessian_is_what_the_quantized_model_feeds_that_gemm(monkeypatch, a
     assert first in same and len(same) <= 3 + len(facts["outside"])
 
 
+@pytest.mark.slow
 def test_first_group_codes_equal_one_pass_and_later_ones_differ():
     recipe = Recipe(format="e4m3", act_format="none", weight_calib="gptq", dtype="float32")
     seq, one = tiny("llama").float(), tiny("llama").float()
@@ -98,6 +100,7 @@ def test_gptq_beats_round_to_nearest_on_its_own_sequential_rows(monkeypatch):
         assert err(gq) <= err(rtn) * 1.0001, name
 
 
+@pytest.mark.slow
 def test_lm_head_outside_the_blocks_keeps_the_one_pass_hessian(monkeypatch):
     recipe = Recipe(format="e4m3", act_format="none", weight_calib="gptq", dtype="float32",
                     quantize_lm_head=True)
@@ -118,6 +121,7 @@ def test_lm_head_outside_the_blocks_keeps_the_one_pass_hessian(monkeypatch):
     assert torch.equal(codes, model.lm_head.weight_codes)
 
 
+@pytest.mark.slow
 def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
     src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
     for flag, want in (("--no-gptq-sequential", False), ("--gptq-sequential", True)):
@@ -160,6 +164,7 @@ def test_run_order_comes_from_one_sequence():
         handle.remove()
 
 
+@pytest.mark.slow
 def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
     """The per-group Hessian forwards run ``lean_forwards``' rotary / RMSNorm / MLP (the
     statistics pass's code), and the codes are bit for bit those of transformers' own code
@@ -191,6 +196,7 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
         assert torch.equal(codes, runs["0"][name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
     """``fp8ptq.algorithms.gptq.replay``: the later groups' forwards replay what the previous

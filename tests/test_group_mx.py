@@ -107,6 +107,7 @@ def test_plan_of_mx_and_group_recipes():
     assert not plan.needs_calibration
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", [
     Recipe(format="mxfp8", dtype="float32"),
     Recipe(format="mxfp8-e5m2", dtype="float32"),
@@ -164,6 +165,7 @@ def test_moe_experts_refuse_group_activations():
         build_plan(model, Recipe(format="mxfp8"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", [Recipe(format="mxfp8", dtype="float32"),
                                     Recipe(scheme="fp8-block", block_size=32, act_group_size=32,
                                            dtype="float32")])

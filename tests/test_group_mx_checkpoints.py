@@ -26,6 +26,8 @@ from fp8ptq.formats.mx import e8m0_decode
 from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import IDS, run, tiny
 
+pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
+
 # vLLM's block-FP8 path needs K and N in whole 128-blocks: a Llama of 256 / 384 features
 CFG = dict(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
            intermediate_size=384)

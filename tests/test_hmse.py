@@ -114,6 +114,7 @@ def test_degenerate_weights_and_inputs_give_finite_scales(gran):
     assert torch.equal(calib.amax(W, g, fmt, torch.zeros(32)), g.amax(W))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("calib", ["gptq-hmse", "hmse"])
 def test_cli_quantize_with_hessian_scales(assets, tmp_path, calib):  # noqa: F811
     out, sizes = tmp_path / "out", ["--num-samples", "4", "--seq-len", "16"]

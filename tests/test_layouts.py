@@ -53,6 +53,7 @@ CHOICES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,recipe,expected", CHOICES,
                          ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(CHOICES)])
 def test_layout_chosen_from_the_plan_equals_the_one_from_the_quantized_model(arch, recipe,
@@ -109,6 +110,7 @@ def _quantized(arch, recipe):
     return quantize_model(model, recipe, token_batches(IDS, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,recipe", [
     ("llama", Recipe(dtype="float32", quantize_attention=True)),
     ("gpt2", Recipe(dtype="float32", format="hif8")),

@@ -205,6 +205,7 @@ def test_cli_takes_the_path_by_itself_and_says_so(tmp_path, word_tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c", "calib.txt", "e", "src"]
 
 
+@pytest.mark.slow
 def test_torchrun_rank_zero_writes_the_single_process_checkpoint(tmp_path, word_tokenizer):
     src = save_source("llama", tmp_path / "src", word_tokenizer)
     args = ["quantize", str(src), "--act-granularity", "token", "--json"]

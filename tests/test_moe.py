@@ -131,6 +131,7 @@ def test_calibrate_all_experts_observes_every_expert():
     assert len(set(down["input_scales"])) == E
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gran,act", [("tensor", "tensor"), ("block", "token"),
                                       ("channel", "token")])
 def test_granularities_and_dynamic_activations(gran, act, tmp_path):
@@ -160,6 +161,7 @@ def test_skip_experts_by_glob_lists_them_in_high_precision():
     assert hp["largest_high_precision"][0]["name"].endswith("experts.gate_up_proj")
 
 
+@pytest.mark.slow
 def test_cli_quantize_reports_experts_and_high_precision_share(tmp_path, word_tokenizer):
 
 
@@ -208,6 +210,7 @@ def _ct_layout_case(arch, tmp_path, **recipe):
     return model, result, out, facts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,key", [
     ("mixtral", "model.layers.0.block_sparse_moe.experts.5.w3"),
     ("qwen2_moe", "model.layers.0.mlp.experts.5.up_proj"),

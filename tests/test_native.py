@@ -25,10 +25,21 @@ FORMATS = sorted(set(preset_names()) | {"e3m4", "e2m5", "e5m2b10", "e4m3b5fn", "
                                         "e2m1", "e1m6fn"})
 ROUNDINGS = ["nearest_even", "half_away", "stochastic", "hybrid"]
 
-needs_native = pytest.mark.skipif(not native.available(), reason="no C compiler")
+needs_native = pytest.mark.skipif(not native.available(),
+                                  reason="C kernels off (FP8PTQ_NATIVE=0) or no C compiler")
 
 
-def test_kernels_build_where_a_compiler_exists():
+@pytest.fixture
+def native_on(monkeypatch):
+    """The kernels switched on whatever FP8PTQ_NATIVE the suite runs under (the tests that use
+    this are about building them); ``native.library()`` re-resolved before and after."""
+    monkeypatch.setenv("FP8PTQ_NATIVE", "1")
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_kernels_build_where_a_compiler_exists(native_on):
     if shutil.which("cc") or shutil.which("gcc"):
         assert native.available()
 
@@ -62,6 +73,7 @@ def _both(fn):
     return got, want
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantize_values_and_encode_are_bit_identical(name):
@@ -97,6 +109,7 @@ def test_fake_quantize_is_bit_identical_for_every_scale_layout(name):
                 assert _same(got, want), (name, rounding, t.dtype, getattr(s, "shape", s))
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "e3m4",
                                   "e2m5", "e5m2b10", "e4m3b5fn", "e6m1", "e1m6fn", "e3m0",
@@ -142,6 +155,7 @@ def test_big_tensors_split_across_threads_identically(name):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("rounding", ["half_away", "nearest_even"])
 @pytest.mark.parametrize("saturate", [True, False])
@@ -231,7 +245,8 @@ def test_off_switch(fresh_library, monkeypatch):
     assert not fresh_library.exists()  # nothing built, nothing written
 
 
-def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, monkeypatch, caplog):
+def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, native_on, monkeypatch,
+                                                        caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     spec = get_format("e4m3")
     x = torch.randn(300)
@@ -245,6 +260,7 @@ def test_no_compiler_is_one_log_line_and_the_torch_path(fresh_library, monkeypat
     assert not list(fresh_library.glob("*"))  # the failed build left nothing behind
 
 
+@pytest.mark.slow
 @needs_native
 def test_concurrent_builds_install_one_complete_library(fresh_library):
     """Two builders racing on one cache path (torchrun ranks starting together): both succeed,
@@ -259,6 +275,7 @@ def test_concurrent_builds_install_one_complete_library(fresh_library):
     assert ctypes.CDLL(str(path)).fp8ptq_have_f16() in (0, 1)
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("fmt", ["e4m3", "hif8", "int8"])
 @pytest.mark.parametrize("act_granularity", ["tensor", "token"])

@@ -58,6 +58,7 @@ def test_dequantize_is_bit_identical(name, monkeypatch):
         assert len(ran) > 8 * len(DTYPES)
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("name", FORMATS)
 def test_encode_scaled_is_encode_of_the_quotient(name):
@@ -74,6 +75,7 @@ def test_encode_scaled_is_encode_of_the_quotient(name):
                 assert _same(got, want) and _same(torch_path, want), (name, x.dtype, scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
 @pytest.mark.parametrize("name", ["e4m3", "e5m2", "hif8", "int8", "e2m5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,6 +17,7 @@ from tiny_models import IDS, run, tiny
 EXPECTED_GEMMS = {"llama": 14, "gpt2": 8, "opt": 12, "bert": 13}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "opt", "bert"])
 @pytest.mark.parametrize("fmt", ["e4m3", "int8", "hif8"])
 def test_every_gemm_is_quantized_and_output_stays_close(arch, fmt):

@@ -96,6 +96,7 @@ def test_bad_device_map_is_one_error_line(assets, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_eval_and_sensitivity_take_the_device_map(assets, tmp_path):
     wiki = tmp_path / "wiki.test.raw"
     wiki.write_text(" = hello world = \n the quick brown fox jumps over the lazy dog . \n"

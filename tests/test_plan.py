@@ -41,6 +41,7 @@ def test_dynamic_or_weight_only_alone_need_no_data_and_pass_counts():
     assert run_facts(Recipe(act_calib="best", act_granularity="token")).sample_batches == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, needed", [
     ({"act_granularity": "token", "weight_calib": "gptq"}, False),  # Hessians in order, alone
     ({"act_granularity": "token", "weight_calib": "gptq", "gptq_sequential": False}, True),

@@ -82,6 +82,7 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 def test_hard_module_ranks_first_and_is_skipped(module_ppl):
     r = module_ppl
     assert r.baseline < 20  # trained: far below the vocabulary size of a random model
@@ -98,6 +99,7 @@ def test_hard_module_ranks_first_and_is_skipped(module_ppl):
     assert r.eval["replay"] is True and len(r.modules) == 14
 
 
+@pytest.mark.slow
 def test_model_is_left_unchanged(hard_model, data):
     before = _logits(hard_model, data["eval"])
     r = _analyze(hard_model, data, level="block", metric="sqnr", stat_formats=["e4m3"])
@@ -109,6 +111,7 @@ def test_model_is_left_unchanged(hard_model, data):
     assert r.suggestion.estimated_delta_all == pytest.approx(r.checks["all_quantized"]["nsr"])
 
 
+@pytest.mark.slow
 def test_hard_statistics(module_ppl):
     m = {s.name: s for s in module_ppl.modules}
     hard, other = m[HARD], m["model.layers.1.self_attn.o_proj"]
@@ -121,6 +124,7 @@ def test_hard_statistics(module_ppl):
     assert set(hard.formats) == {"e4m3", "int8"}
 
 
+@pytest.mark.slow
 def test_sqnr_matches_hand_computation(hard_model, data):
     """Weight, input and output SQNR of one module, recomputed from scratch."""
     r = _analyze(hard_model, data, metric="sqnr", stat_formats=["e4m3"], verify=False)
@@ -161,6 +165,7 @@ def test_input_moments_from_histogram_match_exact():
     assert got.channel_ratio == pytest.approx(float(ch.max() / ch.median()), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_block_level_and_replay(hard_model, data):
     r = _analyze(hard_model, data, level="block", stat_formats=["e4m3"], target="0")
     assert [u.name for u in r.units] == ["model.layers.0", "model.layers.1"]
@@ -178,6 +183,7 @@ def test_block_level_and_replay(hard_model, data):
         assert probe(1) != base
 
 
+@pytest.mark.slow
 def test_replay_that_does_not_reproduce_the_baseline_is_dropped(hard_model, data, monkeypatch):
     from fp8ptq.sensitivity import probes
 
@@ -249,6 +255,7 @@ def _cli(model_dir, *args):
         "--eval-tokens", "96", "--eval-seq-len", "24", "--dtype", "float32", *args])
 
 
+@pytest.mark.slow
 def test_cli_json_plot_and_suggestion(model_dir, tmp_path):
     out, png = tmp_path / "sens.json", tmp_path / "sens.png"
     result = _cli(model_dir, "--formats", "e4m3,hif8", "--top", "3", "--json", str(out),
@@ -283,6 +290,7 @@ def test_cli_json_plot_and_suggestion(model_dir, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_cli_block_sqnr_layer_aware_calibrator(model_dir, tmp_path):
     result = invoke([
         "sensitivity", str(model_dir), "--calib-data", str(model_dir / "text.txt"),
@@ -309,6 +317,7 @@ def test_write_atomic_keeps_old_file_on_failure(tmp_path):
     assert path.read_text() == "old" and [f.name for f in tmp_path.iterdir()] == ["out.json"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--format", "e9m9"], "format"),
     (["--formats", ","], "--formats"),

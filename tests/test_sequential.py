@@ -34,6 +34,7 @@ def _quant_state(model):
             for b, t in m.named_buffers(recurse=False) if t is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
 def test_sequential_fp_propagation_is_bit_identical(arch, tmp_path):
     folder = _saved(arch, tmp_path)

@@ -20,6 +20,8 @@ from test_moe import batches, logits
 from test_sequential import checkpoint_tensors
 from tiny_models import tiny
 
+pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
+
 
 def quant_state(model):
     return {f"{n}.{b}": t for n, m in model.named_modules()

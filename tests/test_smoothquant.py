@@ -149,6 +149,7 @@ def test_smoothed_model_computes_the_same_in_fp32(arch, alpha):
 
 # --- smoothing helps quantization when activations have outliers --------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("fmt", ["int8", "e4m3", "hif8"])
 def test_smoothquant_lowers_quantized_error_with_outlier_channels(arch, fmt):

@@ -51,6 +51,7 @@ def randomize_biases(model):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("alpha,into", [(0.5, "gemms"), (0.8, "all"), ("auto", "gemms")])
 def test_pairs_are_exact_in_fp32_and_tie_factors_per_kv_head(arch, alpha, into):
@@ -129,6 +130,7 @@ def with_massive_up(model, factor=300.0, channels=(5, 77)):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act_granularity", ["token", "tensor"])
 def test_pair_smoothing_lowers_int8_error_with_massive_down_proj_inputs(act_granularity):
     # int8: a 300x channel leaves the token's (or tensor's) other values a few levels. e4m3

@@ -13,6 +13,8 @@ import pytest
 
 from fp8ptq.runtime.usage import _glibc_version, _thp_mode, hugepage_env, time_line, timed, usage
 
+pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
+
 
 def test_time_line_and_json_fields():
     seconds = {"load": 1.234, "plan": 0.01, "write": 0.0, "quantize": 12.06}

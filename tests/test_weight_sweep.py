@@ -29,6 +29,7 @@ def _weight(rows, cols, dtype, seed=0):
     return w.to(dtype)
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("name", FORMATS)
 def test_sweep_gives_the_torch_paths_codes_and_report(name):
