@@ -16,7 +16,7 @@ def readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
-@pytest.mark.slow  # the example's own 128 x 512 calibration tokens and GPTQ, and an eval
+@pytest.mark.slow  # the example's own 64 x 512 (default) calibration tokens and GPTQ, and an eval
 def test_readme_python_example_quantizes_evaluates_and_reloads(tmp_path, monkeypatch,
                                                                word_tokenizer):
     blocks = readme_python_blocks()
