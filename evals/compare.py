@@ -211,6 +211,13 @@ def check_calib_overlap(calib_files, data: dict[str, str], allow: bool) -> list[
 # --- evaluation --------------------------------------------------------------------------------
 
 
+def load_variant(v: Variant, device: str = "cpu", load_options: dict | None = None):
+    """``v``'s model; another tool's checkpoint (no fp8ptq.json) as transformers serves it,
+    its quantization applied, rather than dequantized as a source to quantize would be."""
+    return job.load(v.spec, v.recipe, device=device, **(load_options or {}),
+                    as_served=v.kind == "checkpoint" and v.meta is None)
+
+
 def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, tasks: list[str],
                       notes: list[str], *, device: str, load_options=None,
                       prefix_token: str = "auto", progress=None, **eval_kwargs):
@@ -227,7 +234,7 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
     for v in variants:
         timings = job.JobTimings()
         with bars.step(f"{v.name}: loading {v.spec}"), timings.timed("load"):
-            loaded = job.load(v.spec, v.recipe, device=device, **(load_options or {}))
+            loaded = load_variant(v, device, load_options)
         if v.kind == "quantized":
             calib = None
             if needs_calibration(v.recipe):

@@ -182,8 +182,7 @@ def test_eval_compares_another_tools_checkpoint_folder(tmp_path, word_tokenizer)
     an FP8_BLOCK checkpoint with its fp8ptq.json removed, as llm-compressor would leave it):
     a checkpoint variant without fp8ptq metadata, loaded by transformers with its quantization
     applied -- the numbers fp8ptq simulates."""
-    from fp8ptq.evals.compare import plan_variants
-    from fp8ptq.execution import job
+    from fp8ptq.evals.compare import load_variant, plan_variants
 
     model, out = _quantized(tmp_path, Recipe(scheme="fp8-block", dtype="float32"))
     (out / "fp8ptq.json").unlink()
@@ -191,5 +190,5 @@ def test_eval_compares_another_tools_checkpoint_folder(tmp_path, word_tokenizer)
     variants, _ = plan_variants(str(out), None, [str(out)], Recipe(dtype="float32"))
     peer = variants[-1]
     assert (peer.kind, peer.meta, peer.name) == ("checkpoint", None, "q")
-    loaded = job.load(peer.spec, peer.recipe)
+    loaded = load_variant(peer)
     assert torch.equal(run(loaded.model, IDS), run(model, IDS))

@@ -27,7 +27,7 @@ def test_wheel_maps_the_top_level_folders_into_fp8ptq(tmp_path):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "fp8ptq = fp8ptq.cli.main:main" in entry_points
+    assert "fp8ptq = fp8ptq.cli.entry:main" in entry_points
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

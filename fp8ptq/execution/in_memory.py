@@ -235,7 +235,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     recipe, facts = plan.recipe, plan.facts
     run.recipe = recipe  # the plan's (defaults resolved) from here on
     targets, experts, skipped = plan.gemms, plan.experts, plan.skipped
-    if not targets and not experts:
+    if not targets and not experts and not facts.taps:  # taps alone: what the KV cache costs
         raise UsageError("no GEMM module left to quantize (check --skip / --override)")
     if batches is None and facts.needs_calibration:
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "

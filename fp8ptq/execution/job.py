@@ -66,10 +66,10 @@ def resolve_device(device: str) -> str:
 
 
 def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
-         trust_pickle: bool = False, trust_remote_code: bool = False):
+         trust_pickle: bool = False, trust_remote_code: bool = False, as_served: bool = False):
     return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
                       device_map=device_map, trust_pickle=trust_pickle,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code, as_served=as_served)
 
 
 def calibration_texts(recipe: Recipe, model_spec: str | None = None

@@ -47,13 +47,17 @@ def load_model(
     task: str | None = None,
     trust_pickle: bool = False,
     trust_remote_code: bool = False,
+    as_served: bool = False,
 ) -> LoadedModel:
     """Load ``spec`` (local folder, ``.gguf`` file, ``.pt`` module or hub id) in eval mode, with
     a tokenizer that has a pad token (none for a ``.pt`` module). ``task`` ("causal-lm", "qa",
     "seq-cls", "base") overrides the model class that ``config.architectures`` implies.
     ``trust_pickle`` allows full unpickling of ``.pt`` files and native-checkpoint skeletons;
     ``trust_remote_code`` lets transformers run a model repository's own code. Both are off:
-    loading a file never runs code from it unless asked."""
+    loading a file never runs code from it unless asked. ``as_served``: another tool's FP8
+    checkpoint is loaded by transformers with its quantization applied (how ``eval --compare``
+    scores it) instead of dequantized into the float model it stands for (how it is read as a
+    source to quantize)."""
     if task is not None and task not in TASK_CLASSES:
         raise UsageError(f"unknown task {task!r}; choose one of {', '.join(TASK_CLASSES)}")
     path = Path(spec).expanduser()
@@ -69,7 +73,8 @@ def load_model(
         check_model_folder(spec)
         if (path / "fp8ptq.json").is_file():
             return load_quantized(str(path), device=device, trust_pickle=trust_pickle)
-        return _load_pretrained(spec, str(path.resolve()), "local", **load_kwargs)
+        return _load_pretrained(spec, str(path.resolve()), "local", as_served=as_served,
+                                **load_kwargs)
     if path.exists():
         raise UsageError(f"cannot load model {spec!r}: expected a folder with config.json, a .gguf "
                          "file or a .pt module")
@@ -133,11 +138,12 @@ def looks_like_path(spec: str) -> bool:
     )
 
 
-def _load_pretrained(source, location, kind, *, dtype, device, device_map, task, **hub_kwargs):
+def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
+                     as_served: bool = False, **hub_kwargs):
     """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id).
     ``device_map``: a strategy / dict, or a ``fp8ptq.execution.placement.Placement`` (map, memory
     limits, offload folder) handed to accelerate."""
-    config = load_config(source, location, **hub_kwargs)
+    config = load_config(source, location, as_served=as_served, **hub_kwargs)
     cls = model_class(config, task)
     if device_map is not None and not isinstance(device_map, Placement):
         device_map = Placement(device_map=device_map)
@@ -148,7 +154,8 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
             model = load_streaming(location, config, cls, dtype)
         except DataError as e:
             raise DataError(f"cannot load model {source!r}: {e}") from None
-    if model is None and is_safetensors_folder(Path(location)) and prequantized(location):
+    if (model is None and not as_served and is_safetensors_folder(Path(location))
+            and prequantized(location)):
         raise DataError(f"cannot load model {source!r}: its FP8 weights are dequantized by "
                         "fp8ptq's own reader, which needs a local folder providing every "
                         "parameter and no --device-map")

@@ -53,10 +53,11 @@ def model_class(config, task: str | None = None):
     return AutoModel
 
 
-def load_config(source, location, **hub_kwargs):
+def load_config(source, location, *, as_served: bool = False, **hub_kwargs):
     """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
     transformers does not know, or a repository that ships its own code (refused unless
-    ``trust_remote_code``)."""
+    ``trust_remote_code``). ``as_served``: keep another tool's ``quantization_config`` so that
+    transformers applies it (a checkpoint evaluated as a runtime serves it)."""
     try:
         config = AutoConfig.from_pretrained(location, **hub_kwargs)
     except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
@@ -66,7 +67,7 @@ def load_config(source, location, **hub_kwargs):
                              "--trust-remote-code (trust_remote_code=True) only if you trust "
                              "its source") from None
         raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
-    if Path(location).is_dir() and prequantized(location) is not None:
+    if not as_served and Path(location).is_dir() and prequantized(location) is not None:
         # read as the float model it stands for (``SafetensorsSource``): no quantizer, and no
         # stale quantization_config in what fp8ptq writes
         del config.quantization_config
