@@ -224,8 +224,7 @@ def parse_range(text):
 # other recipe flag's parameter IS a Recipe field (tests/test_recipe_flags.py checks both), so a
 # new recipe field needs its Recipe line and its _SPECS line, nothing here.
 FIELD_OF = {"calib_seq_len": "seq_len", "calib_batch_size": "batch_size"}
-PARSE = {"overrides": lambda v: parse_overrides(v), "pow2_range": lambda v: parse_range(v),
-         "skip": lambda v: list(v) or None}
+PARSE = {"overrides": parse_overrides, "pow2_range": parse_range, "skip": lambda v: list(v) or None}
 
 
 def recipe_params() -> list[str]:

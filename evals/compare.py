@@ -4,8 +4,7 @@
 dtypes, formats quantized on the fly, checkpoint folders); ``calibration_files`` /
 ``check_calib_overlap`` apply the policy that calibrating on evaluation text is refused unless
 allowed (it flatters the numbers); ``evaluate_variants`` loads, quantizes (through
-``fp8ptq.execution.job``,
-exactly as ``quantize`` would), evaluates and frees each variant in turn.
+``fp8ptq.execution.job``, exactly as ``quantize`` would), evaluates and frees each variant in turn.
 """
 
 from __future__ import annotations

@@ -197,21 +197,25 @@ def test_partial_forwards_run_lean_and_change_no_bit(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
-    """``fp8ptq.algorithms.gptq.replay``: the later groups' forwards replay what the previous
-    forward finished
-    (q/k/v outputs, then the whole attention), and every Hessian and code is bit for bit
-    what recomputing gives (budget 0: nothing kept)."""
+def replay_budget(monkeypatch, budget: int) -> None:
+    """Sequential GPTQ's replay kept within ``budget`` bytes (0: every forward recomputes)."""
     from fp8ptq.algorithms.gptq import sequential
     from fp8ptq.algorithms.gptq.replay import PartialForwards
 
+    monkeypatch.setattr(sequential, "PartialForwards",
+                        lambda unit, _budget: PartialForwards(unit, budget))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_replayed_partial_forwards_change_no_bit(monkeypatch, arch):
+    """``fp8ptq.algorithms.gptq.replay``: the later groups' forwards replay what the previous
+    forward finished (q/k/v outputs, then the whole attention), and every Hessian and code is
+    bit for bit what recomputing gives (budget 0: nothing kept)."""
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
                     dtype="float32")
     runs = {}
     for budget in (1 << 30, 0):
-        monkeypatch.setattr(sequential, "PartialForwards",
-                            lambda unit, _budget, b=budget: PartialForwards(unit, b))
+        replay_budget(monkeypatch, budget)
         model = tiny(arch).float()
         result, seen = recorded_run(monkeypatch, model, recipe)
         codes = {n: m.weight_codes for n, m in model.named_modules()
@@ -298,15 +302,11 @@ def test_next_block_inputs_replay_attention_and_gate_up(monkeypatch):
     attention runs twice per batch (the o_proj and gate/up groups' forwards) where
     recomputing runs it four times; bit for bit the same codes either way
     (``test_replayed_partial_forwards_change_no_bit``)."""
-    from fp8ptq.algorithms.gptq import sequential
-    from fp8ptq.algorithms.gptq.replay import PartialForwards
-
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
                     dtype="float32")
     counts = {}
     for budget in (1 << 30, 0):
-        monkeypatch.setattr(sequential, "PartialForwards",
-                            lambda unit, _budget, b=budget: PartialForwards(unit, b))
+        replay_budget(monkeypatch, budget)
         model = tiny("llama").float()
         attn = model.model.layers[0].self_attn
         runs = []

@@ -220,6 +220,8 @@ def run_stages(at: str, run: StageRun, times: dict[str, float]) -> None:
     """Every registered stage of ``at`` that the recipe asks for, timed under its name."""
     for stage in STAGES:
         if stage.at == at and stage.applies(run.recipe):
+            if stage.needs_data and run.batches is None:
+                raise UsageError(f"{stage.name} needs calibration data (--calib-data)")
             t0 = time.perf_counter()
             run.extras[stage.name] = stage.run(run)
             times[stage.name] = time.perf_counter() - t0

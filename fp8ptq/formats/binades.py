@@ -73,8 +73,7 @@ def exponent_field(a: torch.Tensor) -> torch.Tensor:
 def native_tables(spec, rounding: str, saturate: bool = True,
                   nan_to_zero: bool = False) -> native.FormatTables | None:
     """``spec`` as the C kernels' integer tables (``fp8ptq.runtime.native``), or None where they
-    cannot
-    hold it exactly (a spacing whose power of two is not a normal float32; an integer format
+    cannot hold it exactly (a spacing whose power of two is not a normal float32; an integer format
     rounded other than half-to-even), in which case the torch path runs."""
     lay = spec.layout
     t = native.FormatTables()

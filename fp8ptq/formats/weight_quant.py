@@ -2,8 +2,7 @@
 
 Every weight rounded to nearest - a ``QuantGemm``'s, each fused expert's, and the model-free
 path's (``fp8ptq.execution.model_free``) - goes through ``quantize_weight``: after the calibrator
-has
-chosen the scale on the whole matrix (a calibrator may need all of it, e.g. MSE), one walk over
+has chosen the scale on the whole matrix (a calibrator may need all of it, e.g. MSE), one walk over
 chunks of rows does the finiteness check, the encoding, the decoding and the error sums that the
 report needs (SQNR, amax). Whole-matrix code made a dozen float32 / float64 temporaries the size
 of the weight, each a trip through main memory; here they stay in cache. The codes are the same

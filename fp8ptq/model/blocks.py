@@ -1,8 +1,7 @@
 """The repeated blocks of a model (decoder layers, encoder layers), found generically.
 
 Sequential quantization (``fp8ptq.execution.streaming``) loads, calibrates and quantizes one block
-at a
-time. Rather than a table of architecture names (``model.layers``, ``transformer.h``,
+at a time. Rather than a table of architecture names (``model.layers``, ``transformer.h``,
 ``model.decoder.layers``, ``encoder.layer``, ...), the blocks are the longest ``nn.ModuleList``
 whose children all share one class: every transformer stacks its layers that way, and nothing
 else in it is as long and uniform.

@@ -21,8 +21,7 @@ sequential, each rank under torchrun) runs under the same mode, so they stay bit
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and
 one float32 output chunk, so at most 2 x ``CHUNK_BYTES`` beyond the input) lies within the
 float32 activations of a calibration batch that ``fp8ptq.execution.strategy``'s estimate counts (4
-bytes x
-tokens x (6 hidden + 2 intermediate + vocabulary)). These float32 copies, and attention's
+bytes x tokens x (6 hidden + 2 intermediate + vocabulary)). These float32 copies, and attention's
 upcast query / key / value, live in per-thread scratch buffers of at most ``CHUNK_BYTES`` each
 while the mode is active (``_scratch``): allocated afresh at every call they would be mapped
 and faulted in again each time (``fp8ptq.runtime.usage.bound_heap``), which is kernel time.

@@ -28,8 +28,7 @@ per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), 
 (the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
 (``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
 memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``report``
-(the
-result, its JSON and plot).
+(the result, its JSON and plot).
 """
 
 from ..errors import UsageError

@@ -3,8 +3,7 @@
 The SQNR metric needs no model pass per unit: each GEMM's output SQNR on sampled calibration
 rows, per format, from the statistics of one calibration pass. So it streams like sequential
 quantization (``fp8ptq.execution.streaming``, the same loader and activation store): the model is
-built
-without weights and planned whole (``--skip`` globs, first / last layers, overrides see full
+built without weights and planned whole (``--skip`` globs, first / last layers, overrides see full
 names), the calibration batches run once up to block 0, then per block: load its tensors ->
 the same ``Session`` the in-memory analysis runs, on that block alone with its recorded inputs
 and its part of each format's plan -> carry the batches through the unquantized block (the

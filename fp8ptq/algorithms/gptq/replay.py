@@ -1,8 +1,7 @@
 """Sequential GPTQ's partial forwards: replay what the previous one already computed.
 
 ``fp8ptq.algorithms.gptq.sequential`` gathers each GEMM group's Hessian with one forward through
-the block
-per batch, stopped at the group's input, after quantizing the group before it. In a Llama
+the block per batch, stopped at the group's input, after quantizing the group before it. In a Llama
 block that is four forwards: to q/k/v (a norm), to ``o_proj`` (q/k/v, rotary, attention), to
 gate/up (all that again plus ``o_proj``) and to ``down_proj`` (all that plus gate/up); the
 later ones recompute the attention that did not change. What the previous forward finished

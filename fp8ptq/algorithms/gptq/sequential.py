@@ -14,13 +14,11 @@ very same tensor are one group, with one Hessian), and each group's Hessian is g
 every earlier group already quantized, activations included (a ``QuantGemm`` simulates its input
 quantization). Cost and memory stay those of one block: the calibration batches run once up to
 block 0 (``fp8ptq.execution.block_inputs``: in memory up to a budget, spilled to files beyond),
-then per
-block one partial forward per group (stopped at the group's input) and one forward through
+then per block one partial forward per group (stopped at the group's input) and one forward through
 the quantized block to make the next block's inputs (plus one forward of a single sequence
 that finds the groups). Each forward replays what the one before it finished and the
 quantization in between did not change (``fp8ptq.algorithms.gptq.replay``): the forward that makes
-the next
-block's inputs recomputes only ``down_proj`` and what follows it. Only one group's Hessians
+the next block's inputs recomputes only ``down_proj`` and what follows it. Only one group's Hessians
 are held at once.
 
 Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
@@ -63,8 +61,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
     ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
     Hessian. ``asym_damp``: asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``) with that dampening,
-    a float
-    stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
+    a float stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
     None). Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
     facts for the report (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module
     outputs ``fp8ptq.algorithms.gptq.replay`` replayed instead of recomputing),
