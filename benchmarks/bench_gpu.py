@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import torch
 from _common import CALIB, WIKITEXT, emit
 
 RECIPES = {"default": [], "fp8-static": ["--scheme", "fp8-static"],
-           "fp8-dynamic": ["--scheme", "fp8-dynamic"]}
+           "fp8-dynamic": ["--scheme", "fp8-dynamic"], "streaming": ["--sequential"]}
 CUDA_SHAPE = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}
 CPU_SHAPE = {"hidden": 256, "intermediate": 896, "heads": 4, "kv_heads": 2}
 DEFAULT_CACHE = Path.home() / ".cache/fp8ptq-bench/gpu"
@@ -52,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: 4096 on "
                    "CUDA, 256 on CPU; intermediate = 3.5x, as Llama-3-8B)")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer folder")
-    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--recipes", default=",".join(RECIPES), help="of: " + ", ".join(RECIPES)
+                   + " (streaming: the default recipe with --sequential, for its peak memory)")
     p.add_argument("--calib", default=CALIB)
     p.add_argument("--wikitext", default=WIKITEXT)
     p.add_argument("--num-samples", type=int, default=None)
@@ -63,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--json", default=None)
+    p.add_argument("--llmc-path", default=None, help="PYTHONPATH for the llm-compressor run "
+                   "alone (its pins, e.g. compressed-tensors, differ from fp8ptq's)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -138,7 +142,7 @@ def quantize(args, src: Path, out: Path, flags: list[str]) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
-        raise SystemExit(f"error: {' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        return {"wall_s": wall, "error": done.stderr.strip()[-500:]}
     report = json.loads(done.stdout[done.stdout.index("{"):])
     return {"wall_s": wall, "peak_gpu_mb": report.get("peak_gpu_mb"),
             "peak_rss_mb": report.get("peak_rss_mb")}
@@ -198,7 +202,7 @@ def bf16_prefill(args, src: Path, vocab: int) -> float:
 
 
 LLMC_CHILD = r'''
-import sys, time, torch
+import sys, tempfile, time, torch
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,13 +210,15 @@ from datasets import Dataset
 src, calib, n, seq, device = sys.argv[1:6]
 n, seq = int(n), int(seq)
 tok = AutoTokenizer.from_pretrained(src)
-text = open(calib).read().split("\n\n")
-ds = Dataset.from_dict({"text": [t for t in text if t.strip()][:n]})
-ds = ds.map(lambda r: tok(r["text"], truncation=True, max_length=seq), remove_columns=["text"])
+ids = tok(open(calib).read(), return_tensors="pt").input_ids[0]
+rows = [ids[i * seq:(i + 1) * seq].tolist() for i in range(min(n, len(ids) // seq))]
+ds = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * seq for _ in rows]})
 t0 = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device)
 oneshot(model=model, dataset=ds, recipe=GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC",
-        ignore=["lm_head"]), max_seq_length=seq, num_calibration_samples=n)
+        ignore=["lm_head"]), max_seq_length=seq, num_calibration_samples=len(rows))
+with tempfile.TemporaryDirectory() as out:
+    model.save_pretrained(out, save_compressed=True)
 if device.startswith("cuda"):
     torch.cuda.synchronize()
 print("LLMC_SECONDS", time.perf_counter() - t0)
@@ -220,21 +226,79 @@ print("LLMC_SECONDS", time.perf_counter() - t0)
 
 
 def llm_compressor(args, src: Path) -> tuple[float | None, str | None]:
-    """llm-compressor's GPTQ + FP8_DYNAMIC wall time (load and oneshot) or a note why not."""
-    if importlib.util.find_spec("llmcompressor") is None:
+    """llm-compressor's GPTQ + FP8_DYNAMIC wall time (load, ``oneshot`` on the same
+    ``--num-samples`` x ``--seq-len`` calibration tokens, save) or a note why not."""
+    if args.llmc_path is None and importlib.util.find_spec("llmcompressor") is None:
         return None, "llm-compressor is not importable here: its oneshot was skipped"
+    env = dict(os.environ)
+    if args.llmc_path:
+        env["PYTHONPATH"] = args.llmc_path
     done = subprocess.run([sys.executable, "-c", LLMC_CHILD, str(src), args.calib,
                            str(args.num_samples), str(args.seq_len), args.device],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("LLMC_SECONDS"):
             return float(line.split()[1]), None
     return None, f"llm-compressor's oneshot failed: {done.stderr.strip()[-300:]}"
 
 
+def gemm_times(q, args) -> dict:
+    """One quantized GEMM (the first block's ``up_proj``) on ``--batch`` x ``--prefill-len``
+    tokens: the bfloat16 GEMM of its dequantized weight, the module's forward (real FP8 where
+    it runs so), its activation quantization alone; milliseconds, the median of ``--repeat``."""
+    x = torch.randn(args.batch * args.prefill_len, q.inner.weight.shape[1],
+                    device=args.device, dtype=torch.bfloat16)
+    w = q.inner.weight.detach()
+    calls = {"gemm_bf16_ms": lambda: torch.nn.functional.linear(x, w),
+             "gemm_module_ms": lambda: q(x)}
+    plan = q.scaled_mm_plan(x.device) if x.is_cuda else None
+    if plan is not None:
+        calls["act_quant_ms"] = lambda: plan.quantize(x, q.input_scale)
+    out = {}
+    with torch.no_grad():
+        for key, call in calls.items():
+            call()
+            times = []
+            for _ in range(args.repeat):
+                sync(args.device)
+                t0 = time.perf_counter()
+                call()
+                sync(args.device)
+                times.append(time.perf_counter() - t0)
+            out[key] = 1000 * statistics.median(times)
+    return out
+
+
+def measure(args, src: Path, out: Path, name: str, ids, vocab: int, bf16_s: float) -> dict:
+    """One recipe's row: quantize, then real vs simulated, prefill, one GEMM's times."""
+    import fp8ptq
+    row = {"recipe": name, **quantize(args, src, out, RECIPES[name])}
+    if "error" in row:
+        return row
+    loaded = fp8ptq.load(out, device=args.device, dtype=torch.bfloat16)
+    row.update(real_vs_simulated(loaded.model, ids))
+    seconds = prefill_seconds(loaded.model, args, vocab)
+    tokens = args.batch * args.prefill_len
+    row.update(prefill_tok_s=tokens / seconds, vs_bf16=bf16_s / seconds)
+    row.update(gemm_times(loaded.model.model.layers[0].mlp.up_proj, args))
+    del loaded
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row
+
+
+def block_mb(args) -> float:
+    """One decoder block's bfloat16 weights plus its calibration activations (hidden states
+    of every sample), in MB: what block streaming must hold at once."""
+    s = args.shape
+    h, i, kv = s["hidden"], s["intermediate"], s["hidden"] * s["kv_heads"] // s["heads"]
+    weights = 2 * (2 * h * h + 2 * h * kv + 3 * h * i)
+    acts = 2 * args.num_samples * args.seq_len * h
+    return (weights + acts) / 1e6
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import fp8ptq
     src = build_model(args)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(src)
@@ -243,26 +307,20 @@ def main(argv=None) -> None:
     bf16_s = bf16_prefill(args, src, vocab)
     tokens = args.batch * args.prefill_len
     rows = [{"recipe": "bf16 (transformers)", "prefill_tok_s": tokens / bf16_s}]
-    with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-gpu-") as tmp:
-        for name in args.recipes.split(","):
-            out = Path(tmp) / name
-            row = {"recipe": name, **quantize(args, src, out, RECIPES[name])}
-            loaded = fp8ptq.load(out, device=args.device, dtype=torch.bfloat16)
-            row.update(real_vs_simulated(loaded.model, ids))
-            seconds = prefill_seconds(loaded.model, args, vocab)
-            row.update(prefill_tok_s=tokens / seconds, vs_bf16=bf16_s / seconds)
-            rows.append(row)
-            del loaded
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    llmc_s, note = llm_compressor(args, src)
-    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", "wall_s": llmc_s})
     s = args.shape
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     extra = {"device": device, "torch": torch.__version__, "layers": args.layers, **s,
              "calibration": f"{args.num_samples} x {args.seq_len}",
              "eval_tokens": int(ids.shape[1]), "prefill": f"{args.batch} x {args.prefill_len}",
-             "notes": [n for n in [note] if n]}
+             "block_mb": block_mb(args), "notes": []}
+    with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-gpu-") as tmp:
+        for name in args.recipes.split(","):
+            rows.append(measure(args, src, Path(tmp) / name, name, ids, vocab, bf16_s))
+            if args.json:  # each row as it comes: a run stopped midway keeps what it measured
+                Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
+    llmc_s, note = llm_compressor(args, src)
+    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", "wall_s": llmc_s})
+    extra["notes"] = [n for n in [note] if n]
     title = (f"fp8ptq on {device}: Llama h{s['hidden']}/i{s['intermediate']} x {args.layers} "
              "layers")
     emit(title, rows, args.json, extra)

@@ -13,7 +13,7 @@ import math
 import torch
 
 from fp8ptq.formats import fake_quantize, quantize_values
-from fp8ptq.formats.scales import TINY
+from fp8ptq.formats.scales import TINY, divide
 from fp8ptq.observe.observers import bin_centers
 
 # Candidate clip ranges as fractions of amax: fine steps near amax, coarser far below.
@@ -83,7 +83,7 @@ def weighted_errors(w2d: torch.Tensor, gran, fmt, amax: torch.Tensor, ratios: to
         a = gran.rows(amax, start, stop)
         errs = []
         for r in ratios.tolist():
-            scale = ((a * r) / fmt.calibration_max).clamp(min=TINY)
+            scale = divide(a * r, fmt.calibration_max).clamp(min=TINY)
             d = fake_quantize(x, gran.expand(scale, x), fmt).sub_(x).square_()
             if h is not None:
                 d.mul_(h)

@@ -56,19 +56,31 @@ def test_the_compiled_quantizer_is_chosen_only_for_cuda(monkeypatch):
     compiled = []
 
     def fake_compile(fn, **kwargs):
-        compiled.append(kwargs)
+        compiled.append((fn, kwargs))
         return fn
     monkeypatch.setattr(quant_gemm, "_can_compile", lambda: True)
     monkeypatch.setattr(torch, "compile", fake_compile)
     activation_quantizer.cache_clear()
+    quant_gemm._compiled.cache_clear()
     try:
         cpu = activation_quantizer("e4m3", True, "cpu")
         assert not compiled and cpu.func is quantize_activation
         cuda = activation_quantizer("e4m3", True, "cuda")
-        assert compiled == [{"dynamic": True}]
         assert activation_quantizer("e4m3", True, "cuda") is cuda  # made once per key
+        activation_quantizer("e5m2", True, "cuda")
+        activation_quantizer("e4m3", False, "cuda")
+        # one plain function per scale kind, each compiled once: a partial would share
+        # torch.compile's one wrapper frame (and its recompile limit) with every other key
+        assert compiled == [(quant_gemm._per_token_input, {"dynamic": True}),
+                            (quant_gemm._static_input, {"dynamic": True})]
+        x = _activations()
+        a, scale = cuda(x, None)  # the compiled function computes the eager one's values
+        want, want_scale = quantize_activation(x, None, quant_gemm.act_granularity_of("token"),
+                                               E4M3)
+        assert torch.equal(a.float(), want.float()) and torch.equal(scale, want_scale)
     finally:
         activation_quantizer.cache_clear()
+        quant_gemm._compiled.cache_clear()
 
 
 def test_a_failing_compile_falls_back_to_the_eager_quantizer():
@@ -77,9 +89,11 @@ def test_a_failing_compile_falls_back_to_the_eager_quantizer():
     eager = activation_quantizer("e4m3", True, "cpu")
     q = quant_gemm._CompiledOrEager(broken, eager)
     x = _activations()
-    a, scale = q(x, None)
+    with pytest.warns(RuntimeWarning, match="no C compiler.*eager quantizer"):
+        a, scale = q(x, None)
     assert q.failed
     assert torch.equal(a.float() * scale, _gemm("token").quantize_input(x))
+    q(x, None)  # said once: later calls go straight to the eager quantizer
 
 
 @pytest.mark.parametrize("act,weight_gran", [("tensor", "tensor"), ("tensor", "channel"),
@@ -128,3 +142,33 @@ def test_simulated_gemms_turns_the_real_path_off_for_its_block(monkeypatch):
             assert quant_gemm.gemm_paths(q) == {"gemms": 1, "real_fp8": 0, "simulated": 1}
         assert q.scaled_mm_plan(CUDA) is not None
         assert quant_gemm.gemm_paths(q) == {"gemms": 1, "real_fp8": 1, "simulated": 0}
+
+
+@pytest.mark.parametrize("act", ["token", "tensor"])
+def test_siblings_fed_one_input_quantize_it_once_per_token(act, monkeypatch):
+    """q/k/v (gate/up) read the same hidden states: with per-token scales the codes are the
+    same for all three, so the real path quantizes them once; static scales are per module
+    (reading them to compare would sync the GPU), and an in-place change is never served
+    stale."""
+    monkeypatch.setattr(quant_gemm, "_fp8_capable", lambda device: device.type == "cuda")
+    quantized = []
+    real = quant_gemm.quantize_activation
+
+    def counting(x2, static_scale, gran, fmt):
+        quantized.append(x2.shape)
+        return real(x2, static_scale, gran, fmt)
+    monkeypatch.setattr(quant_gemm, "quantize_activation", counting)
+    quant_gemm.activation_quantizer.cache_clear()
+    q, k = _gemm(act, seed=0), _gemm(act, seed=1)
+    try:
+        with fake_cuda():
+            q.to(CUDA), k.to(CUDA)
+            x = torch.randn(3, 64, device=CUDA)
+            q(x), k(x)
+            assert len(quantized) == (1 if act == "token" else 2)
+            x.mul_(2)
+            q(x)
+            q(torch.randn(3, 64, device=CUDA))
+            assert len(quantized) == (3 if act == "token" else 4)
+    finally:
+        quant_gemm.activation_quantizer.cache_clear()

@@ -109,6 +109,9 @@ class ModelFreeJob:
         if problem:
             raise NotModelFree(problem)
         self.folder, self.recipe = Path(folder), recipe
+        # where the weights are encoded (``--device``): they are read to and written from the
+        # CPU; a GPU does the scale choice and the rounding, the codes come back to be written
+        self.device = "cpu"
         self.dtype = getattr(torch, recipe.dtype)
         self.source = SafetensorsSource(self.folder)
         self.model = build_empty(self.folder, self.dtype, task)
@@ -206,7 +209,8 @@ class ModelFreeJob:
                 self.unify_experts, warnings)
             out.warnings[e.name] = warnings
             out.modules.append(e.name)
-        weights = {t.name: self._take(values, f"{t.name}.weight") for t in unit.gemms}
+        weights = {t.name: self._take(values, f"{t.name}.weight").to(self.device)
+                   for t in unit.gemms}
         names = {t.name for t in unit.gemms}
         groups = [g for g in self.groups if set(g) <= names]
         unified = unified_weight_scales(unit.gemms, groups, self.gran, self.w_calib, recipe, {},
@@ -215,6 +219,7 @@ class ModelFreeJob:
             report = quantize_target(self.model, t, recipe, self.gran, self.w_calib,
                                      self.a_calib, None, weight_scale=unified.get(t.name),
                                      weight=weights.pop(t.name))
+            _to_host(self.model.get_submodule(t.name))
             out.reports.append(report)
             out.warnings[t.name] = [f"{t.name}: {w}" for w in report.warnings]
             out.modules.append(t.name)
@@ -277,3 +282,13 @@ class ModelFreeJob:
 
 
 __all__ = ["ModelFreeJob", "NotModelFree", "Unit", "UnitOutput", "refusal"]
+
+
+def _to_host(q) -> None:
+    """A weightless ``QuantGemm`` encoded on a GPU: its codes and scales back on the CPU, where
+    the writer reads them (its inner module stays on the meta device)."""
+    for name, buf in list(q.named_buffers(recurse=False)):
+        if buf is not None and buf.device.type != "cpu":
+            setattr(q, name, buf.cpu())
+    if q._codes is not None and q._codes.device.type != "cpu":
+        q._codes = q._codes.cpu()

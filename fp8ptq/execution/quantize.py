@@ -141,6 +141,7 @@ def target_request(recipe: Recipe, target: str | None, fallback: str = "bf16",
 def _model_free(run: Run) -> dict:
     """Weights quantized straight from the safetensors files, no model built."""
     path = run.path
+    path.job.device = job.resolve_device(run.device)
     tick = run.progress.counter(f"quantizing -> {run.output}")(len(path.job.units))
     with run.timings.timed("quantize+write"):
         result, sizes = quantize_checkpoint(

@@ -84,7 +84,10 @@ def shared_exponent_round_up(amax: torch.Tensor, spec: FormatSpec, *,
     ``(max_elem, 2^(emax_elem + 1))`` (e4m3: (448, 512) times the scale) to ``max_elem``.
     Same guards as :func:`shared_exponent_floor`. ``--format mxfp8-ceil`` uses it."""
     def exponent(a, ok):
-        ratio = torch.where(ok, a / spec.max, torch.ones_like(a))
+        # a divisor on a's device: CUDA's division by a host number is a reciprocal
+        # multiplication, an ulp off at powers of two (see formats.scales.divide)
+        ratio = torch.where(ok, a / torch.full((), spec.max, dtype=a.dtype, device=a.device),
+                            torch.ones_like(a))
         mant, frexp_exp = torch.frexp(ratio)  # ratio = mant * 2^exp, mant in [0.5, 1)
         return torch.where(mant == 0.5, frexp_exp - 1, frexp_exp)
     return _guarded(amax, strict, exponent)

@@ -17,6 +17,16 @@ from .mx import mx_scale
 TINY = torch.finfo(torch.float32).tiny
 
 
+def divide(t: torch.Tensor, number: float) -> torch.Tensor:
+    """``t / number``, correctly rounded on every device. CUDA divides a tensor by a Python
+    number (a host scalar) as a multiplication by its reciprocal, which can land one ulp off
+    the quotient the CPU computes; a scale one ulp apart moves codes that sit on a rounding
+    tie, so a checkpoint quantized on a GPU would differ from the CPU's. A divisor on the
+    tensor's own device takes the true division on both."""
+    t = t.float() if not t.is_floating_point() else t
+    return t / torch.full((), number, dtype=t.dtype, device=t.device)
+
+
 def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "tensor",
                   warnings: list[str] | None = None) -> torch.Tensor:
     """MX formats (``fmt.mx_block``) take the OCP MX v1.0 rule instead: the E8M0 power of two
@@ -30,7 +40,7 @@ def amax_to_scale(amax, fmt: FormatSpec, *, pow2: bool = False, what: str = "ten
             warnings.append(f"{what}: {int(bad.sum())} of {amax.numel()} scale group(s) had "
                             "amax 0 or non-finite (all-zero, constant or never seen); scale 1 used")
         amax = torch.where(bad, torch.full_like(amax, fmt.calibration_max), amax)
-    scale = (amax / fmt.calibration_max).clamp(min=TINY)
+    scale = divide(amax, fmt.calibration_max).clamp(min=TINY)
     if pow2:
         # Perez et al. 2023: a power-of-two scale is an exponent-bias shift. Round up so
         # nothing clips.
@@ -68,4 +78,4 @@ def dynamic_scale(amax: torch.Tensor, fmt: FormatSpec) -> torch.Tensor:
     zeros gets the smallest positive scale and quantizes to zeros."""
     if fmt.mx_block is not None:
         return mx_scale(amax, fmt, strict=False)
-    return (amax.float() / fmt.calibration_max).clamp(min=TINY)
+    return divide(amax.float(), fmt.calibration_max).clamp(min=TINY)

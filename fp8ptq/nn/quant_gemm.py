@@ -8,6 +8,7 @@ tensor cores, e4m3/e5m2 layers with tensor/channel scales run ``torch._scaled_mm
 from __future__ import annotations
 
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, partial
@@ -42,16 +43,30 @@ def fake_quantize_dynamic(x: torch.Tensor, gran, fmt) -> torch.Tensor:
     return fake_quantize(x, gran.expand(scale, x), fmt)
 
 
-def quantize_activation(x2: torch.Tensor, static_scale: torch.Tensor | None, gran,
+def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None, gran,
                         fmt: FormatSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The real FP8 GEMM's input ``x2`` [M, K] as torch float8 codes and their scale: the
-    calibrated ``static_scale`` ([1]), or (``gran``: per token) each row's amax onto the
+    """The real FP8 GEMM's input ``x`` [..., K] as torch float8 codes [M, K] and their scale:
+    the calibrated ``static_scale`` ([1]), or (``gran``: per token) each row's amax onto the
     format's max. Exactly the values the simulation's ``fake_quantize`` rounds to (same scale
     rule, same saturating round-to-nearest-even). Written as one function so that
     ``torch.compile`` can fuse its amax, divide, clamp and cast into one or two kernels
-    (``activation_quantizer``); eagerly it is five elementwise passes over the activations."""
+    (``activation_quantizer``); eagerly it is five elementwise passes over the activations.
+    It takes ``x`` as the model passes it and flattens it itself: a flattened view passed in
+    would make the compiled function guard on the view's base, whose shape differs per call
+    site, and recompile until torch's recompile limit sends it back to eager."""
+    x2 = x.reshape(-1, x.shape[-1])
     scale = static_scale if gran is None else dynamic_scale(gran.amax(x2), fmt)
-    return to_torch_float8(x2.float() / scale, fmt), scale
+    # bfloat16 / float32 computes in float32: the same quotient as x2.float() / scale, without
+    # a float32 copy of the activations first
+    return to_torch_float8(x2 / scale, fmt), scale
+
+
+def _static_input(x, static_scale, gran, fmt):
+    return quantize_activation(x, static_scale, None, fmt)
+
+
+def _per_token_input(x, static_scale, gran, fmt):
+    return quantize_activation(x, None, gran, fmt)
 
 
 @cache
@@ -65,7 +80,19 @@ def activation_quantizer(fmt_name: str, per_token: bool, device_type: str):
     eager = partial(quantize_activation, gran=gran, fmt=get_format(fmt_name))
     if device_type != "cuda" or not _can_compile():
         return eager
-    return _CompiledOrEager(torch.compile(eager, dynamic=True), eager)
+    compiled = _compiled(_per_token_input if per_token else _static_input)
+    return _CompiledOrEager(partial(compiled, gran=gran, fmt=get_format(fmt_name)), eager)
+
+
+@cache
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` (dynamic shapes), once per process. Each scale kind is a
+    function of its own, compiled as itself (not a ``partial``: torch.compile wraps any other
+    callable in one shared frame): torch keeps one cache and one recompile limit per function,
+    and a rank, a batch of one or a strided input each take an entry; sharing one limit among
+    every kind and model in the process would reach it, past which torch runs the function
+    eagerly."""
+    return torch.compile(fn, dynamic=True)
 
 
 def _can_compile() -> bool:
@@ -84,13 +111,17 @@ class _CompiledOrEager:
     def __init__(self, compiled, eager):
         self.compiled, self.eager, self.failed = compiled, eager, False
 
-    def __call__(self, x2, static_scale):
+    def __call__(self, x, static_scale):
         if not self.failed:
             try:
-                return self.compiled(x2, static_scale)
-            except Exception:  # noqa: BLE001 - any compile failure: the eager path is exact
+                return self.compiled(x, static_scale)
+            except Exception as e:  # noqa: BLE001 - any compile failure: the eager path is exact
                 self.failed = True
-        return self.eager(x2, static_scale)
+                warnings.warn(f"torch.compile of the FP8 activation quantizer failed "
+                              f"({type(e).__name__}: {str(e)[:200]}); real FP8 GEMMs go on "
+                              "with the eager quantizer, exact but slower", RuntimeWarning,
+                              stacklevel=2)
+        return self.eager(x, static_scale)
 
 
 @dataclass(frozen=True)
@@ -269,13 +300,17 @@ class QuantGemm(nn.Module):
     def _scaled_mm_forward(self, x: torch.Tensor, plan: ScaledMmPlan) -> torch.Tensor:
         """Real FP8 GEMM: a [M, K] row-major x b [K, N] column-major (the codes' transpose)."""
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        a, scale_a = plan.quantize(x2, self.input_scale)
+        key = _SHARED_FP8.key_of(self, x, plan)
+        hit = _SHARED_FP8.get(x, key)
+        if hit is None:
+            a, scale_a = plan.quantize(x, self.input_scale)
+            if plan.rowwise:
+                scale_a = scale_a.reshape(-1, 1).expand(a.shape[0], 1).contiguous()
+            else:
+                scale_a = scale_a.reshape(())
+            hit = _SHARED_FP8.put(x, key, (a, scale_a))
+        a, scale_a = hit
         b = self._fp8_codes().t()
-        if plan.rowwise:
-            scale_a = scale_a.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
-        else:
-            scale_a = scale_a.reshape(())
         out_dtype = torch.bfloat16 if plan.rowwise else x.dtype
         y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=plan.scale_b, out_dtype=out_dtype)
         if self.bias is not None:
@@ -356,3 +391,21 @@ class _SharedInput(threading.local):
 
 
 _SHARED_INPUT = _SharedInput()
+
+
+class _SharedFp8Input(_SharedInput):
+    """The last real-path input as FP8 codes and ``_scaled_mm``'s scale (per thread): q/k/v
+    and gate/up read the same tensor, and with per-token scales (computed from the input alone)
+    quantize it to the same codes, so the three (two) GEMMs quantize it once. Static scales
+    are keyed by the scale tensor itself: comparing sibling scales by value would read them
+    back from the GPU (a host sync per GEMM)."""
+
+    @staticmethod
+    def key_of(q: QuantGemm, x: torch.Tensor, plan: ScaledMmPlan) -> tuple | None:
+        if x.is_inference():
+            return None
+        scale = "token" if q.act_granularity == "token" else id(q.input_scale)
+        return (x._version, q.act_format.name, scale, plan.rowwise)
+
+
+_SHARED_FP8 = _SharedFp8Input()

@@ -62,7 +62,7 @@ from ...calibrators import weight_calibrator
 from ...config.plan import as_plan_parts
 from ...formats import fake_quantize
 from ...formats.granularity import PerBlock, PerTensor, weight_granularity
-from ...formats.scales import TINY, amax_to_scale
+from ...formats.scales import TINY, amax_to_scale, divide
 from ...model.gemm import weight_2d, weight_from_2d
 from .groups import Group, check_exact, discover_groups, folded_norm_weight, trace_input
 from .pairs import discover_pairs, fold_pair, reduce_to_producer
@@ -304,5 +304,5 @@ def _weight_scale(w, gran, w_calib, fmt, recipe):
 
 def _act_scale(xs, channel_amax, fmt, recipe):
     if recipe.act_granularity == "token":
-        return (xs.abs().amax(dim=-1, keepdim=True) / fmt.max).clamp(min=TINY)
+        return divide(xs.abs().amax(dim=-1, keepdim=True), fmt.max).clamp(min=TINY)
     return amax_to_scale(channel_amax.max(), fmt, pow2=recipe.scale_pow2).to(xs.device)
