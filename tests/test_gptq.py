@@ -224,3 +224,35 @@ def test_gptq_holds_few_hessian_sized_temporaries():
     matrix = 8 * 2048 ** 2  # one float64 in x in matrix, and one float64 copy of the weight
     assert before < base + matrix / 8  # the peak was reset: the set-up's does not count
     assert peak - base < 5.5 * matrix, (peak - base) / matrix
+
+
+@pytest.mark.parametrize("name", ["e4m3", "e5m2"])
+def test_the_gpu_column_step_is_the_generic_one(name):
+    """The sweep's column step on a GPU (one saturating float8 cast) writes the codes and
+    errors of the generic encode / decode step, saturated, subnormal and signed zeros
+    included; run here on CPU tensors (the step only asks the device's type)."""
+    from fp8ptq.algorithms.gptq import sweep
+    fmt = get_format(name)
+    fast = sweep._column_step(fmt, {}, torch.device("cuda"))
+    generic = sweep._column_step(fmt, {}, torch.device("cpu"))
+    assert fast.__name__ == "step" and generic.__name__ == "generic"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, generator=g) * torch.logspace(-6, 1, 4096)
+    w[:4] = torch.tensor([0.0, -0.0, 1e4, -1e4])
+    s = torch.rand(4096, generator=g) * 0.02 + 1e-4
+    rows = [(torch.empty(4096, dtype=torch.uint8), torch.empty(4096)) for _ in range(2)]
+    for step, (c, e) in zip((fast, generic), rows):
+        step(w, s, c, e)
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+
+
+def test_a_sweep_with_the_gpu_step_gives_the_cpu_codes(monkeypatch):
+    from fp8ptq.algorithms.gptq import sweep
+    torch.manual_seed(0)
+    W, X, fmt = torch.randn(48, 64), torch.randn(256, 64), get_format("e4m3")
+    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W)
+    want = gptq_codes(W, X.T @ X, S, fmt, act_order=True, block=16)
+    real = sweep._column_step
+    monkeypatch.setattr(sweep, "_column_step",
+                        lambda f, kw, device: real(f, kw, torch.device("cuda")))
+    assert torch.equal(gptq_codes(W, X.T @ X, S, fmt, act_order=True, block=16), want)
