@@ -64,15 +64,15 @@ def test_the_compiled_quantizer_is_chosen_only_for_cuda(monkeypatch):
     quant_gemm._compiled.cache_clear()
     try:
         cpu = activation_quantizer("e4m3", True, "cpu")
-        assert not compiled and cpu.func is quantize_activation
+        assert not compiled and cpu.func is quant_gemm._per_token_rows
         cuda = activation_quantizer("e4m3", True, "cuda")
         assert activation_quantizer("e4m3", True, "cuda") is cuda  # made once per key
         activation_quantizer("e5m2", True, "cuda")
         activation_quantizer("e4m3", False, "cuda")
         # one plain function per scale kind, each compiled once: a partial would share
         # torch.compile's one wrapper frame (and its recompile limit) with every other key
-        assert compiled == [(quant_gemm._per_token_input, {"dynamic": True}),
-                            (quant_gemm._static_input, {"dynamic": True})]
+        assert compiled == [(quant_gemm._per_token_rows, {"dynamic": True}),
+                            (quant_gemm._static_rows, {"dynamic": True})]
         x = _activations()
         a, scale = cuda(x, None)  # the compiled function computes the eager one's values
         want, want_scale = quantize_activation(x, None, quant_gemm.act_granularity_of("token"),
@@ -152,12 +152,13 @@ def test_siblings_fed_one_input_quantize_it_once_per_token(act, monkeypatch):
     stale."""
     monkeypatch.setattr(quant_gemm, "_fp8_capable", lambda device: device.type == "cuda")
     quantized = []
-    real = quant_gemm.quantize_activation
+    name = "_per_token_rows" if act == "token" else "_static_rows"
+    real = getattr(quant_gemm, name)
 
-    def counting(x2, static_scale, gran, fmt):
-        quantized.append(x2.shape)
-        return real(x2, static_scale, gran, fmt)
-    monkeypatch.setattr(quant_gemm, "quantize_activation", counting)
+    def counting(x, static_scale, **constants):
+        quantized.append(x.shape)
+        return real(x, static_scale, **constants)
+    monkeypatch.setattr(quant_gemm, name, counting)
     quant_gemm.activation_quantizer.cache_clear()
     q, k = _gemm(act, seed=0), _gemm(act, seed=1)
     try:
@@ -172,3 +173,21 @@ def test_siblings_fed_one_input_quantize_it_once_per_token(act, monkeypatch):
             assert len(quantized) == (3 if act == "token" else 4)
     finally:
         quant_gemm.activation_quantizer.cache_clear()
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_the_compiled_activation_kernels_trace_as_one_graph(per_token):
+    """What torch.compile sees of the real path's activation quantization is one graph, no
+    break (a break leaves eager kernels between graphs: the unfused cost the compile is
+    for), and traced it computes the eager values."""
+    kernel = quant_gemm._per_token_rows if per_token else quant_gemm._static_rows
+    constants = quant_gemm._constants(E4M3)
+    x = _activations().reshape(1, 37, 64).to(torch.bfloat16)
+    scale = None if per_token else torch.tensor([0.02])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(kernel)(x, scale, **constants)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    traced = torch.compile(kernel, backend="eager", dynamic=True)(x, scale, **constants)
+    want = kernel(x, scale, **constants)
+    assert torch.equal(traced[0].float(), want[0].float()) and torch.equal(traced[1], want[1])
+    torch._dynamo.reset()

@@ -24,10 +24,10 @@ from ..formats import (
     fake_quantize,
     get_format,
     scaled_mm_pair,
-    to_torch_float8,
+    torch_dtype,
 )
 from ..formats.granularity import act_granularity as act_granularity_of
-from ..formats.scales import dynamic_scale
+from ..formats.scales import TINY, dynamic_scale
 from ..formats.weight_quant import by_rows
 from ..model.gemm import kind, weight_2d, weight_from_2d
 from ..runtime import native
@@ -48,25 +48,38 @@ def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None, gran
     """The real FP8 GEMM's input ``x`` [..., K] as torch float8 codes [M, K] and their scale:
     the calibrated ``static_scale`` ([1]), or (``gran``: per token) each row's amax onto the
     format's max. Exactly the values the simulation's ``fake_quantize`` rounds to (same scale
-    rule, same saturating round-to-nearest-even). Written as one function so that
-    ``torch.compile`` can fuse its amax, divide, clamp and cast into one or two kernels
-    (``activation_quantizer``); eagerly it is five elementwise passes over the activations.
-    It takes ``x`` as the model passes it and flattens it itself: a flattened view passed in
-    would make the compiled function guard on the view's base, whose shape differs per call
-    site, and recompile until torch's recompile limit sends it back to eager."""
+    rule as ``dynamic_scale``, same saturating round-to-nearest-even as ``to_torch_float8``)."""
+    if gran is not None and gran.name != "token":
+        raise ValueError(f"the real FP8 GEMM takes per-token or static inputs, not {gran.name}")
+    kernel = _static_rows if gran is None else _per_token_rows
+    return kernel(x, static_scale, **_constants(fmt))
+
+
+def _constants(fmt: FormatSpec) -> dict:
+    return {"fmax": fmt.layout.max, "calibration_max": fmt.calibration_max,
+            "dtype": torch_dtype(fmt)}
+
+
+# The two kernels below are what ``torch.compile`` sees: plain tensor math on ``x`` as the
+# model passes it (flattened inside: a flattened view passed in would make the compiled
+# function guard on the view's base, whose shape differs per call site, and recompile until
+# torch's limit sends it back to eager) and on Python numbers, no fp8ptq objects (a format or a
+# granularity object, or a call into the C kernels' dispatch, is where tracing can break the
+# function into several graphs with eager code between them). Eagerly they are the same
+# function, and the CPU tests hold them to the simulation bit for bit.
+
+def _per_token_rows(x, static_scale, *, fmax, calibration_max, dtype):
     x2 = x.reshape(-1, x.shape[-1])
-    scale = static_scale if gran is None else dynamic_scale(gran.amax(x2), fmt)
-    # bfloat16 / float32 computes in float32: the same quotient as x2.float() / scale, without
-    # a float32 copy of the activations first
-    return to_torch_float8(x2 / scale, fmt), scale
+    amax = x2.abs().amax(dim=-1, keepdim=True).float()
+    # the divisor on the device (see formats.scales.divide); clamp: a row of zeros
+    scale = (amax / torch.full((), calibration_max, dtype=torch.float32, device=x.device)
+             ).clamp(min=TINY)
+    return (x2 / scale).clamp(-fmax, fmax).to(dtype), scale  # bf16 / f32: computed in f32
 
 
-def _static_input(x, static_scale, gran, fmt):
-    return quantize_activation(x, static_scale, None, fmt)
-
-
-def _per_token_input(x, static_scale, gran, fmt):
-    return quantize_activation(x, None, gran, fmt)
+def _static_rows(x, static_scale, *, fmax, calibration_max, dtype):
+    x2 = x.reshape(-1, x.shape[-1])
+    return (x2 / static_scale).clamp(-fmax, fmax).to(dtype), static_scale
 
 
 @cache
@@ -76,12 +89,12 @@ def activation_quantizer(fmt_name: str, per_token: bool, device_type: str):
     compiling is available, else the eager function. Made once per process and key, shared by
     every module with that key (compiling per module would repeat the same work hundreds of
     times)."""
-    gran = act_granularity_of("token") if per_token else None
-    eager = partial(quantize_activation, gran=gran, fmt=get_format(fmt_name))
+    kernel = _per_token_rows if per_token else _static_rows
+    constants = _constants(get_format(fmt_name))
+    eager = partial(kernel, **constants)
     if device_type != "cuda" or not _can_compile():
         return eager
-    compiled = _compiled(_per_token_input if per_token else _static_input)
-    return _CompiledOrEager(partial(compiled, gran=gran, fmt=get_format(fmt_name)), eager)
+    return _CompiledOrEager(partial(_compiled(kernel), **constants), eager)
 
 
 @cache
