@@ -48,22 +48,28 @@ class CountingFakeMode(FakeTensorMode):
         return True if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 0
 
     def __enter__(self):
-        patches = {name: self._read_as(name) for name in self.READS}
-        patches.update(copy_=_copy, contiguous=_contiguous, __getitem__=_getitem,
-                       __setitem__=_setitem, __invert__=_invert)
-        for name, fn in patches.items():
-            self._saved[name] = FakeTensor.__dict__.get(name)
-            setattr(FakeTensor, name, fn)
+        # torch re-enters an active mode from inside its own dispatch: only the outermost
+        # entry patches FakeTensor and only its exit restores it (a nested entry would save
+        # the patched methods as the originals and leave them on FakeTensor for good, where
+        # torch.compile's own fake tensors later read them)
+        if not _ACTIVE or _ACTIVE[-1] is not self:
+            patches = {name: self._read_as(name) for name in self.READS}
+            patches.update(copy_=_copy, contiguous=_contiguous, __getitem__=_getitem,
+                           __setitem__=_setitem, __invert__=_invert)
+            self._saved = {name: FakeTensor.__dict__.get(name) for name in patches}
+            for name, fn in patches.items():
+                setattr(FakeTensor, name, fn)
         _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, old in self._saved.items():
-            if old is None:
-                delattr(FakeTensor, name)
-            else:
-                setattr(FakeTensor, name, old)
         _ACTIVE.pop()
+        if not _ACTIVE or _ACTIVE[-1] is not self:
+            for name, old in self._saved.items():
+                if old is None:
+                    delattr(FakeTensor, name)
+                else:
+                    setattr(FakeTensor, name, old)
         return super().__exit__(*exc)
 
     def _read_as(self, name: str):

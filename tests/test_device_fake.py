@@ -160,3 +160,16 @@ def test_device_cuda_without_cuda_is_one_error_line(tmp_path, word_tokenizer, co
     assert errors == ["error: --device cuda requested but no CUDA device is available"]
     assert "Traceback" not in res.output
     assert not out.exists()
+
+
+def test_the_fake_mode_leaves_fake_tensors_as_it_found_them():
+    """torch re-enters the active mode from inside its dispatch; the patched host reads must
+    still come off FakeTensor at the end (torch.compile traces with FakeTensors of its own)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    before = dict(FakeTensor.__dict__)
+    fmt = get_format("e4m3")
+    with fake_cuda():
+        w = torch.randn(OUT, IN, device=CUDA)
+        s = (w.abs().amax(1, keepdim=True) / fmt.max).expand_as(w)
+        gptq_codes(w, _hessian(), s, fmt, act_order=True, block=BLOCK)
+    assert dict(FakeTensor.__dict__) == before

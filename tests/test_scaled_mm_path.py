@@ -155,9 +155,9 @@ def test_siblings_fed_one_input_quantize_it_once_per_token(act, monkeypatch):
     name = "_per_token_rows" if act == "token" else "_static_rows"
     real = getattr(quant_gemm, name)
 
-    def counting(x, static_scale, **constants):
+    def counting(x, static_scale, *, fmt):
         quantized.append(x.shape)
-        return real(x, static_scale, **constants)
+        return real(x, static_scale, fmt=fmt)
     monkeypatch.setattr(quant_gemm, name, counting)
     quant_gemm.activation_quantizer.cache_clear()
     q, k = _gemm(act, seed=0), _gemm(act, seed=1)
@@ -181,7 +181,7 @@ def test_the_compiled_activation_kernels_trace_as_one_graph(per_token):
     break (a break leaves eager kernels between graphs: the unfused cost the compile is
     for), and traced it computes the eager values."""
     kernel = quant_gemm._per_token_rows if per_token else quant_gemm._static_rows
-    constants = quant_gemm._constants(E4M3)
+    constants = {"fmt": quant_gemm._kernel_format(E4M3)}
     x = _activations().reshape(1, 37, 64).to(torch.bfloat16)
     scale = None if per_token else torch.tensor([0.02])
     torch._dynamo.reset()

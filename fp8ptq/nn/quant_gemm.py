@@ -52,23 +52,32 @@ def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None, gran
     if gran is not None and gran.name != "token":
         raise ValueError(f"the real FP8 GEMM takes per-token or static inputs, not {gran.name}")
     kernel = _static_rows if gran is None else _per_token_rows
-    return kernel(x, static_scale, **_constants(fmt))
+    return kernel(x, static_scale, fmt=_kernel_format(fmt))
 
 
-def _constants(fmt: FormatSpec) -> dict:
-    return {"fmax": fmt.layout.max, "calibration_max": fmt.calibration_max,
-            "dtype": torch_dtype(fmt)}
+# A format's constants as the kernels read them: (largest finite value, the value amax maps
+# to, torch's float8 dtype), by format name. The kernels take the NAME: a string is a constant
+# torch.compile specializes on, where Python floats passed in may be traced as symbolic
+# numbers (and differ per format).
+_KERNEL_FORMATS: dict[str, tuple[float, float, torch.dtype]] = {}
+
+
+def _kernel_format(fmt: FormatSpec) -> str:
+    _KERNEL_FORMATS.setdefault(fmt.name, (float(fmt.layout.max), float(fmt.calibration_max),
+                                          torch_dtype(fmt)))
+    return fmt.name
 
 
 # The two kernels below are what ``torch.compile`` sees: plain tensor math on ``x`` as the
 # model passes it (flattened inside: a flattened view passed in would make the compiled
 # function guard on the view's base, whose shape differs per call site, and recompile until
-# torch's limit sends it back to eager) and on Python numbers, no fp8ptq objects (a format or a
+# torch's limit sends it back to eager) and on constants, no fp8ptq objects (a format or a
 # granularity object, or a call into the C kernels' dispatch, is where tracing can break the
 # function into several graphs with eager code between them). Eagerly they are the same
 # function, and the CPU tests hold them to the simulation bit for bit.
 
-def _per_token_rows(x, static_scale, *, fmax, calibration_max, dtype):
+def _per_token_rows(x, static_scale, *, fmt: str):
+    fmax, calibration_max, dtype = _KERNEL_FORMATS[fmt]
     x2 = x.reshape(-1, x.shape[-1])
     amax = x2.abs().amax(dim=-1, keepdim=True).float()
     # the divisor on the device (see formats.scales.divide); clamp: a row of zeros
@@ -77,7 +86,8 @@ def _per_token_rows(x, static_scale, *, fmax, calibration_max, dtype):
     return (x2 / scale).clamp(-fmax, fmax).to(dtype), scale  # bf16 / f32: computed in f32
 
 
-def _static_rows(x, static_scale, *, fmax, calibration_max, dtype):
+def _static_rows(x, static_scale, *, fmt: str):
+    fmax, _, dtype = _KERNEL_FORMATS[fmt]
     x2 = x.reshape(-1, x.shape[-1])
     return (x2 / static_scale).clamp(-fmax, fmax).to(dtype), static_scale
 
@@ -90,11 +100,11 @@ def activation_quantizer(fmt_name: str, per_token: bool, device_type: str):
     every module with that key (compiling per module would repeat the same work hundreds of
     times)."""
     kernel = _per_token_rows if per_token else _static_rows
-    constants = _constants(get_format(fmt_name))
-    eager = partial(kernel, **constants)
+    name = _kernel_format(get_format(fmt_name))
+    eager = partial(kernel, fmt=name)
     if device_type != "cuda" or not _can_compile():
         return eager
-    return _CompiledOrEager(partial(_compiled(kernel), **constants), eager)
+    return _CompiledOrEager(partial(_compiled(kernel), fmt=name), eager)
 
 
 @cache
