@@ -52,6 +52,7 @@ from .swap import (
     format_recipe,
     format_stats,
     output_sqnr_db,
+    plan_format,
     swapped,
 )
 from .units import LEVELS, Unit, group_units, layer_stack
@@ -59,6 +60,7 @@ from .units import LEVELS, Unit, group_units, layer_stack
 __all__ = ["Session", "analyze", "check_recipe", "eval_windows", "plot", "group_units",
            "layer_stack",
            "summarize_input", "summarize_weight", "format_plan", "format_recipe", "format_stats",
+           "plan_format",
            "output_sqnr_db", "swapped", "parse_target", "target_value", "suggest",
            "quantize_flags", "SensitivityResult", "UnitResult", "Measure", "Suggestion", "Unit",
            "TensorSummary", "FormatStats", "ModuleStats", "FormatPlan", "Swap", "SCHEMA",
