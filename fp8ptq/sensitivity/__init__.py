@@ -27,8 +27,9 @@ The package: ``units`` (grouping GEMMs into units), ``statistics`` (weight / inp
 per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), ``suggest``
 (the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
 (``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
-memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``report``
-(the result, its JSON and plot).
+memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``job``
+(``run_sensitivity``: what ``fp8ptq sensitivity`` runs, the choice between in memory and
+streamed included; imported from its module too), ``report`` (the result, its JSON and plot).
 """
 
 from ..errors import UsageError
