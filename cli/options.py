@@ -1,16 +1,15 @@
-"""Recipe flags shared by ``quantize`` and ``eval`` (one definition, so they cannot drift)."""
+"""Recipe flags shared by ``quantize``, ``eval`` and ``sensitivity``, derived from the Recipe's
+fields (``fp8ptq.config.recipe.flag``: one definition, so they cannot drift)."""
 
 from __future__ import annotations
 
+import typing
+
 import click
 
-from fp8ptq.calibrators import registry as calibrators
-from fp8ptq.config.recipe import CALIB_WINDOWS, SMOOTHQUANT_INTO, Recipe, moot_options
-from fp8ptq.config.schemes import scheme_names
+from fp8ptq.config.recipe import Recipe, flag_spec, moot_options
 from fp8ptq.errors import UsageError
 from fp8ptq.execution.placement import parse_placement
-from fp8ptq.formats import ROUNDINGS
-from fp8ptq.formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
 from fp8ptq.io.loading import is_torch_module_file, source_note
 
 
@@ -19,100 +18,42 @@ def _opt(*decls: str, **attrs):
     return decls, attrs
 
 
-_SPECS = [
-    _opt("--recipe", "recipe_path", type=click.Path(),
-         help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a run)."),
-    _opt("--scheme", help="Named preset: " + ", ".join(scheme_names()) + " (fp8ptq schemes "
-         "lists them); explicit flags override its fields."),
-    _opt("--calib-data", help="Calibration text: .txt/.json/.jsonl/.parquet file or hub "
-         "dataset 'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub); for "
-                 "CNNs an image tensor file (.pt/.npz) or 'digits'."),
-    _opt("--text-field", help="Text field of .json/.jsonl/.parquet calibration data."),
-    _opt("--num-samples", type=int, help="Calibration sequences [64]."),
-    _opt("--seq-len", "calib_seq_len", type=int, help="Calibration sequence length [512]."),
-    _opt("--seed", type=int, help="Seed for sampling calibration windows [0]."),
-    _opt("--calib-windows", type=click.Choice(CALIB_WINDOWS),
-         help="How calibration samples are cut: 'random' offsets into the concatenated "
-              "documents, or 'documents' (each sample opens a document after the BOS, as "
-              "in evaluation and in llm-compressor) [documents]."),
-    _opt("--batch-size", "calib_batch_size", type=int, help="Calibration batch size [8]."),
-    _opt("--weight-format", help="Weight format when it differs from --format."),
-    _opt("--act-format", help="Activation format when it differs from --format; 'none' = "
-         "weight-only (W8A16)."),
-    _opt("--weight-granularity", type=click.Choice(WEIGHT_GRANULARITIES),
-         help="Weight scales per tensor, output channel or 2-D block [channel]."),
-    _opt("--block-size", type=int, help="Block edge for --weight-granularity block [128]."),
-    _opt("--act-granularity", type=click.Choice(ACT_GRANULARITIES),
-         help="token = dynamic per token (FP8_DYNAMIC); tensor = static calibrated scales; "
-              "group = dynamic per --act-group-size features of each token (with "
-              "--weight-granularity block: FP8_BLOCK) [token; tensor on convolutions]."),
-    _opt("--act-group-size", type=int,
-         help="Features per dynamic activation group (--act-granularity group) [128]."),
-    _opt("--weight-calib", help=f"Weight calibrator: {calibrators.help_text('weight')} "
-         "[gptq with --calib-data, else max]."),
-    _opt("--gptq-damp", type=float, help="GPTQ dampening, fraction of the Hessian's mean "
-         "diagonal [0.01]."),
-    _opt("--gptq-act-order/--no-gptq-act-order", default=None,
-         help="GPTQ: quantize columns in order of decreasing input energy [on]."),
-    _opt("--gptq-sequential/--no-gptq-sequential", default=None,
-         help="GPTQ: take each GEMM's Hessian from the model quantized so far, group by group "
-              "in run order (errors of earlier layers compensated), or all from one pass over "
-              "the float model [sequential]."),
-    _opt("--gptq-asym/--no-gptq-asym", default=None,
-         help="Sequential GPTQ aims each GEMM at the float model's output (asymmetric GPTQ, "
-              "GPTAQ): a float stream runs beside the quantized one [off]."),
-    _opt("--act-calib",
-         help=f"Activation calibrator: {calibrators.help_text('activation')} [max]."),
-    _opt("--percentile", type=float, help="Percentile for --act-calib percentile [99.99]."),
-    _opt("--rounding", type=click.Choice(ROUNDINGS),
-         help="Rounding of weights (default: the format's own)."),
-    _opt("--scale-pow2", is_flag=True, default=None,
-         help="Round every scale up to a power of two (an exponent-bias shift)."),
-    _opt("--skip", multiple=True, help="Glob of module names to keep in high precision "
-         "(repeatable). lm_head is skipped unless --quantize-lm-head."),
-    _opt("--quantize-lm-head", is_flag=True, default=None, help="Quantize lm_head too."),
-    _opt("--override", "overrides", multiple=True,
-         help="PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision."),
-    _opt("--smoothquant", help="SmoothQuant: migration strength ALPHA in [0, 1] "
-         "(e.g. 0.5) or 'auto' (alpha searched per layer by output error)."),
-    _opt("--smoothquant-into", type=click.Choice(SMOOTHQUANT_INTO),
-         help="Where --smoothquant folds 1/s: 'norms' (norm -> q/k/v, gate/up), 'gemms' "
-         "(exact GEMM -> GEMM pairs: up -> down_proj, v -> o_proj, found by tracing) or "
-         "'all' [norms]."),
-    _opt("--rotate", type=click.Choice(["hadamard"]),
-         help="Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
-         "into the weights before calibration; norms folded, embeddings untied; standard "
-         "architecture (Llama/Qwen2/Mistral/Qwen3/GPT-2)."),
-    _opt("--pow2-range", help="Exponent range LOW,HIGH searched by --act-calib "
-         "pow2-search [-4,5]."),
-    _opt("--bn-retune", is_flag=True, default=None,
-         help="Re-estimate BatchNorm statistics with quantization active (CNNs)."),
-    _opt("--keep-depthwise", is_flag=True, default=None,
-         help="Keep depthwise convolutions in high precision."),
-    _opt("--keep-first-last", is_flag=True, default=None,
-         help="Keep the first and the last GEMM in high precision (CNNs)."),
-    _opt("--quantize-attention", is_flag=True, default=None,
-         help="Also quantize the inputs of the attention batched matmuls (Q, K, V, P)."),
-    _opt("--kv-cache", type=click.Choice(["fp8"]),
-         help="Quantize the KV cache: K (after RoPE) and V in e4m3 with static scales from the "
-              "calibration pass, written as vLLM reads them (kv_cache_scheme, "
-              "<attention>.k_scale / .v_scale) and simulated by eval."),
-    _opt("--kv-granularity", type=click.Choice(["tensor", "head"]),
-         help="--kv-cache scales: one per attention layer, or one per KV head [tensor]."),
-    _opt("--quantize-residual", is_flag=True, default=None,
-         help="Also quantize the inputs of residual additions."),
-    _opt("--calibrate-all-experts/--routed-experts-only", "calibrate_all_experts", default=None,
-         help="MoE: observe every expert on every calibration token (outputs still combined "
-              "by the router's choice) [on]; off: each expert sees only its routed tokens."),
-    _opt("--quantize-router", is_flag=True, default=None,
-         help="MoE: quantize the router / shared-expert gate GEMMs too (high precision by "
-              "default)."),
-    _opt("--unify-fused-scales/--no-unify-fused-scales", "unify_fused_scales", default=None,
-         help="One input scale (and, with per-tensor weights, one weight scale) per group of "
-              "shards a runtime fuses (q/k/v, gate/up) [on for e4m3 / int8]."),
-    _opt("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-         help="Dtype the model is loaded and run in [bfloat16]."),
-]
+# ``--recipe`` reads a recipe; every other recipe flag is derived from its Recipe field.
+RECIPE_FILE = _opt("--recipe", "recipe_path", type=click.Path(),
+                   help="YAML/JSON recipe (or an fp8ptq.json / output folder to reproduce a "
+                        "run).")
+
+
+def field_option(field: str, info) -> tuple[tuple, dict] | None:
+    """The click option (decls, attrs) of Recipe field ``field`` (its ``FieldInfo``), from its
+    ``flag`` declaration (``fp8ptq.config.recipe.flag``) and its type; None for a field no
+    flag sets."""
+    spec = flag_spec(info)
+    if spec is None:
+        return None
+    name = spec.get("name", "--" + field.replace("_", "-"))
+    param = spec.get("param", field)
+    attrs: dict = {"help": info.description}
+    if "off" in spec:  # --on/--off: None (not given), True or False
+        return (f"{name}/{spec['off']}", param), {**attrs, "default": None}
+    if info.annotation is bool:
+        attrs.update(is_flag=True, default=None)
+    elif typing.get_origin(info.annotation) in (list, dict):
+        attrs["multiple"] = True
+    elif "choices" in spec:
+        attrs["type"] = click.Choice(spec["choices"])
+    elif info.annotation in (int, float):
+        attrs["type"] = info.annotation
+    return (name, param), attrs
+
+
+def recipe_specs(recipe_type: type[Recipe] = Recipe) -> list:
+    """``--recipe``, then the option of every flagged field, in the Recipe's field order."""
+    fields = recipe_type.model_fields
+    return [RECIPE_FILE, *(o for o in (field_option(n, i) for n, i in fields.items()) if o)]
+
+
+_SPECS = recipe_specs()
 
 
 def _param_name(decls) -> str:
@@ -120,16 +61,18 @@ def _param_name(decls) -> str:
     return named[0] if named else decls[0].split("/")[0].lstrip("-").replace("-", "_")
 
 
-def recipe_option_list(flag_names: dict[str, str] | None = None) -> list:
+def recipe_option_list(flag_names: dict[str, str] | None = None,
+                       recipe_type: type[Recipe] = Recipe) -> list:
     """The recipe flags as click options; ``flag_names`` maps a parameter name to the flag a
     command shows instead (``eval`` has its own --seq-len/--batch-size), the parameter name
     (what ``build_recipe`` reads) stays."""
     flag_names = flag_names or {}
-    unknown = set(flag_names) - {_param_name(decls) for decls, _ in _SPECS}
+    specs = _SPECS if recipe_type is Recipe else recipe_specs(recipe_type)
+    unknown = set(flag_names) - {_param_name(decls) for decls, _ in specs}
     if unknown:
         raise ValueError(f"no recipe flag with parameter {sorted(unknown)}")
     out = []
-    for decls, attrs in _SPECS:
+    for decls, attrs in specs:
         param = _param_name(decls)
         if param in flag_names:
             decls = (flag_names[param], param)
@@ -140,12 +83,14 @@ def recipe_option_list(flag_names: dict[str, str] | None = None) -> list:
 RECIPE_OPTIONS = recipe_option_list()
 
 
-def recipe_options(f=None, *, flag_names: dict[str, str] | None = None):
+def recipe_options(f=None, *, flag_names: dict[str, str] | None = None,
+                   recipe_type: type[Recipe] = Recipe):
     """Decorator adding every recipe flag: ``@recipe_options`` or
     ``@recipe_options(flag_names={"calib_seq_len": "--calib-seq-len"})``."""
 
     def decorate(f):
-        options = recipe_option_list(flag_names) if flag_names else RECIPE_OPTIONS
+        options = recipe_option_list(flag_names, recipe_type) \
+            if flag_names or recipe_type is not Recipe else RECIPE_OPTIONS
         for option in reversed(options):
             f = option(f)
         return f
@@ -220,26 +165,43 @@ def parse_range(text):
     return (low, high)
 
 
-# Recipe flags whose parameter is not the Recipe field's name, and those parsed from text; every
-# other recipe flag's parameter IS a Recipe field (tests/test_recipe_flags.py checks both), so a
-# new recipe field needs its Recipe line and its _SPECS line, nothing here.
-FIELD_OF = {"calib_seq_len": "seq_len", "calib_batch_size": "batch_size"}
-PARSE = {"overrides": parse_overrides, "pow2_range": parse_range, "skip": lambda v: list(v) or None}
+# Recipe flags whose value is text parsed into the field's value (PATTERN=FORMAT, LOW,HIGH); every
+# other flag's value is the field's own (a repeated flag's values: a list). The flags and the
+# parameters that are not the field's name come from the Recipe (``field_option``), so a new
+# recipe field is its Recipe line alone (tests/test_recipe_flags.py).
+PARSE = {"overrides": parse_overrides, "pow2_range": parse_range}
 
 
-def recipe_params() -> list[str]:
+def _field_of(recipe_type: type[Recipe] = Recipe) -> dict[str, str]:
+    """{parameter: Recipe field} for the flags whose parameter is not the field's name."""
+    return {spec["param"]: n for n, i in recipe_type.model_fields.items()
+            if "param" in (spec := flag_spec(i) or {})}
+
+
+FIELD_OF = _field_of()  # calib_seq_len -> seq_len, calib_batch_size -> batch_size
+
+
+def recipe_params(recipe_type: type[Recipe] = Recipe) -> list[str]:
     """The parameter names of the recipe flags that set a Recipe field (not ``--recipe``)."""
-    return [p for p in (_param_name(decls) for decls, _ in _SPECS) if p != "recipe_path"]
+    specs = _SPECS if recipe_type is Recipe else recipe_specs(recipe_type)
+    return [p for p in (_param_name(decls) for decls, _ in specs) if p != "recipe_path"]
 
 
-def build_recipe(kwargs: dict, *, model: str | None = None, **extra) -> Recipe:
+def _value(param: str, value):
+    if param in PARSE:
+        return PARSE[param](value)
+    return (list(value) or None) if isinstance(value, tuple) else value
+
+
+def build_recipe(kwargs: dict, *, model: str | None = None,
+                 recipe_type: type[Recipe] = Recipe, **extra) -> Recipe:
     """Recipe file (if any) < flags given on the command line. Pops the recipe flags. With
     ``model``, the options the resolved recipe makes moot are named in one ``warning:`` line
     (refused where the command line contradicts itself, ``check_moot``)."""
     path = kwargs.pop("recipe_path", None)
-    base = Recipe.load(path) if path else Recipe()
-    flags = {FIELD_OF.get(p, p): PARSE.get(p, lambda v: v)(kwargs.pop(p))
-             for p in recipe_params()}
+    base = recipe_type.load(path) if path else recipe_type()
+    field_of = FIELD_OF if recipe_type is Recipe else _field_of(recipe_type)
+    flags = {field_of.get(p, p): _value(p, kwargs.pop(p)) for p in recipe_params(recipe_type)}
     flags.update(extra)
     recipe = base.merged(**flags)
     if model is not None:

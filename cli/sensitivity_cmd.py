@@ -13,19 +13,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from fp8ptq import sensitivity as sens
-from fp8ptq.errors import DataError, UsageError
-from fp8ptq.execution import job, strategy
-from fp8ptq.execution.in_memory import token_batches
-from fp8ptq.execution.placement import materialize_offloaded
+from fp8ptq.errors import UsageError
+from fp8ptq.execution import strategy
 from fp8ptq.execution.quantize import calib_facts
-from fp8ptq.execution.streaming import calibration_from_folder
 from fp8ptq.formats import get_format
 from fp8ptq.io.atomic import check_writable, write_text
-from fp8ptq.io.data import FILE_SUFFIXES, load_texts
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.numbers import fmt_num
-from fp8ptq.runtime.usage import time_line, timed, usage
-from fp8ptq.sensitivity.stream import analyze_streamed
+from fp8ptq.runtime.usage import time_line, usage
+from fp8ptq.sensitivity.job import run_sensitivity
 
 from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
@@ -49,18 +45,6 @@ def _output_path(path: str | None, suffix: str | None = None) -> str | None:
     if suffix and p.suffix.lower() != suffix:
         raise UsageError(f"--plot writes a PNG; give a path ending in {suffix}, got {path}")
     return path
-
-
-def _eval_texts(spec: str, tokens: int, seq_len: int) -> list[str]:
-    """The perplexity slice's documents, read before the (long) model load."""
-    if tokens < 2 or seq_len < 2:
-        raise UsageError(f"--eval-tokens and --eval-seq-len must be >= 2, got {tokens}, "
-                         f"{seq_len}")
-    local = Path(spec).expanduser()
-    if not local.exists() and (local.suffix.lower() in FILE_SUFFIXES
-                               or spec.startswith(("/", ".", "~"))):
-        raise DataError(f"--eval-data file not found: {spec}")
-    return load_texts(spec)
 
 
 @click.command("sensitivity", cls=OneScreenCommand, epilog=example(
@@ -121,80 +105,28 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
     recipe = build_recipe(flags, format=formats[0])
-    sens.check_recipe(recipe)
-    sens.parse_target(target_delta)
-    streamed = _streamed(model, recipe, metric, sequential, budget)
     for name, value in (("--top", top), ("--eval-batch-size", eval_batch_size)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     json_path, plot_path = _output_path(json_path), _output_path(plot_path, ".png")
     eval_spec = eval_data or sens.DEFAULT_EVAL_DATA
-    eval_texts = _eval_texts(eval_spec, eval_tokens, eval_seq_len) if metric == "ppl" else None
-    if eval_texts is not None and recipe.calib_data and \
+    if metric == "ppl" and recipe.calib_data and \
             Path(eval_spec).resolve() == Path(recipe.calib_data).resolve():
         stderr_console.print("[yellow]warning:[/yellow] --eval-data is the calibration file")
     console = Console()
     if not console.is_terminal:  # a file or pipe: keep module names whole on one line
         console = Console(width=160)
-
-    prep: dict[str, float] = {}
-    if streamed is not None:
-        with timed(prep, "tokenize"):
-            _, calib, batches = calibration_from_folder(streamed.folder, recipe,
-                                                        job.calibration_texts(recipe))
-        with progress_bars() as bars:
-            result, _ = analyze_streamed(
-                streamed.folder, recipe, batches, formats=formats, stat_formats=stat_formats,
-                level=level, target=target_delta,
-                activation_budget=streamed.activation_budget or 1 << 30,
-                progress=lambda description, total: bars.counter(description)(total))
-        result.warnings.insert(0, f"{streamed.path}: {streamed.reason}")
-        _finish(result, prep, None, recipe, model, calib, json_path, plot_path, console, top)
-        return
     with progress_bars() as bars:
-        with bars.step(f"loading {model}"), timed(prep, "load"):
-            loaded = job.load(model, recipe, device=device, **load_options)
-            materialize_offloaded(loaded.model)  # modules are swapped one at a time below
-        with bars.step("tokenizing"), timed(prep, "tokenize"):
-            calib = job.calibration_set(loaded, recipe)
-            windows = None if eval_texts is None else sens.eval_windows(
-                eval_texts, loaded.tokenizer, tokens=eval_tokens, seq_len=eval_seq_len,
-                seed=recipe.seed, source=eval_spec)
-        device_ = next(loaded.model.parameters()).device
-        batches = list(token_batches(calib.input_ids, recipe.batch_size, device_))
-        result = sens.analyze(
-            loaded.model, recipe, batches, formats=formats, stat_formats=stat_formats,
-            level=level, metric=metric, eval_ids=None if windows is None else windows.input_ids,
-            eval_batch_size=eval_batch_size, target=target_delta, verify=not no_verify,
-            progress=lambda description, total: bars.counter(description)(total))
-    _finish(result, prep, windows and (eval_spec, windows.sha256), recipe, model, calib,
-            json_path, plot_path, console, top)
+        run = run_sensitivity(
+            model, recipe, formats=formats, stat_formats=stat_formats, level=level,
+            metric=metric, eval_data=eval_data, eval_tokens=eval_tokens,
+            eval_seq_len=eval_seq_len, eval_batch_size=eval_batch_size, target=target_delta,
+            verify=not no_verify, sequential=sequential, max_memory=budget, device=device,
+            load_options=load_options, progress=bars)
+    _finish(run.result, recipe, model, run.calib, json_path, plot_path, console, top)
 
 
-def _streamed(model: str, recipe, metric: str, sequential: bool, budget: int | None):
-    """The route's selection when the analysis streams block by block (``--sequential``, or
-    a plain ``--max-memory SIZE`` the model does not fit in), else None; a ``UsageError``
-    when the metric needs the whole model."""
-    if not sequential and budget is None:
-        return None
-    if budget is None:
-        chosen = strategy.choose(model, recipe, sequential=True)
-    else:
-        chosen = strategy.by_budget(model, recipe, budget, forced_sequential=sequential)
-        if chosen.path == "in-memory":
-            return None
-    if metric == "ppl":
-        raise UsageError("--metric ppl runs the whole model once per unit and cannot stream "
-                         "block by block; use --metric sqnr (it streams: --sequential, or "
-                         "--max-memory SIZE), or --device-map to offload")
-    return chosen
-
-
-def _finish(result, prep, eval_source, recipe, model, calib, json_path, plot_path, console,
-            top) -> None:
-    result.seconds = {**(prep or {}), **result.seconds}
-    if eval_source is not None:
-        result.eval.update(source=eval_source[0], sha256=eval_source[1])
+def _finish(result, recipe, model, calib, json_path, plot_path, console, top) -> None:
     flags_ = sens.quantize_flags(recipe, result.suggestion)
     command_line = shlex.join(["fp8ptq", "quantize", model, *flags_, "--output", "OUT"])
     if json_path:

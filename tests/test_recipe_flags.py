@@ -1,11 +1,12 @@
-"""A recipe field is one Recipe line plus one flag spec: ``build_recipe`` is derived from the
-flag specs, so every recipe flag must name a Recipe field (or be mapped in ``FIELD_OF``)."""
+"""A recipe field is one Recipe line: its flag (help text, name, choices) is declared with the
+field (``fp8ptq.config.recipe.flag``) and the click option and ``build_recipe`` are derived from
+it, so every recipe flag names a Recipe field (or is mapped in ``FIELD_OF``)."""
 
 import click
 from click.testing import CliRunner
 
 from fp8ptq.cli.options import FIELD_OF, PARSE, build_recipe, recipe_options, recipe_params
-from fp8ptq.config.recipe import Recipe
+from fp8ptq.config.recipe import Recipe, flag
 
 
 def test_every_recipe_flag_names_a_recipe_field():
@@ -37,3 +38,43 @@ def test_flags_reach_the_recipe_through_the_derived_builder():
         r.overrides == {"model.layers.0.*": "e5m2"}
     assert seen["left"] == {}  # every recipe flag consumed
     assert Recipe().seq_len != 64 and Recipe().gptq_act_order is True
+
+
+class _Extended(Recipe):
+    """A recipe with fields added in the Recipe alone: nothing in the CLI names them."""
+
+    new_knob: int = flag(3, "A new knob [3].")
+    new_mode: str = flag("a", "A new mode [a].", choices=("a", "b"))
+    new_switch: bool = flag(False, "A new switch.")
+    new_toggle: bool = flag(True, "A new toggle [on].", off="--no-new-toggle")
+    new_globs: list[str] = flag(list, "A new glob (repeatable).")
+    new_internal: int = 7  # no flag
+
+
+def test_a_field_added_to_the_recipe_alone_gets_its_flag():
+    seen = {}
+
+    @click.command()
+    @recipe_options(recipe_type=_Extended)
+    def cmd(**flags):
+        seen["recipe"] = build_recipe(flags, recipe_type=_Extended)
+        seen["left"] = flags
+
+    runner = CliRunner()
+    help_text = " ".join(runner.invoke(cmd, ["--help"]).output.split())
+    assert "--new-knob INTEGER A new knob [3]." in help_text
+    assert "--new-mode [a|b] A new mode [a]." in help_text
+    assert "--new-toggle / --no-new-toggle" in help_text and "--new-internal" not in help_text
+    result = runner.invoke(cmd, ["--new-knob", "5", "--new-mode", "b", "--new-switch",
+                                 "--no-new-toggle", "--new-globs", "x*", "--new-globs", "y*",
+                                 "--seq-len", "64"])
+    assert result.exit_code == 0, result.output
+    r = seen["recipe"]
+    assert (r.new_knob, r.new_mode, r.new_switch, r.new_toggle, r.new_globs, r.seq_len) == \
+        (5, "b", True, False, ["x*", "y*"], 64)
+    assert seen["left"] == {}
+    assert runner.invoke(cmd, ["--new-mode", "c"]).exit_code == 2  # click checks the choices
+    runner.invoke(cmd, [])
+    assert seen["recipe"].new_knob == 3 and seen["recipe"].new_globs == []
+    assert "new_knob" in recipe_params(_Extended) and "new_internal" not in \
+        recipe_params(_Extended)

@@ -14,7 +14,8 @@ read this plan instead of re-deriving it from the flat recipe, so they cannot dr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -231,6 +232,41 @@ class QuantPlan:
         entry = calibrators.statistics_entry(self.recipe.act_calib)
         return entry.build(**entry.options_from(self.recipe))
 
+    def rebind(self, model: nn.Module) -> QuantPlan:
+        """Point every module entry, in place, at ``model``'s module of the same name, and
+        return the plan. The plan decides by name, so one plan serves every model of a run: the
+        meta-device model it was made on, the model then loaded or streamed from that
+        checkpoint, the model after a transform (``--rotate``) changed its parameters. A
+        ``UsageError`` when ``model`` has no module of a planned name."""
+        for m in self.modules:
+            try:
+                m.module = model.get_submodule(m.name)
+            except AttributeError:
+                raise UsageError(f"the plan names {m.name}, which the model has no module "
+                                 "for") from None
+        return self
+
+    def binds(self, model: nn.Module) -> bool:
+        """Whether ``model`` has, under every planned name, a module of the planned module's
+        type (``rebind`` would give the same plan ``build_plan(model, recipe)`` gives)."""
+        for m in self.modules:
+            try:
+                found = model.get_submodule(m.name)
+            except AttributeError:
+                return False
+            if type(found) is not type(m.module):
+                return False
+        return True
+
+    def part(self, keep, prefix: str = "") -> QuantPlan:
+        """The plan's modules whose full name passes ``keep(name)``, renamed relative to
+        ``prefix`` (one block of a streamed model, quantized or measured on its own)."""
+        def local(mods):
+            return [replace(m, name=m.name[len(prefix):]) for m in mods if keep(m.name)]
+
+        return replace(self, gemms=local(self.gemms), experts=local(self.experts),
+                       skipped=[n[len(prefix):] for n in self.skipped if n.startswith(prefix)])
+
     def to_dict(self) -> dict:
         return {"modules": [m.to_dict() for m in self.modules], "skipped": list(self.skipped),
                 "taps": None if self.taps is None else self.taps.to_dict(),
@@ -319,6 +355,11 @@ def build_plan(model: nn.Module, recipe: Recipe) -> QuantPlan:
                      run_facts(recipe, static_inputs=static, gptq=gptq), taps_plan(recipe))
 
 
+# What a step that builds its own (meta-device) model is handed instead of a plan: the run's
+# plan for that model (``fp8ptq.execution.quantize.RunPlan`` makes it once and re-binds it).
+Planner = Callable[[nn.Module], QuantPlan]
+
+
 def reads_data(m: ModulePlan) -> bool:
     """Does ``m``'s weight calibrator read calibration inputs (GPTQ's Hessian)?"""
     return calibrators.weight_entry(m.weight.calibrator).reads_data
@@ -342,7 +383,6 @@ def as_plan_parts(plan_or_recipe) -> tuple[Recipe, TensorPlan | None]:
     return plan_or_recipe, taps_plan(plan_or_recipe)
 
 
-__all__ = ["TensorPlan", "ModulePlan", "RunFacts", "QuantPlan", "build_plan", "run_facts",
-           "needs_calibration", "plan_gemms", "plan_experts", "taps_plan", "as_plan_parts",
-           "reads_data",
-           "SAMPLE_BATCHES"]
+__all__ = ["TensorPlan", "ModulePlan", "RunFacts", "QuantPlan", "Planner", "build_plan",
+           "run_facts", "needs_calibration", "plan_gemms", "plan_experts", "taps_plan",
+           "as_plan_parts", "reads_data", "SAMPLE_BATCHES"]

@@ -20,7 +20,7 @@ from ..calibrators import registry as calibrators
 from ..errors import UsageError
 from ..formats import ROUNDINGS, get_format
 from ..formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
-from .schemes import expand_scheme
+from .schemes import expand_scheme, scheme_names
 
 # How calibration samples are cut from the documents (``fp8ptq.io.data.build_calibration_set``):
 # "random": seeded random offsets into the concatenated documents; "documents": each sample
@@ -29,6 +29,8 @@ CALIB_WINDOWS = ("random", "documents")
 SMOOTHQUANT_INTO = ("norms", "gemms", "all")  # where --smoothquant folds 1/s (smoothquant.py)
 KV_CACHE_FORMATS = {"fp8": "e4m3"}  # --kv-cache value -> the format of the cached K / V
 KV_GRANULARITIES = ("tensor", "head")  # compressed-tensors strategies "tensor" / "attn_head"
+ROTATIONS = ("hadamard",)  # --rotate (fp8ptq.algorithms.rotation)
+DTYPES = ("float32", "bfloat16", "float16")  # what the model is loaded and run in
 
 # Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
 # compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
@@ -39,80 +41,169 @@ OVERRIDE_KEYS = ("format", "weight_format", "act_format", "weight_calib", "weigh
 OVERRIDE_FIELDS = ("weight_calib", "weight_granularity", "act_granularity")
 
 
+def flag(default: Any, help: str, *, name: str | None = None, param: str | None = None,
+         choices=None, off: str | None = None) -> Any:
+    """A ``Recipe`` field that is also a flag of ``quantize``, ``eval`` and ``sensitivity``:
+    the click option is derived from this declaration (``fp8ptq.cli.options``), so a new flag
+    is this one field. ``default``: the value, or a callable making it (a list or dict);
+    ``help``: the flag's help text (the field's description); ``name``: the flag, when not
+    ``--field-name``; ``param``: the option's parameter, when not the field's name (a command
+    may show the flag under another name: ``eval``'s ``--calib-seq-len``); ``choices``: the
+    values click accepts (``check_values`` checks recipe files); ``off``: the flag that sets a
+    boolean False (without it the flag only sets True). The rest follows from the field's
+    type: an int or float flag takes that type, a bool is a switch, a list or dict a flag
+    given once per item."""
+    spec = {"name": name, "param": param, "off": off,
+            "choices": None if choices is None else list(choices)}
+    value = {"default_factory": default} if callable(default) else {"default": default}
+    return Field(**value, description=help,
+                 json_schema_extra={"flag": {k: v for k, v in spec.items() if v is not None}})
+
+
+def flag_spec(info) -> dict | None:
+    """The ``flag`` declaration of a field (its ``FieldInfo``), or None for a field no flag
+    sets (``format``: each command has its own ``--format``)."""
+    extra = info.json_schema_extra
+    return extra.get("flag") if isinstance(extra, dict) else None
+
+
 class Recipe(BaseModel):
     """Every field is one line: its type (checked, with a plain message, from the annotation),
-    its default and a comment. Value checks that need more than a type are in ``_check``."""
+    its default and a comment; a field the commands take as a flag is declared with ``flag``
+    (its help text, and the flag's name or choices where they are not derived). Value checks
+    that need more than a type are in ``check_values``."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False,
                               arbitrary_types_allowed=True)
 
     # a named preset (``fp8ptq.config.schemes``): its fields are the defaults under the fields given
     # explicitly; the name stays recorded
-    scheme: str | None = None
-    format: str = "e4m3"
-    weight_format: str | None = None  # default: ``format``
-    act_format: str | None = None  # default: ``format``; "none" = weight-only
-    weight_granularity: str = "channel"
-    block_size: int = 128
+    scheme: str | None = flag(
+        None, "Named preset: " + ", ".join(scheme_names()) + " (fp8ptq schemes lists them); "
+        "explicit flags override its fields.")
+    format: str = "e4m3"  # the commands' own --format
+    weight_format: str | None = flag(  # default: ``format``
+        None, "Weight format when it differs from --format.")
+    act_format: str | None = flag(  # default: ``format``; "none" = weight-only
+        None, "Activation format when it differs from --format; 'none' = weight-only (W8A16).")
+    weight_granularity: str = flag(
+        "channel", "Weight scales per tensor, output channel or 2-D block [channel].",
+        choices=WEIGHT_GRANULARITIES)
+    block_size: int = flag(128, "Block edge for --weight-granularity block [128].")
     # token (dynamic per token: FP8_DYNAMIC, the default) | tensor (static) | group (dynamic);
     # the default on convolutions is "tensor" (a conv input has no token axis: plan.py)
-    act_granularity: str = "token"
-    act_group_size: int = 128  # features per dynamic activation group (act_granularity group)
+    act_granularity: str = flag(
+        "token", "token = dynamic per token (FP8_DYNAMIC); tensor = static calibrated scales; "
+        "group = dynamic per --act-group-size features of each token (with "
+        "--weight-granularity block: FP8_BLOCK) [token; tensor on convolutions].",
+        choices=ACT_GRANULARITIES)
+    act_group_size: int = flag(  # features per dynamic activation group (act_granularity group)
+        128, "Features per dynamic activation group (--act-granularity group) [128].")
     # "gptq" by default when the recipe has calibration data and names no weight calibrator
     # (``_default_weight_calib``): the most accurate recipe vLLM serves at full FP8 speed
-    weight_calib: str = "max"
-    act_calib: str = "max"
-    percentile: float = 99.99
-    gptq_damp: float = 0.01  # GPTQ dampening, a fraction of the Hessian's mean diagonal
-    gptq_act_order: bool = True  # GPTQ: columns in order of decreasing input energy
+    weight_calib: str = flag(
+        "max", f"Weight calibrator: {calibrators.help_text('weight')} "
+        "[gptq with --calib-data, else max].")
+    act_calib: str = flag(
+        "max", f"Activation calibrator: {calibrators.help_text('activation')} [max].")
+    percentile: float = flag(99.99, "Percentile for --act-calib percentile [99.99].")
+    gptq_damp: float = flag(  # GPTQ dampening, a fraction of the Hessian's mean diagonal
+        0.01, "GPTQ dampening, fraction of the Hessian's mean diagonal [0.01].")
+    gptq_act_order: bool = flag(  # GPTQ: columns in order of decreasing input energy
+        True, "GPTQ: quantize columns in order of decreasing input energy [on].",
+        off="--no-gptq-act-order")
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
-    gptq_sequential: bool = True
+    gptq_sequential: bool = flag(
+        True, "GPTQ: take each GEMM's Hessian from the model quantized so far, group by group "
+        "in run order (errors of earlier layers compensated), or all from one pass over the "
+        "float model [sequential].", off="--no-gptq-sequential")
     # asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``, sequential only): each GEMM aims at the
     # float model's
     # output on the float model's inputs, not its own output on the quantized model's inputs
-    gptq_asym: bool = False
-    rounding: str | None = None  # default: the format's own
-    scale_pow2: bool = False
-    skip: list[str] = Field(default_factory=list)
-    quantize_lm_head: bool = False
+    gptq_asym: bool = flag(
+        False, "Sequential GPTQ aims each GEMM at the float model's output (asymmetric GPTQ, "
+        "GPTAQ): a float stream runs beside the quantized one [off].", off="--no-gptq-asym")
+    rounding: str | None = flag(  # default: the format's own
+        None, "Rounding of weights (default: the format's own).", choices=ROUNDINGS)
+    scale_pow2: bool = flag(
+        False, "Round every scale up to a power of two (an exponent-bias shift).")
+    skip: list[str] = flag(
+        list, "Glob of module names to keep in high precision (repeatable). lm_head is skipped "
+        "unless --quantize-lm-head.")
+    quantize_lm_head: bool = flag(False, "Quantize lm_head too.")
     # glob -> format name / "none", or a partial plan {format, weight_format, act_format}
-    overrides: dict[str, Any] = Field(default_factory=dict)
-    smoothquant: float | str | None = None  # alpha in [0, 1], or "auto" (searched per layer)
+    overrides: dict[str, Any] = flag(
+        dict, "PATTERN=FORMAT per-module format, FORMAT 'none' keeps it high precision.",
+        name="--override")
+    smoothquant: float | str | None = flag(  # alpha in [0, 1], or "auto" (searched per layer)
+        None, "SmoothQuant: migration strength ALPHA in [0, 1] (e.g. 0.5) or 'auto' (alpha "
+        "searched per layer by output error).")
     # where SmoothQuant folds 1/s (SMOOTHQUANT_INTO): "norms" (norm -> q/k/v, gate/up),
     # "gemms" (GEMM -> GEMM: up -> down, v -> o; fp8ptq.algorithms.smoothquant.pairs) or "all"
     # (both)
-    smoothquant_into: str = "norms"
-    rotate: str | None = None  # "hadamard": random Hadamard folded into the weights (rotation.py)
-    pow2_range: tuple[int, int] = (-4, 5)  # exponents searched by --act-calib pow2-search
-    bn_retune: bool = False
-    keep_depthwise: bool = False
-    keep_first_last: bool = False
-    quantize_attention: bool = False
+    smoothquant_into: str = flag(
+        "norms", "Where --smoothquant folds 1/s: 'norms' (norm -> q/k/v, gate/up), 'gemms' "
+        "(exact GEMM -> GEMM pairs: up -> down_proj, v -> o_proj, found by tracing) or 'all' "
+        "[norms].", choices=SMOOTHQUANT_INTO)
+    # "hadamard": random Hadamard folded into the weights (rotation.py)
+    rotate: str | None = flag(
+        None, "Fold a random Hadamard rotation of the residual stream (and per-head V/O path) "
+        "into the weights before calibration; norms folded, embeddings untied; standard "
+        "architecture (Llama/Qwen2/Mistral/Qwen3/GPT-2).", choices=ROTATIONS)
+    pow2_range: tuple[int, int] = flag(  # exponents searched by --act-calib pow2-search
+        (-4, 5), "Exponent range LOW,HIGH searched by --act-calib pow2-search [-4,5].")
+    bn_retune: bool = flag(
+        False, "Re-estimate BatchNorm statistics with quantization active (CNNs).")
+    keep_depthwise: bool = flag(False, "Keep depthwise convolutions in high precision.")
+    keep_first_last: bool = flag(
+        False, "Keep the first and the last GEMM in high precision (CNNs).")
+    quantize_attention: bool = flag(
+        False, "Also quantize the inputs of the attention batched matmuls (Q, K, V, P).")
     # "fp8": K (after RoPE) and V quantized to e4m3 with static scales from the calibration
     # pass, written as vLLM's kv_cache_scheme + <attention>.k_scale / .v_scale
-    kv_cache: str | None = None
-    kv_granularity: str = "tensor"  # one K / V scale per attention layer, or per KV head
-    quantize_residual: bool = False
-    calibrate_all_experts: bool = True  # MoE: every token also observed through every expert
-    quantize_router: bool = False  # MoE: router / shared-expert gate GEMMs quantized too
-    unify_fused_scales: bool | None = None  # None: on for e4m3 / int8 (compressed-tensors)
-    calib_data: str | None = None
-    text_field: str | None = None
+    kv_cache: str | None = flag(
+        None, "Quantize the KV cache: K (after RoPE) and V in e4m3 with static scales from the "
+        "calibration pass, written as vLLM reads them (kv_cache_scheme, <attention>.k_scale / "
+        ".v_scale) and simulated by eval.", choices=KV_CACHE_FORMATS)
+    kv_granularity: str = flag(  # one K / V scale per attention layer, or per KV head
+        "tensor", "--kv-cache scales: one per attention layer, or one per KV head [tensor].",
+        choices=KV_GRANULARITIES)
+    quantize_residual: bool = flag(False, "Also quantize the inputs of residual additions.")
+    calibrate_all_experts: bool = flag(  # MoE: every token also observed through every expert
+        True, "MoE: observe every expert on every calibration token (outputs still combined by "
+        "the router's choice) [on]; off: each expert sees only its routed tokens.",
+        off="--routed-experts-only")
+    quantize_router: bool = flag(  # MoE: router / shared-expert gate GEMMs quantized too
+        False, "MoE: quantize the router / shared-expert gate GEMMs too (high precision by "
+        "default).")
+    unify_fused_scales: bool | None = flag(  # None: on for e4m3 / int8 (compressed-tensors)
+        None, "One input scale (and, with per-tensor weights, one weight scale) per group of "
+        "shards a runtime fuses (q/k/v, gate/up) [on for e4m3 / int8].",
+        off="--no-unify-fused-scales")
+    calib_data: str | None = flag(
+        None, "Calibration text: .txt/.json/.jsonl/.parquet file or hub dataset "
+        "'name[:config][:split]' (default: wikitext-2-raw-v1 train, needs the hub); for CNNs "
+        "an image tensor file (.pt/.npz) or 'digits'.")
+    text_field: str | None = flag(None, "Text field of .json/.jsonl/.parquet calibration data.")
     # 64 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
     # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
     # seeds (docs/results.md, "Calibration size of the default recipe")
-    num_samples: int = 64
-    seq_len: int = 512
+    num_samples: int = flag(64, "Calibration sequences [64].")
+    seq_len: int = flag(512, "Calibration sequence length [512].", param="calib_seq_len")
     # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
     # document after the BOS; the default: on SmolLM2 both the default GPTQ recipe and
     # weight-only GPTQ lose less with them than with random windows, docs/results.md), or
     # "random" offsets into the concatenated documents
-    calib_windows: str = "documents"
-    batch_size: int = 8
-    seed: int = 0
-    dtype: str = "bfloat16"
+    calib_windows: str = flag(
+        "documents", "How calibration samples are cut: 'random' offsets into the concatenated "
+        "documents, or 'documents' (each sample opens a document after the BOS, as in "
+        "evaluation and in llm-compressor) [documents].", choices=CALIB_WINDOWS)
+    batch_size: int = flag(8, "Calibration batch size [8].", param="calib_batch_size")
+    seed: int = flag(0, "Seed for sampling calibration windows [0].")
+    dtype: str = flag("bfloat16", "Dtype the model is loaded and run in [bfloat16].",
+                      choices=DTYPES)
 
     def __init__(self, *args, **data):
         if args:  # positional construction, in field order (as the dataclass allowed)
@@ -185,7 +276,7 @@ class Recipe(BaseModel):
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("calib_windows", self.calib_windows, CALIB_WINDOWS)
-        _choice("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("dtype", self.dtype, DTYPES)
         _choice("act_calib", self.act_calib, calibrators.names("activation"))
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
         if self.rounding is not None:
@@ -199,7 +290,7 @@ class Recipe(BaseModel):
                 raise UsageError(f"smoothquant alpha must be in [0, 1], got {self.smoothquant}")
         _choice("smoothquant_into", self.smoothquant_into, SMOOTHQUANT_INTO)
         if self.rotate is not None:
-            _choice("rotate", self.rotate, ("hadamard",))
+            _choice("rotate", self.rotate, ROTATIONS)
         if self.pow2_range[0] > self.pow2_range[1]:
             raise UsageError(f"pow2_range must be LOW,HIGH with LOW <= HIGH, got {self.pow2_range}")
         if not 0 < self.percentile <= 100:
@@ -235,7 +326,7 @@ class Recipe(BaseModel):
 
     def replace(self, **changes) -> Recipe:
         """A validated copy with ``changes``."""
-        return Recipe.from_dict({**self.given(), **changes})
+        return type(self).from_dict({**self.given(), **changes})
 
     def merged(self, **flags) -> Recipe:
         """A copy with the given (non-None) flag values on top; a ``scheme`` among them goes
@@ -245,7 +336,7 @@ class Recipe(BaseModel):
         if "scheme" in flags:
             data.update(expand_scheme(flags["scheme"]))
         data.update(flags)
-        return Recipe.from_dict(data)
+        return type(self).from_dict(data)
 
 
 ACT_CAUSES = ("act_granularity", "act_format")  # fields that make activations dynamic

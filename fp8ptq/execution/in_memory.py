@@ -148,18 +148,20 @@ def calibration_passes(recipe: Recipe) -> int:
 def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
                    progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
-    needed for weight-only or dynamic per-token activations). ``plan``: a plan built already
-    (``build_plan(model, recipe)``). Every forward of every stage runs bf16 / fp16 GEMMs in
-    float32 on CPUs without a fast kernel for them (``fp8ptq.model.gemm32``). The process's
-    allocator is left as the caller set it (the ``fp8ptq`` command bounds the heap:
-    ``fp8ptq.runtime.usage.bound_heap``)."""
+    needed for weight-only or dynamic per-token activations). ``plan``: the run's plan of
+    ``model`` (``build_plan(model, recipe)``, made by the run's entry point and used as it is,
+    through the transform stages); made here for a call outside a run. Every forward of every
+    stage runs bf16 / fp16 GEMMs in float32 on CPUs without a fast kernel for them
+    (``fp8ptq.model.gemm32``). The process's allocator is left as the caller set it (the
+    ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``)."""
     with float32_gemms(model=model):
         return _quantize_model(model, recipe, batches, progress, plan)
 
 
 @dataclass
 class StageRun:
-    """What a transform stage reads and changes: the model (in place), the recipe and plan,
+    """What a transform stage reads and changes: the model (in place), the recipe and plan
+    (a stage that changes the modules re-binds the plan it was given, ``QuantPlan.rebind``),
     the calibration batches and the run's extras (its report entry goes there by name)."""
 
     model: nn.Module
@@ -173,10 +175,11 @@ class StageRun:
 @dataclass(frozen=True)
 class Stage:
     """One optional transform of the in-memory run, registered in ``STAGES``: ``at`` says when
-    it runs ("model": before the plan is built, since it may change the modules, e.g. untying
-    lm_head; "weights": after planning, before the statistics pass; "after": once every module
-    is quantized); ``applies(recipe)`` whether the recipe asks for it; ``needs_data`` whether
-    it reads calibration batches; ``run`` returns its report entry (``extras[name]``)."""
+    it runs ("model": before a plan is built, since it may change the modules, e.g. untying
+    lm_head, and a plan the run was given is re-bound, not dropped; "weights": after planning,
+    before the statistics pass; "after": once every module is quantized); ``applies(recipe)``
+    whether the recipe asks for it; ``needs_data`` whether it reads calibration batches;
+    ``run`` returns its report entry (``extras[name]``)."""
 
     name: str
     at: str
@@ -187,8 +190,10 @@ class Stage:
 
 def _rotation(run: StageRun):
     materialize_offloaded(run.model)
-    run.plan = None  # a plan made before the rotation misses the untied lm_head
-    return rotate_model(run.model, run.recipe.rotate, seed=run.recipe.seed)
+    info = rotate_model(run.model, run.recipe.rotate, seed=run.recipe.seed)
+    if run.plan is not None:  # it decides by name: kept, its entries re-bound to the modules
+        run.plan.rebind(run.model)  # as they are now (lm_head untied: its own weight)
+    return info
 
 
 def _smoothquant(run: StageRun):
@@ -232,7 +237,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     run = StageRun(model, recipe, plan, batches, progress, {})
-    run_stages("model", run, times)  # before planning: a rotation unties lm_head
+    run_stages("model", run, times)  # before planning (a plan given is re-bound by them)
     plan = run.plan = run.plan if run.plan is not None else build_plan(model, recipe)
     recipe, facts = plan.recipe, plan.facts
     run.recipe = recipe  # the plan's (defaults resolved) from here on

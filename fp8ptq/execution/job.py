@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..config.plan import build_plan
+from ..config.plan import QuantPlan, build_plan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
 from ..io.data import build_calibration_set, corpus_tokens, load_texts, resolve_calib_spec
@@ -98,10 +98,13 @@ def calibration_set(loaded, recipe: Recipe, texts=None):
 
 
 def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,
-                    timings: JobTimings | None = None) -> QuantizeResult:
-    """Quantize ``loaded.model`` in place. ``progress(total)`` returns a per-batch callback."""
+                    timings: JobTimings | None = None,
+                    plan: QuantPlan | None = None) -> QuantizeResult:
+    """Quantize ``loaded.model`` in place. ``progress(total)`` returns a per-batch callback;
+    ``plan``: the run's plan of ``loaded.model`` (made here for a call outside a run)."""
     timings = timings or JobTimings()
-    plan = build_plan(loaded.model, recipe)
+    if plan is None:
+        plan = build_plan(loaded.model, recipe)
     batches, tick = None, None
     if calib is not None:
         batches = _batches(loaded.model, calib, recipe.batch_size)
@@ -158,13 +161,16 @@ def target_texts(recipe: Recipe, request: TargetRequest, texts: list[str]
 
 def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
                        request: TargetRequest, *, progress=None,
-                       timings: JobTimings | None = None, spill_dir=None) -> QuantizeResult:
+                       timings: JobTimings | None = None, spill_dir=None,
+                       planner=None) -> QuantizeResult:
     """Choose per module the cheapest rung that meets ``request.target``
     (``fp8ptq.sensitivity.budget``),
     quantize with the decisions, and measure the result on the held-out documents; the
     decisions, predicted and measured deltas are in ``result.extras["target_delta"]`` and the
     recorded recipe carries the decisions as overrides. ``spill_dir``: where the sweep's GPTQ
-    Hessians wait on disk (default: the system's temporary folder)."""
+    Hessians wait on disk (default: the system's temporary folder). ``planner(model,
+    recipe)``: the run's plan for the recipe with the decisions (made here for a call outside
+    a run)."""
     timings = timings or JobTimings()
     if not isinstance(loaded.model, PreTrainedModel) or calib is None:
         raise UsageError("--target-delta needs a causal language model and calibration text")
@@ -192,7 +198,8 @@ def quantize_to_target(loaded, recipe: Recipe, calib, heldout: list[str],
     final = decision.recipe(recipe)
     with timings.timed("calibrate+quantize"):
         result = quantize_model(loaded.model, final, batches,
-                                plan=build_plan(loaded.model, final))
+                                plan=planner(loaded.model, final) if planner is not None
+                                else None)
     timings.seconds.update(result.seconds)
     with timings.timed("target: verify"):
         measure_target(loaded.model, windows.input_ids, decision, request.eval_batch_size)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import set_module_tensor_to_device
 
-from ..config.plan import ModulePlan, build_plan, run_facts
+from ..config.plan import ModulePlan, Planner, build_plan, run_facts
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
 from ..formats import decode
@@ -104,7 +104,10 @@ class ModelFreeJob:
     ``NotModelFree`` when the recipe or the checkpoint does not allow the path, ``DataError``
     for a broken checkpoint (truncated shard, index naming a missing tensor)."""
 
-    def __init__(self, folder: str | Path, recipe: Recipe, *, task: str | None = None):
+    def __init__(self, folder: str | Path, recipe: Recipe, *, task: str | None = None,
+                 planner: Planner | None = None):
+        """``planner``: the run's plan, asked for the meta-device model built here (made here
+        for a job outside a run)."""
         problem = refusal(recipe)
         if problem:
             raise NotModelFree(problem)
@@ -117,7 +120,8 @@ class ModelFreeJob:
         self.model = build_empty(self.folder, self.dtype, task)
         if hasattr(self.model, "tie_weights"):  # tied names share one (meta) parameter
             self.model.tie_weights()
-        self.plan = build_plan(self.model, recipe)
+        self.plan = planner(self.model) if planner is not None else build_plan(self.model,
+                                                                                recipe)
         if not self.plan.modules:
             raise UsageError("no GEMM module left to quantize (check --skip / --override)")
         self.map = SourceMap(self.model, self.source.names(), self.dtype)

@@ -19,9 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import nn
+
 from ..checkpoint import save_quantized
 from ..checkpoint.validate import static_violations
-from ..config.plan import needs_calibration
+from ..config.plan import QuantPlan, build_plan, needs_calibration
 from ..config.recipe import Recipe
 from ..config.schemes import scheme_flags
 from ..errors import UsageError
@@ -72,14 +74,15 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
     check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
     timings = job.JobTimings()
+    planner = RunPlan(recipe)
     with timings.timed("plan"):
         path = strategy.choose(model, recipe, sequential=sequential, model_free=model_free,
                                max_memory=max_memory,
                                trust_remote_code=load_options.get("trust_remote_code", False),
                                whole_model=target and "--target-delta measures the quantized "
-                               "model on held-out text")
+                               "model on held-out text", planner=planner)
     run = Run(model, output, force, device, load_options, recipe, runtime, propagate, path,
-              timings, target, progress)
+              timings, target, progress, planner)
     if path.path == "model-free":  # no process group: rank 0 does it all, the others leave
         return STRATEGIES[path.path](run) if distributed.launched_rank() == 0 else None
     # under torchrun: join the process group; every rank calibrates its share, rank 0 writes
@@ -88,6 +91,29 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
         return STRATEGIES[path.path](run)
     finally:
         distributed.shutdown()
+
+
+@dataclass
+class RunPlan:
+    """The run's one plan (``fp8ptq.config.plan``), made when a step first asks for it and
+    handed to every later step. The plan decides by module name, so the plan made on the
+    meta-device model the strategy sized or the model-free job reads is re-bound
+    (``QuantPlan.rebind``) to the model then loaded or streamed from the same checkpoint, not
+    made again. It is made anew only for another recipe (``--target-delta``'s decisions, which
+    are overrides) or for a model whose modules are not the planned ones (a type differs)."""
+
+    recipe: Recipe
+    plan: QuantPlan | None = None
+    built: int = 0  # how many times it was made (once, in a run without --target-delta)
+
+    def __call__(self, model: nn.Module, recipe: Recipe | None = None) -> QuantPlan:
+        if recipe is not None and recipe is not self.recipe:
+            self.recipe, self.plan = recipe, None
+        if self.plan is not None and self.plan.binds(model):
+            return self.plan.rebind(model)
+        self.plan = build_plan(model, self.recipe)
+        self.built += 1
+        return self.plan
 
 
 @dataclass
@@ -106,6 +132,7 @@ class Run:
     timings: job.JobTimings
     request: job.TargetRequest | None
     progress: object
+    planner: RunPlan
 
     def source(self, kind, path) -> dict:
         return {"model": self.model, "kind": kind, "path": str(path)}
@@ -180,7 +207,7 @@ def _streaming(run: Run) -> dict | None:
         result, _, calib, sizes = quantize_folder(
             path.folder or run.model, run.recipe, texts, propagate=run.propagate,
             spill_dir=scratch, progress=None, output=run.output, force=run.force,
-            close_kwargs=close_kwargs, **path.sequential_options())
+            close_kwargs=close_kwargs, planner=run.planner, **path.sequential_options())
     run.timings.seconds.update(result.seconds)
     strategy.record(result, path)
     distributed.agree(None)
@@ -204,10 +231,12 @@ def _in_memory(run: Run) -> dict | None:
         with scratch_dir(run.output) as scratch:  # GPTQ's Hessians wait there during the sweep
             result = job.quantize_to_target(
                 loaded, recipe, calib, heldout, run.request, timings=timings,
-                spill_dir=scratch, progress=lambda d, total: progress.counter(d)(total))
+                spill_dir=scratch, progress=lambda d, total: progress.counter(d)(total),
+                planner=run.planner)
     else:
         result = job.quantize_loaded(loaded, recipe, calib, timings=timings,
-                                     progress=progress.counter("calibrating"))
+                                     progress=progress.counter("calibrating"),
+                                     plan=run.planner(loaded.model))
     strategy.record(result, run.path)
     result.warnings[:0] = data_warnings
     error, sizes = None, None
@@ -308,5 +337,6 @@ def report_dict(result, output, sizes, timings, calib) -> dict:
     }
 
 
-__all__ = ["STRATEGIES", "Run", "RuntimeRefused", "absolute_calib_path", "calib_facts",
-           "check_output", "quantize", "report_dict", "runtime_check", "target_request"]
+__all__ = ["STRATEGIES", "Run", "RunPlan", "RuntimeRefused", "absolute_calib_path",
+           "calib_facts", "check_output", "quantize", "report_dict", "runtime_check",
+           "target_request"]

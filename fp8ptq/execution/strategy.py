@@ -46,7 +46,14 @@ from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
 from ..checkpoint.shards import SHARD_BYTES
-from ..config.plan import build_plan, needs_full_hessian, reads_data, run_facts
+from ..config.plan import (
+    Planner,
+    QuantPlan,
+    build_plan,
+    needs_full_hessian,
+    reads_data,
+    run_facts,
+)
 from ..config.recipe import Recipe
 from ..errors import UsageError
 from ..io.loading import resolve_safetensors
@@ -97,13 +104,16 @@ class Estimate:
                 "activation_bytes": self.activations, **self.parts}
 
 
-def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None) -> Estimate:
+def estimate(model: nn.Module, recipe: Recipe, budget: int | None = None,
+             plan: QuantPlan | None = None) -> Estimate:
     """Peak-memory estimates for ``model`` (built on the meta device, ``weights.build_empty``)
     quantized with ``recipe``; ``budget``: the ``--max-memory`` bytes, which size the output
-    shard the sequential path's writer holds open (``shard_bytes``)."""
+    shard the sequential path's writer holds open (``shard_bytes``); ``plan``: the run's plan
+    of ``model`` (made here for a call outside a run)."""
     size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
     weights = sum(p.numel() for p in model.parameters()) * size
-    plan = build_plan(model, recipe)
+    if plan is None:
+        plan = build_plan(model, recipe)
     largest = max((sum(p.numel() for p in m.module.parameters()) for m in plan.modules),
                   default=0)
     temporaries = 5 * largest  # a float32 copy (a calibrator's) and the uint8 codes
@@ -234,18 +244,22 @@ class Selection:
 
 def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: bool | None = None,
            max_memory: int | None = None, trust_remote_code: bool = False,
-           task: str | None = None, whole_model: str | None = None) -> Selection:
+           task: str | None = None, whole_model: str | None = None,
+           planner: Planner | None = None) -> Selection:
     """The path for quantizing MODEL ``spec`` with ``recipe``. ``model_free``: True insists
     (``UsageError`` naming what stands in the way), False forbids, None decides; ``max_memory``:
     the process budget in bytes (``--max-memory SIZE``); ``whole_model``: why this job needs the
-    whole model in memory whatever the recipe (``--target-delta`` measures it)."""
+    whole model in memory whatever the recipe (``--target-delta`` measures it); ``planner``:
+    the run's plan, asked for the meta-device model a path is sized or planned on (the
+    model-free job, the memory estimate), so that the run plans once."""
     if sequential:
         if model_free:
             raise UsageError("--model-free and --sequential are two different paths; use one")
         if max_memory is None:
             folder, kind = _sequential_source(spec, task)
             return Selection("sequential", "--sequential", folder, kind)
-        return by_budget(spec, recipe, max_memory, task, forced_sequential=True)
+        return by_budget(spec, recipe, max_memory, task, forced_sequential=True,
+                         planner=planner)
     if trust_remote_code:
         if model_free:
             raise UsageError("--model-free builds the model from transformers' own classes; "
@@ -257,16 +271,17 @@ def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: b
             raise UsageError(f"--model-free: {whole_model}")
         return Selection("in-memory", whole_model, budget=max_memory)
     if model_free is not False:
-        chosen = _model_free(spec, recipe, model_free, task)
+        chosen = _model_free(spec, recipe, model_free, task, planner)
         if chosen.path == "model-free" or max_memory is None:
             chosen.budget = max_memory
             return chosen
     elif max_memory is None:
         return Selection("in-memory", "--no-model-free")
-    return by_budget(spec, recipe, max_memory, task)
+    return by_budget(spec, recipe, max_memory, task, planner=planner)
 
 
-def _model_free(spec: str, recipe: Recipe, forced: bool | None, task: str | None) -> Selection:
+def _model_free(spec: str, recipe: Recipe, forced: bool | None, task: str | None,
+                planner: Planner | None = None) -> Selection:
     problem = refusal(recipe)
     if problem:
         if forced:
@@ -279,7 +294,7 @@ def _model_free(spec: str, recipe: Recipe, forced: bool | None, task: str | None
         return Selection("in-memory", found)
     folder, kind = found
     try:  # plans it: config, headers, key mapping (no tensor read)
-        job = ModelFreeJob(folder, recipe, task=task)
+        job = ModelFreeJob(folder, recipe, task=task, planner=planner)
     except NotModelFree as e:
         if forced:
             raise UsageError(f"--model-free: {e}") from None
@@ -292,17 +307,18 @@ def _model_free(spec: str, recipe: Recipe, forced: bool | None, task: str | None
 
 
 def by_budget(spec: str, recipe: Recipe, budget: int, task: str | None = None, *,
-              forced_sequential: bool = False) -> Selection:
+              forced_sequential: bool = False, planner: Planner | None = None) -> Selection:
     """In-memory when its estimate fits ``budget`` bytes, else (or with ``forced_sequential``)
     sequential with the activation budget the rest of ``budget`` leaves (the source must be a
-    safetensors checkpoint)."""
+    safetensors checkpoint). ``planner``: the run's plan (``choose``)."""
     found = _sequential_source(spec, task) if forced_sequential else resolve_safetensors(
         spec, task=task)
     if isinstance(found, str):
         return Selection("in-memory", f"--max-memory {gb(budget)} cannot be planned: {found}; "
                          "loaded whole", budget=budget)
     folder, kind = found
-    est = estimate(build_empty(folder, getattr(torch, recipe.dtype), task), recipe, budget)
+    meta = build_empty(folder, getattr(torch, recipe.dtype), task)
+    est = estimate(meta, recipe, budget, plan=planner(meta) if planner is not None else None)
     need = (f"weights {gb(est.weights)} + working memory {gb(est.in_memory - est.weights)}")
     if est.in_memory <= budget and not forced_sequential:
         return Selection("in-memory", f"{need} fit --max-memory {gb(budget)}",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 from ..checkpoint.contents import plain_tensors
 from ..checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
 from ..checkpoint.writer import CheckpointWriter
-from ..config.plan import SAMPLE_BATCHES, QuantPlan, build_plan
+from ..config.plan import SAMPLE_BATCHES, Planner, QuantPlan, build_plan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
 from ..io.data import build_calibration_set, resolve_calib_spec
@@ -74,7 +73,8 @@ class BlockLoader:
 
 def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
-                        spill_dir: str | Path | None = None, progress=None, open_writer=None):
+                        spill_dir: str | Path | None = None, progress=None, open_writer=None,
+                        planner: Planner | None = None):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
     ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
 
@@ -85,7 +85,9 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     blocks stay in ``result.model``, or are freed when ``open_writer`` is given on another
     rank. Under torchrun every rank streams the same blocks, runs its share of the batches,
     and the statistics are reduced per block (inside ``quantize_model``). The process's
-    allocator is left as the caller set it (``fp8ptq.runtime.usage.bound_heap``)."""
+    allocator is left as the caller set it (``fp8ptq.runtime.usage.bound_heap``).
+    ``planner``: the run's plan, asked for the (meta-device) model built here; made here for a
+    call outside a run."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
@@ -106,7 +108,8 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     if meta:
         raise DataError(f"{folder}: tensors missing from the checkpoint: {', '.join(meta[:5])}")
 
-    plan = build_plan(model, recipe)  # on the whole (meta) model: globs, first/last, routers
+    # on the whole (meta) model: globs, first/last, routers
+    plan = planner(model) if planner is not None else build_plan(model, recipe)
     outside = [m.name for m in plan.modules if not m.name.startswith(f"{list_name}.")]
     batches = list(batches or [])
     if not plan.modules:
@@ -198,20 +201,11 @@ class _Run:
         self.extras: dict = {"blocks": {}}
         self.times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
 
-    def part(self, keep, prefix: str = "") -> QuantPlan:
-        """The plan's modules for which ``keep(name)``, named relative to ``prefix``."""
-        def local(mods):
-            return [replace(m, name=m.name[len(prefix):]) for m in mods if keep(m.name)]
-
-        p = self.plan
-        return replace(p, gemms=local(p.gemms), experts=local(p.experts),
-                       skipped=[n[len(prefix):] for n in p.skipped if n.startswith(prefix)])
-
     def quantize_block(self, block: nn.Module, prefix: str, store: ActivationStore,
                        kwargs_list: list) -> list:
         """``quantize_model`` on one block with its recorded inputs as calibration batches
         (read from the store when a forward needs them, so spilled ones stay on disk)."""
-        plan = self.part(lambda n: n.startswith(prefix), prefix)
+        plan = self.plan.part(lambda n: n.startswith(prefix), prefix)
         if not plan.modules:
             return []
         block_batches = [None if kw is None else BlockBatch(store, j, kw)
@@ -236,7 +230,7 @@ class _Run:
         setattr(parent, attr, nn.ModuleList(_Stand(feed, k == 0, tupled)
                                             for k in range(len(blocks))))
         handle = model.register_forward_pre_hook(feed.hook, with_kwargs=True)
-        plan = self.part(lambda n: not n.startswith(f"{list_name}."))
+        plan = self.plan.part(lambda n: not n.startswith(f"{list_name}."))
         try:
             result = quantize_model(model, plan.recipe, [b if i in store.items else None
                                                          for i, b in enumerate(batches)] or None,
@@ -349,15 +343,15 @@ def calibration_from_folder(folder: str | Path, recipe: Recipe, texts):
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
                     output=None, force: bool = False, close_kwargs=None,
-                    max_shard_bytes: int | None = None):
+                    max_shard_bytes: int | None = None, planner: Planner | None = None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
-    LoadedModel stand-in, calib, sizes)."""
+    LoadedModel stand-in, calib, sizes). ``planner``: the run's plan (``quantize_sequential``)."""
     folder = Path(folder)
     tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
-                   spill_dir=spill_dir, progress=progress)
+                   spill_dir=spill_dir, progress=progress, planner=planner)
     if output is None:
         (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
     else:

@@ -27,8 +27,9 @@ The package: ``units`` (grouping GEMMs into units), ``statistics`` (weight / inp
 per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), ``suggest``
 (the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
 (``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
-memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``report``
-(the result, its JSON and plot).
+memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``job``
+(``run_sensitivity``: what ``fp8ptq sensitivity`` runs, the choice between in memory and
+streamed included; imported from its module too), ``report`` (the result, its JSON and plot).
 """
 
 from ..errors import UsageError
@@ -52,6 +53,7 @@ from .swap import (
     format_recipe,
     format_stats,
     output_sqnr_db,
+    plan_format,
     swapped,
 )
 from .units import LEVELS, Unit, group_units, layer_stack
@@ -59,6 +61,7 @@ from .units import LEVELS, Unit, group_units, layer_stack
 __all__ = ["Session", "analyze", "check_recipe", "eval_windows", "plot", "group_units",
            "layer_stack",
            "summarize_input", "summarize_weight", "format_plan", "format_recipe", "format_stats",
+           "plan_format",
            "output_sqnr_db", "swapped", "parse_target", "target_value", "suggest",
            "quantize_flags", "SensitivityResult", "UnitResult", "Measure", "Suggestion", "Unit",
            "TensorSummary", "FormatStats", "ModuleStats", "FormatPlan", "Swap", "SCHEMA",

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..config.plan import build_plan
 from ..config.recipe import Recipe
 from ..errors import UsageError
 from ..execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
@@ -44,7 +43,7 @@ from .run import (
     unit_measure,
     with_module_warnings,
 )
-from .swap import format_recipe
+from .swap import plan_format
 from .units import group_units
 
 
@@ -69,7 +68,7 @@ def analyze_streamed(folder: str | Path, recipe: Recipe, batches: list, *,
     loader = BlockLoader(model, SafetensorsSource(folder), dtype)
     loader.load_prefix("", exclude=f"{list_name}.")
     model.tie_weights()
-    plans = {fmt: build_plan(model, format_recipe(recipe, fmt)) for fmt in stat_formats}
+    plans = {fmt: plan_format(model, recipe, fmt) for fmt in stat_formats}  # once, whole
     targets = plans[primary].gemms
     outside = [t.name for t in targets if not t.name.startswith(f"{list_name}.")]
     if outside or plans[primary].experts:
@@ -93,7 +92,8 @@ def analyze_streamed(folder: str | Path, recipe: Recipe, batches: list, *,
                              if kw is not None]
             session = Session(block, recipe, block_batches, local, "module", progress)
             for fmt in stat_formats:
-                session.plan(fmt, part=_part(plans[fmt], prefix))
+                session.plan(fmt, part=plans[fmt].part(lambda n, p=prefix: n.startswith(p),
+                                                       prefix))
                 session.sweep(fmt, None, None, None)
             for name, stats in session.modules.items():
                 modules[prefix + name] = replace(stats, name=prefix + name,
@@ -122,14 +122,6 @@ def analyze_streamed(folder: str | Path, recipe: Recipe, batches: list, *,
     return (SensitivityResult(level, "sqnr", SQNR_NOTE, formats, stat_formats, None, ranked,
                               ordered, suggestion, {}, {}, times,
                               with_module_warnings(warnings, ordered)), loader.max_resident)
-
-
-def _part(plan, prefix: str):
-    """The plan's modules under ``prefix``, named relative to it."""
-    return replace(plan, gemms=[replace(m, name=m.name[len(prefix):]) for m in plan.gemms
-                                if m.name.startswith(prefix)],
-                   experts=[], skipped=[n[len(prefix):] for n in plan.skipped
-                                        if n.startswith(prefix)])
 
 
 __all__ = ["analyze_streamed"]

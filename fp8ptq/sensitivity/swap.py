@@ -38,13 +38,21 @@ def format_recipe(recipe: Recipe, fmt: str) -> Recipe:
                           act_format="none" if recipe.act_format == "none" else None)
 
 
+def plan_format(model, recipe: Recipe, fmt: str | None = None) -> QuantPlan:
+    """The plan (``fp8ptq.config.plan``) of ``recipe`` in ``fmt`` (None: as ``recipe`` says):
+    the one place the sensitivity analysis plans, once per format (or ``--target-delta``
+    rung) of a run; a streamed analysis plans the whole model once and measures each block
+    with its part (``QuantPlan.part``)."""
+    return build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
+
+
 def format_plan(model, recipe: Recipe, fmt: str | None, collector, batches,
                 plan: QuantPlan | None = None) -> FormatPlan:
-    """The run's plan (``fp8ptq.config.plan``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
+    """The run's plan (``plan_format``) for ``recipe`` in ``fmt`` (None: as ``recipe`` says),
     with its calibrators built and any layer-aware choice made once. ``plan``: that plan made
     already (streamed analysis: one block's part of the whole model's plan)."""
     if plan is None:
-        plan = build_plan(model, recipe if fmt is None else format_recipe(recipe, fmt))
+        plan = plan_format(model, recipe, fmt)
     gran, w_calib = plan.weight_granularity(), plan.weight_calibrator()
     chosen = {}
     if plan.facts.layer_aware and plan.facts.static_inputs:
