@@ -34,6 +34,11 @@ Steps:
    their quantization applied: FP8 weights, activations quantized in forward); fp8ptq's rows are
    the same recipes quantized in memory (bit-identical to their written checkpoints, tested).
    Every delta gets its paired bootstrap 95% interval against the one baseline.
+
+``benchmarks/llmc_vs_default.py`` is the head-to-head of fp8ptq's default recipe (64 x 512
+document windows, sequential GPTQ act-order) against ``GPTQ-FP8_DYNAMIC`` per calibration seed,
+both checkpoints scored as folders, with the paired interval of their difference; it uses this
+venv (``--setup-only`` builds it) and installs nothing itself.
 """
 
 from __future__ import annotations
@@ -103,10 +108,13 @@ Modifier = GPTQModifier if scheme.startswith("GPTQ-") else QuantizationModifier
 recipe = Modifier(targets="Linear", scheme=base, ignore=ignore)
 static = base == "FP8" or scheme.startswith("GPTQ-")
 kw = dict(dataset=ds, num_calibration_samples=n, max_seq_length=seq) if static else {}
+t1 = time.perf_counter()
 oneshot(model=model, recipe=recipe, **kw)
+t1 = time.perf_counter() - t1
 model.save_pretrained(out, save_compressed=True)
 tok.save_pretrained(out)
 json.dump({"scheme": scheme, "seconds_in_process": time.perf_counter() - t0,
+           "oneshot_seconds": t1,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "llmcompressor": __import__("llmcompressor").__version__},
           open(out + "/llmc_run.json", "w"))

@@ -327,7 +327,8 @@ about 70 s.
 
 def markers(name: str = "recipes") -> tuple[str, str]:
     """The comments around the block that script ``name`` writes (``recipes``:
-    recipe_table.py's, ``calib-size``: calib_size_study.py's)."""
+    recipe_table.py's, ``calib-size``: calib_size_study.py's, ``llmc-compare``:
+    llmc_vs_default.py's)."""
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 

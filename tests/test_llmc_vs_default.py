@@ -1,0 +1,75 @@
+"""benchmarks/llmc_vs_default.py: the paired difference fp8ptq minus llm-compressor and the
+section that says when it is strictly better (its interval entirely below zero)."""
+
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import llmc_vs_default as lvd  # noqa: E402
+
+METRIC = lvd.METRIC
+
+
+def _row(name: str, nll_per_word: list[float]) -> dict:
+    words = np.array([100.0, 120.0, 90.0, 110.0, 80.0])
+    nll = np.array(nll_per_word) * words
+    ppl = float(np.exp(nll.sum() / words.sum()))
+    return {"name": name, "metrics": {METRIC: ppl},
+            "records": {"wikitext": {"ids": [0, 1, 2, 3, 4],
+                                     "columns": {"nll": (-nll).tolist(),
+                                                 "words": words.tolist()},
+                                     "formulas": {"word_perplexity": ["ppl", "nll", "words"]},
+                                     "scale": {}}}}
+
+
+def test_paired_difference_is_ours_minus_theirs_in_percent_of_theirs():
+    theirs = _row("llmc", [3.50, 3.40, 3.60, 3.45, 3.55])
+    ours = _row("fp8ptq", [3.48, 3.39, 3.58, 3.44, 3.52])  # lower on every article
+    diff, ci = lvd.paired_diff(ours, theirs)
+    assert diff == 100 * (ours["metrics"][METRIC] / theirs["metrics"][METRIC] - 1) < 0
+    assert ci[0] <= diff <= ci[1] < 0
+    back, ci_back = lvd.paired_diff(theirs, ours)
+    assert back > 0 and ci_back[0] > 0
+
+
+def test_section_marks_strictly_better_only_when_the_interval_is_below_zero():
+    base = _row("baseline", [3.40, 3.30, 3.50, 3.35, 3.45])
+    theirs = _row("llmc-n64-seed0", [3.50, 3.40, 3.60, 3.45, 3.55])
+    better = _row("fp8ptq-n64-seed0", [3.48, 3.39, 3.58, 3.44, 3.52])
+    mixed = _row("fp8ptq-x-n64-seed0", [3.40, 3.45, 3.58, 3.50, 3.52])
+    by_name = {r["name"]: {**r, "deltas_pct": {METRIC: 1.0},
+                           "deltas_pct_ci95": {METRIC: [0.5, 1.5]}}
+               for r in (base, theirs, better, mixed)}
+    common = {"seed": 0, "cq": 10.0, "wall": 20.0, "rss": 1000.0, "load_after": [1.0, 1.0, 1.0]}
+    facts = {"llmc-n64-seed0": {**common, "label": "llm-compressor", "row": theirs},
+             "fp8ptq-n64-seed0": {**common, "label": "fp8ptq default", "row": better,
+                                  "against": "llmc-n64-seed0"},
+             "fp8ptq-x-n64-seed0": {**common, "label": "fp8ptq default `-x`", "row": mixed,
+                                    "against": "llmc-n64-seed0", "flags": ["-x"]}}
+    args = Namespace(seeds="0", num_samples=64, articles=5, threads=1, variant=["x=-x"],
+                     note="")
+    meta = {"llmc": "llm-compressor 0.14.0.1", "fp8ptq": "0 (torch, transformers)",
+            "written": "now", "load": "1.0"}
+    text = lvd.section([base, theirs, better, mixed], by_name, facts, args, meta)
+    lines = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| 0 ")}
+    assert "**" in lines["fp8ptq default"]
+    assert "**" not in lines["fp8ptq default `-x`"]
+    assert "llm-compressor 0.14.0.1" in text and "--variant 'x=-x'" in text
+    assert "strictly better (paired interval below zero) at 1 of 1 seed(s) (0)." in text
+    assert "`-x` against the default, seed 0: +" in text
+
+
+def test_pooled_rows_sum_each_articles_columns():
+    a = _row("a", [3.50, 3.40, 3.60, 3.45, 3.55])
+    b = _row("b", [3.40, 3.30, 3.50, 3.35, 3.45])
+    same = lvd.pooled([a, a])
+    assert np.isclose(same["metrics"][METRIC], a["metrics"][METRIC])
+    both = lvd.pooled([a, b])
+    lo, hi = sorted([a["metrics"][METRIC], b["metrics"][METRIC]])
+    assert lo < both["metrics"][METRIC] < hi
+    diff, ci = lvd.paired_diff(lvd.pooled([b, b]), both)
+    assert diff < 0 and ci[1] < 0
