@@ -17,7 +17,6 @@ markdown section (printed, and spliced into ``--doc``'s ``calib-size`` block, wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from recipe_study import MODELS, records_from_json, run_one  # noqa: E402
-from results_page import splice  # noqa: E402
+from results_page import write_section  # noqa: E402
 
 from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
@@ -136,14 +135,8 @@ def main(argv=None) -> str:
     rows = [{**d, "records": records_from_json(d["records"])} for d in docs]
     report.attach_intervals(rows)
     report_doc = report.to_json(rows, docs[0]["protocol"], base.to_dict())
-    (out / "report.json").write_text(json.dumps(report_doc, indent=1) + "\n")
     text = section(docs, report_doc, args, started, load)
-    (out / "section.md").write_text(text)
-    if args.doc:
-        doc = Path(args.doc)
-        doc.write_text(splice(doc.read_text(), text, "calib-size"))
-    print(text)
-    return text
+    return write_section(out, report_doc, text, args.doc, "calib-size")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compare_llmcompressor as cl  # noqa: E402
 from recipe_study import MODELS, records_from_json, records_to_json, run_one  # noqa: E402
-from results_page import splice  # noqa: E402
+from results_page import write_section  # noqa: E402
 
 from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
@@ -351,14 +351,8 @@ def main(argv=None) -> str | None:
         if f.get("against"):
             d, ci = paired_diff(f["row"], facts[f["against"]]["row"])
             summary[k]["minus_llmc_pct"], summary[k]["minus_llmc_pct_ci95"] = d, ci
-    (out / "report.json").write_text(json.dumps({"llmcompressor": llmc, "rows": summary,
-                                                 "report": report_doc}, indent=1) + "\n")
-    (out / "section.md").write_text(text)
-    if args.doc:
-        doc = Path(args.doc)
-        doc.write_text(splice(doc.read_text(), text, "llmc-compare"))
-    print(text)
-    return text
+    return write_section(out, {"llmcompressor": llmc, "rows": summary, "report": report_doc},
+                         text, args.doc, "llmc-compare")
 
 
 if __name__ == "__main__":

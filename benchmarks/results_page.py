@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
@@ -349,3 +350,14 @@ def kept_blocks(doc: str) -> dict[str, str]:
     names = re.findall(r"<!-- ([\w-]+):begin -->", doc)
     return {n: doc.partition(markers(n)[0])[2].partition(markers(n)[1])[0].strip()
             for n in names if markers(n)[1] in doc}
+
+
+def write_section(out: Path, report: dict, text: str, doc: str | None, block: str) -> str:
+    """A study's outputs: ``report`` as ``out/report.json``, ``text`` as ``out/section.md`` and
+    spliced into ``doc``'s ``block`` (when a doc is given); printed; returned."""
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "section.md").write_text(text)
+    if doc:
+        Path(doc).write_text(splice(Path(doc).read_text(), text, block))
+    print(text)
+    return text

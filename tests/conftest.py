@@ -42,3 +42,11 @@ def word_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=["<unk>", "</s>"]))
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture
+def calib(tmp_path):
+    """A calibration text file of the ``word_tokenizer``'s words, for CLI quantize runs."""
+    path = tmp_path / "calib.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    return path

@@ -25,13 +25,6 @@ def src(tmp_path, word_tokenizer):
 
 
 @pytest.fixture
-def calib(tmp_path):
-    path = tmp_path / "calib.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
-    return path
-
-
-@pytest.fixture
 def plans(monkeypatch):
     """Every plan made, wherever ``build_plan`` is called from."""
     made = []

@@ -24,13 +24,6 @@ def src(tmp_path, word_tokenizer):
     return folder
 
 
-@pytest.fixture
-def calib(tmp_path):
-    path = tmp_path / "calib.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
-    return path
-
-
 def test_sizes():
     assert strategy.parse_size("4GB") == 4 * 10**9
     assert strategy.parse_size("512MiB") == 512 * 2**20

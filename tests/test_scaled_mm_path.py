@@ -74,7 +74,7 @@ def test_the_compiled_quantizer_is_chosen_only_for_cuda(monkeypatch):
         assert compiled == [(quant_gemm._per_token_rows, {"dynamic": True}),
                             (quant_gemm._static_rows, {"dynamic": True})]
         x = _activations()
-        a, scale = cuda(x, None)  # the compiled function computes the eager one's values
+        a, scale = cuda(x, None)  # bound to its format: quantize_activation's values
         want, want_scale = quantize_activation(x, None, quant_gemm.act_granularity_of("token"),
                                                E4M3)
         assert torch.equal(a.float(), want.float()) and torch.equal(scale, want_scale)

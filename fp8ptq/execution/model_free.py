@@ -223,7 +223,7 @@ class ModelFreeJob:
             report = quantize_target(self.model, t, recipe, self.gran, self.w_calib,
                                      self.a_calib, None, weight_scale=unified.get(t.name),
                                      weight=weights.pop(t.name))
-            _to_host(self.model.get_submodule(t.name))
+            self.model.get_submodule(t.name).to_host()
             out.reports.append(report)
             out.warnings[t.name] = [f"{t.name}: {w}" for w in report.warnings]
             out.modules.append(t.name)
@@ -286,13 +286,3 @@ class ModelFreeJob:
 
 
 __all__ = ["ModelFreeJob", "NotModelFree", "Unit", "UnitOutput", "refusal"]
-
-
-def _to_host(q) -> None:
-    """A weightless ``QuantGemm`` encoded on a GPU: its codes and scales back on the CPU, where
-    the writer reads them (its inner module stays on the meta device)."""
-    for name, buf in list(q.named_buffers(recurse=False)):
-        if buf is not None and buf.device.type != "cpu":
-            setattr(q, name, buf.cpu())
-    if q._codes is not None and q._codes.device.type != "cpu":
-        q._codes = q._codes.cpu()

@@ -27,7 +27,7 @@ from ..formats import (
     torch_dtype,
 )
 from ..formats.granularity import act_granularity as act_granularity_of
-from ..formats.scales import TINY, dynamic_scale
+from ..formats.scales import TINY, divide, dynamic_scale
 from ..formats.weight_quant import by_rows
 from ..model.gemm import kind, weight_2d, weight_from_2d
 from ..runtime import native
@@ -80,9 +80,7 @@ def _per_token_rows(x, static_scale, *, fmt: str):
     fmax, calibration_max, dtype = _KERNEL_FORMATS[fmt]
     x2 = x.reshape(-1, x.shape[-1])
     amax = x2.abs().amax(dim=-1, keepdim=True).float()
-    # the divisor on the device (see formats.scales.divide); clamp: a row of zeros
-    scale = (amax / torch.full((), calibration_max, dtype=torch.float32, device=x.device)
-             ).clamp(min=TINY)
+    scale = divide(amax, calibration_max).clamp(min=TINY)  # dynamic_scale's rule
     return (x2 / scale).clamp(-fmax, fmax).to(dtype), scale  # bf16 / f32: computed in f32
 
 
@@ -222,6 +220,15 @@ class QuantGemm(nn.Module):
         module of a weightless model, its codes leave memory."""
         if self._codes is not None:
             self._codes = torch.empty(self._codes.shape, dtype=torch.uint8, device="meta")
+
+    def to_host(self) -> None:
+        """A weightless module's codes and scales onto the CPU, where the writer reads them (the
+        model-free path encodes on a GPU; the inner module stays on the meta device)."""
+        for name, buf in list(self.named_buffers(recurse=False)):
+            if buf is not None and buf.device.type != "cpu":
+                setattr(self, name, buf.cpu())
+        if self._codes is not None and self._codes.device.type != "cpu":
+            self._codes = self._codes.cpu()
 
     @property
     def holds_codes(self) -> bool:
