@@ -56,9 +56,8 @@ def quantize_activation(x: torch.Tensor, static_scale: torch.Tensor | None, gran
 
 
 # A format's constants as the kernels read them: (largest finite value, the value amax maps
-# to, torch's float8 dtype), by format name. The kernels take the NAME: a string is a constant
-# torch.compile specializes on, where Python floats passed in may be traced as symbolic
-# numbers (and differ per format).
+# to, torch's float8 dtype), by format name: the kernels take the name, so what a compiled
+# kernel is called with is two tensors and one string (guarded as a constant).
 _KERNEL_FORMATS: dict[str, tuple[float, float, torch.dtype]] = {}
 
 
