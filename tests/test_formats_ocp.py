@@ -501,3 +501,23 @@ def test_bitwise_round_equals_the_float8_cast_bit_for_bit(name):
     fast = _bitwise_round(z, spec)
     assert torch.equal(fast.view(torch.int32), _native_round(z, spec).view(torch.int32))
     assert torch.isnan(_bitwise_round(torch.tensor([float("nan")]), spec)).all()
+
+
+def test_tables_first_built_in_inference_mode_are_plain_tensors():
+    """A format's cached tables may first be built inside a calibration forward
+    (``torch.inference_mode()``); they must still be plain tensors, or a later autograd or
+    tracing-mode use of the same format (a fake-CUDA run, a gradient through ``decode``)
+    refuses them."""
+    import dataclasses
+
+    from fp8ptq.formats import decode, encode, get_format
+    from fp8ptq.formats.binades import binade_tables
+
+    fresh = dataclasses.replace(get_format("e4m3"), name="e4m3-fresh")  # nothing cached yet
+    with torch.inference_mode():
+        codes = encode(torch.linspace(-400, 400, 101), fresh)
+        assert not fresh.layout.values.is_inference()
+        assert not binade_tables(fresh).step.is_inference()
+    x = torch.linspace(-1, 1, 11, requires_grad=True)
+    (decode(codes, fresh)[:11] * x).sum().backward()  # the cached values usable by autograd
+    assert x.grad is not None

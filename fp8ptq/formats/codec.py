@@ -17,6 +17,7 @@ import torch
 
 from ..runtime import native
 from .binades import BinadeTables, binade_tables, exponent_field, native_tables
+from .layouts import plain_tensors
 from .spec import FormatSpec
 
 _TORCH_FP8 = {
@@ -46,7 +47,7 @@ def _on_device(table, device: torch.device, move):
     key = (id(table), device, getattr(move, "key", None))
     got = _DEVICE_TABLES.get(key)
     if got is None or got[0] is not table:
-        got = (table, move(table))
+        got = (table, plain_tensors(move)(table))
         if type(got[1]) in (torch.Tensor, BinadeTables):
             _DEVICE_TABLES[key] = got
     return got[1]

@@ -9,6 +9,7 @@ whose spacing is the smallest normal, and HiFloat8's tapered precision is a spac
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,19 @@ class Layout:
     magnitude_codes: torch.Tensor  # int64: the code of each of ``magnitudes``
 
 
+def plain_tensors(fn):
+    """``fn`` run outside inference mode: its tensors are cached for the process (a format's
+    tables), and one made first inside ``torch.inference_mode()`` (a calibration forward) would
+    be an inference tensor, which autograd and tracing modes (``FakeTensorMode``) refuse to
+    take afterwards."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@plain_tensors
 def build_layout(spec) -> Layout:
     if spec.specials == "int":
         return _int_layout(spec)
