@@ -23,7 +23,8 @@ Per calibration seed:
    ignore=["lm_head"])`` on the windows. Recorded: calibrate+quantize seconds (fp8ptq's own
    stage timer; the wall time around ``oneshot`` for llm-compressor), the child's wall time
    and its peak RSS (``ru_maxrss``). ``--threads`` sets each child's torch threads.
-   ``--variant NAME=FLAGS`` adds fp8ptq rows with extra quantize flags (one factor at a time).
+   ``--variant NAME=FLAGS`` adds fp8ptq rows with extra quantize flags (one factor at a time)
+   at the first seed, ``--variant NAME@0,1,2=FLAGS`` at those seeds (then also pooled).
 3. Evaluation: one harness for every folder, ``fp8ptq eval --compare DIR``'s
    (``benchmarks/recipe_study.py``'s cached rows): WikiText-2 test, first ``--articles``
    articles, context 2048, word perplexity, both checkpoints loaded as checkpoints (fp8ptq's
@@ -140,6 +141,14 @@ def quantize_fp8ptq(src: Path, calib: Path, n: int, seed: int, dest: Path, flags
     return json.loads(facts_file.read_text())
 
 
+def parse_variant(spec: str, first_seed: int) -> tuple[str, set[int], str]:
+    """``NAME=FLAGS`` (run at the first seed) or ``NAME@S1,S2=FLAGS`` (at those seeds) ->
+    (name, seeds, flags)."""
+    head, flags = spec.split("=", 1)
+    name, _, at = head.partition("@")
+    return name, {int(s) for s in at.split(",")} if at else {first_seed}, flags
+
+
 def paired_diff(ours: dict, theirs: dict) -> tuple[float, list[float] | None]:
     """fp8ptq minus llm-compressor in percent of llm-compressor's perplexity, paired 95% CI."""
     iv = paired_interval(records_from_json(theirs["records"])[TASK],
@@ -233,12 +242,46 @@ def summary_lines(facts: dict) -> list[str]:
                    f"log-likelihood and words summed over the seeds, articles resampled): "
                    f"fp8ptq - llmc {d:+.2f}%{span}; the seeds themselves are not resampled, "
                    "so the interval holds the articles' noise only.")
+    variants = [f for f in facts.values() if f.get("flags") and f["seed"] in default]
+    for f in variants:
+        base = _base_variant(f, variants)
+        against = default[f["seed"]] if base is None else base
+        d, ci = paired_diff(f["row"], against["row"])
+        span = f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else ""
+        what = "the default" if base is None else f"`{' '.join(base['flags'])}`"
+        out.append(f"`{' '.join(f['flags'])}` against {what}, seed {f['seed']}: {d:+.2f}%{span}.")
+    return out + pooled_variant_lines(facts, default)
+
+
+def _base_variant(f: dict, variants: list[dict]) -> dict | None:
+    """The variant of the same seed whose flags ``f``'s extend (one more factor on top of
+    it), the longest such; None: ``f`` is one factor on top of the default."""
+    bases = [g for g in variants if g["seed"] == f["seed"] and len(g["flags"]) < len(f["flags"])
+             and f["flags"][:len(g["flags"])] == g["flags"]]
+    return max(bases, key=lambda g: len(g["flags"]), default=None)
+
+
+def pooled_variant_lines(facts: dict, default: dict) -> list[str]:
+    """A variant measured at two or more seeds, pooled as the default is: against
+    llm-compressor and against the default of the same seeds."""
+    by_flags: dict[tuple, list[dict]] = {}
     for f in facts.values():
         if f.get("flags") and f["seed"] in default:
-            d, ci = paired_diff(f["row"], default[f["seed"]]["row"])
+            by_flags.setdefault(tuple(f["flags"]), []).append(f)
+    out = []
+    for flags, fs in by_flags.items():
+        if len(fs) < 2:
+            continue
+        seeds = sorted(f["seed"] for f in fs)
+        ours = pooled([f["row"] for f in fs])
+        cells = []
+        for label, others in (("llmc", [facts[f["against"]]["row"] for f in fs]),
+                              ("the default", [default[f["seed"]]["row"] for f in fs])):
+            d, ci = paired_diff(ours, pooled(others))
             span = f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else ""
-            out.append(f"`{' '.join(f['flags'])}` against the default, seed {f['seed']}: "
-                       f"{d:+.2f}%{span}.")
+            cells.append(f"minus {label} {d:+.2f}%{span}")
+        out.append(f"`{' '.join(flags)}` pooled over seeds {', '.join(map(str, seeds))}: "
+                   + "; ".join(cells) + ".")
     return out
 
 
@@ -257,7 +300,8 @@ def main(argv=None) -> str | None:
     ap.add_argument("--tools", default="fp8ptq,llmc")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=FLAGS: an fp8ptq row with extra quantize flags, e.g. "
-                         "'damp10=--gptq-damp 0.1' (evaluated at the first seed only)")
+                         "'damp10=--gptq-damp 0.1', at the first seed; NAME@0,1,2=FLAGS: at "
+                         "those seeds (pooled over them in the summary)")
     ap.add_argument("--llmc-python", default=str(cl.VENV / "bin/python"))
     ap.add_argument("--note", default="", help="a sentence added to the protocol (how it ran)")
     args = ap.parse_args(argv)
@@ -274,7 +318,7 @@ def main(argv=None) -> str | None:
     if llmc:
         print(f"running {llmc} from {py}", flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = dict(v.split("=", 1) for v in args.variant)
+    variants = [parse_variant(v, seeds[0]) for v in args.variant]
     n = args.num_samples
     # rows: (name, tool, seed, flags, against)
     plan = []
@@ -282,9 +326,8 @@ def main(argv=None) -> str | None:
         tag = f"n{n}-seed{s}"
         plan.append((f"llmc-{tag}", "llmc", s, None, None))
         plan.append((f"fp8ptq-{tag}", "fp8ptq", s, [], f"llmc-{tag}"))
-        if s == seeds[0]:
-            plan += [(f"fp8ptq-{k}-{tag}", "fp8ptq", s, f.split(), f"llmc-{tag}")
-                     for k, f in variants.items()]
+        plan += [(f"fp8ptq-{k}-{tag}", "fp8ptq", s, f.split(), f"llmc-{tag}")
+                 for k, at, f in variants if s in at]
     plan = [p for p in plan if p[1] in tools] if "report" not in steps else plan
     facts = {}
     if "quantize" in steps:

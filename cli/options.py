@@ -42,9 +42,20 @@ def field_option(field: str, info) -> tuple[tuple, dict] | None:
         attrs["multiple"] = True
     elif "choices" in spec:
         attrs["type"] = click.Choice(spec["choices"])
-    elif info.annotation in (int, float):
-        attrs["type"] = info.annotation
+    elif (kind := _number_type(info.annotation)) is not None:
+        attrs["type"] = kind
     return (name, param), attrs
+
+
+def _number_type(annotation) -> type | None:
+    """int or float for a field typed so, or that number or None (an automatic default)."""
+    if annotation in (int, float):
+        return annotation
+    args = set(typing.get_args(annotation))
+    if len(args) == 2 and type(None) in args:
+        (kind,) = args - {type(None)}
+        return kind if kind in (int, float) else None
+    return None
 
 
 def recipe_specs(recipe_type: type[Recipe] = Recipe) -> list:

@@ -147,7 +147,7 @@ def test_each_target_is_fitted_to_the_final_quantized_and_float_inputs(monkeypat
     model, ref = tiny(arch).float(), tiny(arch).float()
     result, seen = _recorded(monkeypatch, model, recipe)
     facts = result.extras["gptq"]["sequential"]
-    assert 0 < facts["asym_correction"]["mean"] <= facts["asym_correction"]["max"] < 0.5
+    assert 0 < facts["aim_correction"]["mean"] <= facts["aim_correction"]["max"] < 0.5
     names = list(seen)
     xq, x = _inputs(model, names, transform=True), _inputs(ref, names)
     for name, (h, aim) in seen.items():

@@ -125,6 +125,12 @@ class Recipe(BaseModel):
     gptq_asym: bool = flag(
         False, "Sequential GPTQ aims each GEMM at the float model's output (asymmetric GPTQ, "
         "GPTAQ): a float stream runs beside the quantized one [off].", off="--no-gptq-asym")
+    # sink-aware GPTQ (``fp8ptq.algorithms.gptq.sink``, sequential only): the first token of each
+    # calibration sequence (the attention sink) weighted in, with its real quantized input
+    gptq_sink: float | None = flag(  # None: 1 for causal language models, else 0
+        None, "Sequential GPTQ also keeps each sequence's first token (the attention sink) "
+        "exact through the GEMM's own input rounding, weighted W against all tokens (0: off) "
+        "[1 for causal language models, else 0].")
     rounding: str | None = flag(  # default: the format's own
         None, "Rounding of weights (default: the format's own).", choices=ROUNDINGS)
     scale_pow2: bool = flag(
@@ -306,6 +312,16 @@ class Recipe(BaseModel):
         if self.gptq_asym and not self.gptq_sequential and "gptq_asym" in self.model_fields_set:
             raise UsageError("gptq_asym needs sequential GPTQ (the float stream runs beside the "
                              "quantized one); drop --no-gptq-sequential")
+        if self.gptq_sink is not None and not 0 <= self.gptq_sink < float("inf"):
+            raise UsageError(f"gptq_sink must be a finite weight >= 0, got {self.gptq_sink}")
+        if self.gptq_sink and "gptq_sink" in self.model_fields_set:
+            if not self.gptq_sequential:
+                raise UsageError("gptq_sink needs sequential GPTQ (the first tokens' inputs "
+                                 "come from the model quantized so far); drop "
+                                 "--no-gptq-sequential")
+            if self.gptq_asym:
+                raise UsageError("gptq_sink and gptq_asym aim each GEMM at different targets: "
+                                 "pick one")
 
     @property
     def skip_patterns(self) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..algorithms.bn_retune import retune_batchnorm
-from ..algorithms.gptq.sequential import outside_blocks, quantize_in_order
+from ..algorithms.gptq.sequential import Aim, outside_blocks, quantize_in_order
 from ..algorithms.gptq.sweep import gptq_codes
 from ..algorithms.rotation import rotate_model
 from ..algorithms.smoothquant.norms import apply_smoothquant
@@ -310,7 +310,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            asym_damp=recipe.gptq_damp if recipe.gptq_asym else None)
+            aim=Aim.of(recipe, model))
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)

@@ -32,10 +32,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ...calibrators.registry import weight_entry
 from ...config.plan import hessian_diagonal_only
 from ...execution import distributed
 from ...execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
@@ -44,8 +46,9 @@ from ...model.forward import micro_batches, run_batch
 from ...model.gemm import weight_2d
 from ...model.lean import lean_forwards
 from ...observe.hessian import HessianCollector
-from .asym import AsymmetricCollector, asymmetric_target, input_quantizer
+from .asym import AsymmetricCollector, input_quantizer
 from .replay import PartialForwards
+from .sink import SinkCollector
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
 Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
@@ -55,28 +58,69 @@ class _Stop(Exception):
     pass
 
 
+# sink-aware GPTQ's default weight for causal language models: the first tokens weighted as
+# much as all calibration tokens together (docs/results.md, "fp8ptq's default recipe against
+# llm-compressor": better than plain GPTQ at each of 3 calibration seeds on SmolLM2)
+SINK_WEIGHT = 1.0
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A transformers causal language model (``...ForCausalLM`` / ``...LMHeadModel``)."""
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+@dataclass(frozen=True)
+class Aim:
+    """What each GEMM's GPTQ aims at instead of its own weight: ``"asym"`` (asymmetric GPTQ,
+    ``fp8ptq.algorithms.gptq.asym``: the float model's output, a float stream carried beside
+    the quantized one) or ``"sink"`` (sink-aware GPTQ, ``fp8ptq.algorithms.gptq.sink``: the
+    first tokens' exact outputs too, with ``weight``); ``damp``: the dampening of ``W*``."""
+
+    kind: str
+    damp: float = 0.01
+    weight: float = 0.0
+
+    @classmethod
+    def of(cls, recipe, model: nn.Module) -> Aim | None:
+        """The recipe's for ``model`` when its weights are rounded by GPTQ (``gptq_asym``, else
+        ``gptq_sink``: its default is
+        ``SINK_WEIGHT`` for a causal language model, whose first token attends to itself
+        alone, and 0 for any other), None for plain GPTQ."""
+        if weight_entry(recipe.weight_calib).rounding != "gptq":
+            return None  # no column sweep (``hmse``: Hessian-weighted scales, then nearest)
+        if recipe.gptq_asym:
+            return cls("asym", recipe.gptq_damp)
+        weight = recipe.gptq_sink
+        if weight is None:
+            weight = SINK_WEIGHT if is_causal_lm(model) else 0.0
+        return cls("sink", recipe.gptq_damp, weight) if weight else None
+
+
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
                       quantize: Quantize, *, activation_budget: int = 1 << 30,
-                      spill_dir=None, asym_damp: float | None = None) -> dict:
+                      spill_dir=None, aim: Aim | None = None) -> dict:
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
     ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
-    Hessian. ``asym_damp``: asymmetric GPTQ (``fp8ptq.algorithms.gptq.asym``) with that dampening,
-    a float stream carried beside the quantized one and ``aim`` its ``W*``; None: plain (``aim``
-    None). Those outside the blocks (``outside_blocks``) are left to the caller. Returns the
-    facts for the report (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module
-    outputs ``fp8ptq.algorithms.gptq.replay`` replayed instead of recomputing),
+    Hessian. ``aim``: what GPTQ aims at (``Aim``: asymmetric or sink-aware), handed to
+    ``quantize`` as its ``W*``; None: plain (``aim`` None). Those outside the blocks
+    (``outside_blocks``) are left to the caller. Returns the facts for the report
+    (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module outputs
+    ``fp8ptq.algorithms.gptq.replay`` replayed instead of recomputing),
     ``max_hessian_bytes``,
-    ``outside``: the names left to the caller; ``asym_correction``: the largest and mean
+    ``outside``: the names left to the caller; ``aim``: its kind and sink weight, or None;
+    ``aim_correction``: the largest and mean
     ``||W* - W0|| / ||W0||``)."""
     found = find_blocks(model)
     outside = outside_blocks(model, targets)
     facts = {"blocks": 0, "groups": 0, "forwards": 0, "replayed_outputs": 0,
              "max_hessian_bytes": 0, "outside": []}
-    if asym_damp is not None:
-        facts["asym_correction"] = []
+    facts["aim"] = None if aim is None else {"kind": aim.kind, "weight": aim.weight}
+    if aim is not None:
+        facts["aim_correction"] = []
+    asym = aim is not None and aim.kind == "asym"
     if found is None:
         facts["blocks"] = 1
-        floats = _Floats(model, batches, asym_damp)
+        floats = _Floats(model, batches, aim)
         partial = _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
                                  activation_budget)
         _count_replayed(facts, partial)
@@ -90,8 +134,8 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches)))
     # the float stream (asymmetric GPTQ): the float model's hidden states, block by block
-    fstore = store if asym_damp is None else ActivationStore(activation_budget, spill_dir)
-    if asym_damp is not None:
+    fstore = ActivationStore(activation_budget, spill_dir) if asym else store
+    if asym:
         for j in range(len(kwargs_list)):
             if kwargs_list[j] is not None:
                 fstore.put(j, store.get(j))
@@ -102,7 +146,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
             block_batches, float_batches = ([None if kw is None else BlockBatch(s, j, kw)
                                              for j, kw in enumerate(kwargs_list)]
                                             for s in (store, fstore))
-            floats = _Floats(block, float_batches, asym_damp)
+            floats = _Floats(block, float_batches, aim)
             follows = i + 1 < len(blocks)
             partial = _quantize_unit(
                 block, local, {t.name for t in local if t.target.name in gptq}, block_batches,
@@ -138,19 +182,21 @@ def _count_replayed(facts: dict, partial: PartialForwards | None) -> None:
 
 
 class _Floats:
-    """The float stream of one unit (asymmetric GPTQ): a float copy of the unit taken before
-    any of its GEMMs is quantized, its batches, and the dampening of ``W*``; ``unit`` None
-    when GPTQ is plain."""
+    """What one unit's GPTQ aims at (``aim``; None: plain) and, for asymmetric GPTQ, the float
+    stream: a float copy of the unit taken before any of its GEMMs is quantized (``unit``,
+    else None) and its batches."""
 
-    def __init__(self, unit: nn.Module, batches: list, damp: float | None):
-        self.unit = None if damp is None else copy.deepcopy(unit)
-        self.batches, self.damp = batches, damp
+    def __init__(self, unit: nn.Module, batches: list, aim: Aim | None):
+        asym = aim is not None and aim.kind == "asym"
+        self.unit = copy.deepcopy(unit) if asym else None
+        self.batches, self.aim = batches, aim
+        self.sink = aim.weight if aim is not None and aim.kind == "sink" else 0.0
 
 
 def _summarise(facts: dict) -> None:
-    sizes = facts.pop("asym_correction", None)
+    sizes = facts.pop("aim_correction", None)
     if sizes:
-        facts["asym_correction"] = {"max": max(sizes), "mean": sum(sizes) / len(sizes)}
+        facts["aim_correction"] = {"max": max(sizes), "mean": sum(sizes) / len(sizes)}
 
 
 def outside_blocks(model: nn.Module, targets: list) -> list[str]:
@@ -203,10 +249,10 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
         for t in group:
             h = hessians.hessian(t.name) if hessians and t.name in gptq else None
             aim = None
-            if h is not None and floats.unit is not None:
+            if h is not None and floats.aim is not None:
                 w0 = weight_2d(t.module).detach().double()
-                aim = asymmetric_target(w0, h, hessians.cross_term(t.name), floats.damp)
-                facts["asym_correction"].append(
+                aim = hessians.target(t.name, w0, floats.aim.damp)
+                facts["aim_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
             quantize(t, h, aim)
     return partial
@@ -264,7 +310,10 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     member has seen its input (nothing after it is needed); reduced across ranks. With a
     float stream each batch first runs the float copy to the same point, for the cross
     terms (``AsymmetricCollector``)."""
-    if floats.unit is None:
+    if floats.sink:
+        collector = SinkCollector({t.name: t.module for t in group},
+                                  {t.name: input_quantizer(_entry(t)) for t in group}, floats.sink)
+    elif floats.unit is None:
         collector = HessianCollector({t.name: t.module for t in group},
                                      diagonal=hessian_diagonal_only([_entry(t) for t in group]))
     else:
@@ -304,6 +353,8 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     distributed.reduce_sums(collector.sums, collector.rows)
     if floats.unit is not None:
         distributed.reduce_sums(collector.cross, {})
+    if floats.sink:
+        collector.first_rows = distributed.gather_samples(collector.first_rows)
     return collector
 
 
