@@ -114,9 +114,12 @@ def test_hessian_collector_observes_a_cuda_gemm():
 
 
 RECIPES = {
-    "gptq-token": dict(act_granularity="token", weight_calib="gptq"),
-    "gptq-static": {},  # the default recipe
-    "gptq-asym": dict(gptq_asym=True, act_granularity="token"),
+    "gptq-token": dict(act_granularity="token", weight_calib="gptq"),  # sink-aware (a causal LM)
+    "gptq-plain": dict(act_granularity="token", weight_calib="gptq", gptq_sink=0),
+    # the CLI's default with --calib-data (weight_calib gptq; a Recipe without calib_data
+    # would default to max and run no GPTQ at all)
+    "gptq-static": dict(weight_calib="gptq"),
+    "gptq-asym": dict(gptq_asym=True, act_granularity="token", weight_calib="gptq"),
     "mse": dict(act_calib="mse", weight_calib="mse"),
     "block-group": dict(weight_granularity="block", act_granularity="group",
                         weight_calib="max"),
@@ -144,6 +147,31 @@ def test_recipes_quantize_a_cuda_model(monkeypatch, name, fp8_cores):
     layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
     assert layers and all(m.weight.device == CUDA and m.weight_scale.device == CUDA
                           for m in layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gptq-token", "gptq-plain", "gptq-asym"])
+def test_sequential_hessians_stay_on_the_gpu(monkeypatch, name):
+    """Sequential GPTQ sums each group's Hessians (and cross terms) on the GPU its inputs are
+    on: no per-batch copy of an ``in x in`` matrix to the host."""
+    from fp8ptq.algorithms.gptq import sequential
+    devices = set()
+    original = sequential._group_hessians
+
+    def spy(*args, **kwargs):
+        collector = original(*args, **kwargs)
+        devices.update(t.device.type for store in collector._stores() for t in store.values())
+        return collector
+
+    monkeypatch.setattr(sequential, "_group_hessians", spy)
+    monkeypatch.setattr(quant_gemm, "_fp8_capable", lambda device: True)
+    model = tiny("llama")
+    with fake_cuda():
+        model.to(CUDA)
+        batches = [{k: v.to(CUDA) for k, v in b.items()}
+                   for b in token_batches(IDS[:2, :8], 2)]
+        quantize_model(model, Recipe(format="e4m3", dtype="float32", **RECIPES[name]), batches)
+    assert devices == {"cuda"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

@@ -142,9 +142,10 @@ def reduce_sums(sums: dict[str, torch.Tensor], counts: dict[str, int]) -> None:
         return
     dev = _device()
     for name in sorted(sums):
+        home = sums[name].device  # the host, or the GPU a sequential group's sums stay on
         t = sums[name].to(dev)
         dist.all_reduce(t)
-        sums[name] = t.cpu()
+        sums[name] = t.to(home)
     names = sorted(counts)
     c = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=dev)
     dist.all_reduce(c)

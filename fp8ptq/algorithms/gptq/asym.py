@@ -59,8 +59,9 @@ class AsymmetricCollector(HessianCollector):
     stream's inputs of the same rows, which ``float_hooks`` records from a float copy of the
     unit run on the same batch just before."""
 
-    def __init__(self, modules: dict[str, nn.Module], quantizers: dict):
-        super().__init__(modules)
+    def __init__(self, modules: dict[str, nn.Module], quantizers: dict,
+                 on_device: bool = False):
+        super().__init__(modules, on_device=on_device)
         self.quantizers = quantizers
         self.cross: dict[str, torch.Tensor] = {}
         self.float_inputs: dict[str, torch.Tensor] = {}

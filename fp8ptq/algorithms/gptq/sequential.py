@@ -310,15 +310,16 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     member has seen its input (nothing after it is needed); reduced across ranks. With a
     float stream each batch first runs the float copy to the same point, for the cross
     terms (``AsymmetricCollector``)."""
+    # one group's sums at a time: they stay on the device its inputs are on (``on_device``)
+    modules = {t.name: t.module for t in group}
+    quantizers = {t.name: input_quantizer(_entry(t)) for t in group}
     if floats.sink:
-        collector = SinkCollector({t.name: t.module for t in group},
-                                  {t.name: input_quantizer(_entry(t)) for t in group}, floats.sink)
+        collector = SinkCollector(modules, quantizers, floats.sink, on_device=True)
     elif floats.unit is None:
-        collector = HessianCollector({t.name: t.module for t in group},
+        collector = HessianCollector(modules, on_device=True,
                                      diagonal=hessian_diagonal_only([_entry(t) for t in group]))
     else:
-        collector = AsymmetricCollector({t.name: t.module for t in group},
-                                        {t.name: input_quantizer(_entry(t)) for t in group})
+        collector = AsymmetricCollector(modules, quantizers, on_device=True)
     error = None
     handles = []
     # the partial forwards run the same fewer-temporaries code as the statistics pass and

@@ -48,8 +48,9 @@ class SinkCollector(HessianCollector):
     hold two more 1.6 GB matrices beside its Hessian. (``nbytes`` counts the Hessians only; the
     rows are ``2 x sequences x features x 4`` bytes.)"""
 
-    def __init__(self, modules: dict[str, nn.Module], quantizers: dict, weight: float):
-        super().__init__(modules)
+    def __init__(self, modules: dict[str, nn.Module], quantizers: dict, weight: float,
+                 on_device: bool = False):
+        super().__init__(modules, on_device=on_device)
         self.quantizers, self.weight = quantizers, weight
         # owner -> [(call index, [2, rows, features]: the inputs x and their rounding q)]
         self.first_rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -61,7 +62,8 @@ class SinkCollector(HessianCollector):
         first = x.detach()[:, :1].float()
         q = self.quantizers.get(owner)
         qf = (q(first) if q is not None else first).reshape(-1, x.shape[-1]).float()
-        rows = torch.stack([first.reshape(-1, x.shape[-1]), qf]).cpu()
+        rows = torch.stack([first.reshape(-1, x.shape[-1]), qf])
+        rows = rows if self.on_device else rows.cpu()
         kept = self.first_rows.setdefault(owner, [])
         kept.append((len(kept), rows))
 
@@ -71,7 +73,8 @@ class SinkCollector(HessianCollector):
         owner = self.alias.get(name, name)
         if h is None or not self.first_rows.get(owner):
             return h
-        rows = torch.cat([r for _, r in self.first_rows[owner]], dim=1).double()
+        # (gathered across ranks they come back on the host)
+        rows = torch.cat([r.to(h.device) for _, r in self.first_rows[owner]], dim=1).double()
         return h + (2.0 * self.weight / rows.shape[1]) * (rows[left].T @ rows[1])
 
     def hessian(self, name: str) -> torch.Tensor | None:
