@@ -15,6 +15,7 @@ from fp8ptq.algorithms.gptq.asym import asymmetric_target
 from fp8ptq.algorithms.gptq.sequential import SINK_WEIGHT, Aim
 from fp8ptq.algorithms.gptq.sink import SinkCollector
 from fp8ptq.algorithms.gptq.sweep import gptq_codes
+from fp8ptq.config.plan import build_plan
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
 from fp8ptq.execution import in_memory
@@ -138,12 +139,21 @@ def test_default_weight_is_for_causal_language_models_only():
     """A causal LM's first token attends to itself alone: sink-aware by default there; an
     encoder's first token sees the whole sequence: plain GPTQ unless asked for."""
     recipe = Recipe(format="e4m3", weight_calib="gptq")
-    assert Aim.of(recipe, tiny("llama")) == Aim("sink", recipe.gptq_damp, SINK_WEIGHT)
-    assert Aim.of(recipe, tiny("gpt2")).weight == SINK_WEIGHT
-    assert Aim.of(recipe, tiny("bert")) is None
-    assert Aim.of(recipe.merged(gptq_sink=0.5), tiny("bert")).weight == 0.5
-    assert Aim.of(recipe.merged(gptq_sink=0), tiny("llama")) is None
-    assert Aim.of(recipe.merged(gptq_asym=True), tiny("llama")).kind == "asym"
+
+    def aim(arch, r=recipe):
+        return Aim.of(r, build_plan(tiny(arch), r).facts.causal_lm)
+
+    assert aim("llama") == Aim("sink", recipe.gptq_damp, SINK_WEIGHT)
+    assert aim("gpt2").weight == SINK_WEIGHT
+    assert aim("bert") is None
+    assert aim("bert", recipe.merged(gptq_sink=0.5)).weight == 0.5
+    assert aim("llama", recipe.merged(gptq_sink=0)) is None
+    assert aim("llama", recipe.merged(gptq_asym=True)).kind == "asym"
+    assert aim("llama", recipe.merged(weight_calib="hmse")) is None  # no column sweep
+    # a streamed block's part of the plan keeps the whole model's fact
+    part = build_plan(tiny("llama"), recipe).part(lambda n: n.startswith("model.layers.0."),
+                                                  "model.layers.0.")
+    assert part.facts.causal_lm and part.gemms
 
 
 def test_recipe_refuses_what_cannot_go_together():
@@ -170,3 +180,17 @@ def test_cli_flag_is_recorded(tmp_path, word_tokenizer):
     r = invoke(["quantize", src, "-o", tmp_path / "bad", "--gptq-sink", "abc",
                 "--calib-data", calib])
     assert r.exit_code != 0 and "is not a valid float" in r.output
+
+
+@pytest.mark.slow
+def test_a_streamed_model_is_sink_aware_too(tmp_path, word_tokenizer):
+    """``--sequential`` quantizes one block at a time as a model of its own; the causal-LM
+    default comes from the whole model's plan, so each block is still sink-aware."""
+    src, calib = saved_llama_with_calib(tmp_path, word_tokenizer)
+    out = tmp_path / "out"
+    r = invoke(["quantize", src, "-o", out, "--sequential", "--calib-data", calib,
+                "--num-samples", 2, "--seq-len", 8, "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    blocks = json.loads((out / "fp8ptq.json").read_text())["extras"]["blocks"]
+    aims = {b["gptq"]["sequential"]["aim"]["weight"] for b in blocks.values() if "gptq" in b}
+    assert aims == {SINK_WEIGHT}

@@ -99,6 +99,9 @@ class RunFacts:
     # GPTQ's Hessians gathered group by group from the model quantized so far
     # (``fp8ptq.algorithms.gptq.sequential``), not in the statistics pass
     gptq_in_order: bool = False
+    # the whole model is a causal language model (its first token attends to itself alone):
+    # sink-aware GPTQ's default; kept by ``QuantPlan.part``, so a streamed block knows it too
+    causal_lm: bool = False
 
     @property
     def needs_statistics_pass(self) -> bool:
@@ -351,8 +354,14 @@ def build_plan(model: nn.Module, recipe: Recipe) -> QuantPlan:
     experts = plan_experts(model, recipe, skipped)
     static = any(m.input is not None and m.input.static for m in [*gemms, *experts])
     gptq = any(reads_data(m) for m in gemms)
-    return QuantPlan(recipe, gemms, experts, skipped,
-                     run_facts(recipe, static_inputs=static, gptq=gptq), taps_plan(recipe))
+    facts = replace(run_facts(recipe, static_inputs=static, gptq=gptq),
+                    causal_lm=is_causal_lm(model))
+    return QuantPlan(recipe, gemms, experts, skipped, facts, taps_plan(recipe))
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A transformers causal language model (``...ForCausalLM`` / ``...LMHeadModel``)."""
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
 
 # What a step that builds its own (meta-device) model is handed instead of a plan: the run's

@@ -310,7 +310,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, model))
+            aim=Aim.of(recipe, facts.causal_lm))
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)

@@ -64,11 +64,6 @@ class _Stop(Exception):
 SINK_WEIGHT = 1.0
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers causal language model (``...ForCausalLM`` / ``...LMHeadModel``)."""
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-
-
 @dataclass(frozen=True)
 class Aim:
     """What each GEMM's GPTQ aims at instead of its own weight: ``"asym"`` (asymmetric GPTQ,
@@ -81,8 +76,8 @@ class Aim:
     weight: float = 0.0
 
     @classmethod
-    def of(cls, recipe, model: nn.Module) -> Aim | None:
-        """The recipe's for ``model`` when its weights are rounded by GPTQ (``gptq_asym``, else
+    def of(cls, recipe, causal_lm: bool) -> Aim | None:
+        """The recipe's when its weights are rounded by GPTQ (``gptq_asym``, else
         ``gptq_sink``: its default is
         ``SINK_WEIGHT`` for a causal language model, whose first token attends to itself
         alone, and 0 for any other), None for plain GPTQ."""
@@ -92,7 +87,7 @@ class Aim:
             return cls("asym", recipe.gptq_damp)
         weight = recipe.gptq_sink
         if weight is None:
-            weight = SINK_WEIGHT if is_causal_lm(model) else 0.0
+            weight = SINK_WEIGHT if causal_lm else 0.0
         return cls("sink", recipe.gptq_damp, weight) if weight else None
 
 
