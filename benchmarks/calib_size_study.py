@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from recipe_study import MODELS, records_from_json, run_one  # noqa: E402
-from results_page import write_section  # noqa: E402
+from results_page import study_args, write_section  # noqa: E402
 
 from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
@@ -97,11 +97,7 @@ def _delta(variant: dict) -> tuple[float, float, float]:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
-                                                       str(ROOT.parent / "shared/assets")))
-    ap.add_argument("--out", default=str(ROOT / "out/calib-size"))
-    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"),
-                    help="the page whose calib-size block the section replaces ('' : none)")
+    study_args(ap, "calib-size", "calib-size")
     ap.add_argument("--sizes", default="32,64,128", help="calibration samples per row")
     ap.add_argument("--seeds", default="0", help="calibration seeds; the first for every size")
     ap.add_argument("--seed-size", type=int, default=32, help="the size the other seeds run at")

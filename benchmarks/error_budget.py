@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from results_page import write_section  # noqa: E402
+from results_page import study_args, write_section  # noqa: E402
 
 KINDS = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
          "gate/up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -112,10 +112,7 @@ def main(argv=None) -> str:
     ap.add_argument("--source")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
-                                                       str(ROOT.parent / "shared/assets")))
-    ap.add_argument("--out", default=str(ROOT / "out/error-budget"))
-    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
+    study_args(ap, "error-budget", "error-budget")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

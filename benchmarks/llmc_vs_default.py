@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compare_llmcompressor as cl  # noqa: E402
 from recipe_study import MODELS, records_from_json, records_to_json, run_one  # noqa: E402
-from results_page import write_section  # noqa: E402
+from results_page import study_args, write_section  # noqa: E402
 
 from fp8ptq.config.recipe import Recipe  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
@@ -287,11 +287,7 @@ def pooled_variant_lines(facts: dict, default: dict) -> list[str]:
 
 def main(argv=None) -> str | None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
-                                                       str(ROOT.parent / "shared/assets")))
-    ap.add_argument("--out", default=str(ROOT / "out/llmc-vs-default"))
-    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"),
-                    help="the page whose llmc-compare block the section replaces ('': none)")
+    study_args(ap, "llmc-vs-default", "llmc-compare")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--articles", type=int, default=5)

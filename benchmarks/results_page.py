@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -350,6 +351,17 @@ def kept_blocks(doc: str) -> dict[str, str]:
     names = re.findall(r"<!-- ([\w-]+):begin -->", doc)
     return {n: doc.partition(markers(n)[0])[2].partition(markers(n)[1])[0].strip()
             for n in names if markers(n)[1] in doc}
+
+
+def study_args(ap, out: str, block: str) -> None:
+    """A study script's ``--assets`` (the offline assets; ``FP8PTQ_ASSETS``), ``--out`` (its
+    folder under out/) and ``--doc`` (the page whose ``block`` its section replaces)."""
+    root = Path(__file__).resolve().parent.parent
+    ap.add_argument("--assets", default=os.environ.get("FP8PTQ_ASSETS",
+                                                       str(root.parent / "shared/assets")))
+    ap.add_argument("--out", default=str(root / "out" / out))
+    ap.add_argument("--doc", default=str(root / "docs/results.md"),
+                    help=f"the page whose {block} block the section replaces ('': none)")
 
 
 def write_section(out: Path, report: dict, text: str, doc: str | None, block: str) -> str:

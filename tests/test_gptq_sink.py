@@ -86,10 +86,8 @@ def test_first_token_output_gets_exact_at_a_small_price(seed, outlier):
     """The layer property: with the GEMM's per-token e4m3 input rounding, sink-aware GPTQ's
     first-token output error ``||Q q(x_b) - W x_b||`` is a tenth of plain GPTQ's or less, and
     the other tokens' ``||(W - Q) x||`` stays within 10% of plain GPTQ's (same scales). The
-    price grows with a massive channel in the first token (one channel 30x the rest: +40% to
-    +100% at 128 inputs; on SmolLM2's last ``down_proj`` +100%, elsewhere +1% to +10%):
-    such a column's rounding, times the massive value, is what the other columns then
-    compensate."""
+    price grows with a massive channel in the first token (docs/recipes.md): such a column's
+    rounding, times the massive value, is what the other columns then compensate."""
     x = sink_inputs(seed, outlier=outlier)
     g = torch.Generator().manual_seed(seed + 1)
     w0 = torch.randn(16, x.shape[-1], generator=g, dtype=torch.float64)

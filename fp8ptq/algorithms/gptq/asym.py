@@ -94,10 +94,6 @@ class AsymmetricCollector(HessianCollector):
         """``2 X^T X~ / rows``: scaled as ``hessian`` is."""
         return self._scaled(self.cross, name)
 
-    def target(self, name: str, w0: torch.Tensor, damp: float) -> torch.Tensor:
-        """``W* = W0 C H^-1`` (``asymmetric_target``)."""
-        return asymmetric_target(w0, self.hessian(name), self.cross_term(name), damp)
-
     def _stores(self) -> tuple[dict, ...]:
         return (self.sums, self.cross)
 

@@ -46,7 +46,7 @@ from ...model.forward import micro_batches, run_batch
 from ...model.gemm import weight_2d
 from ...model.lean import lean_forwards
 from ...observe.hessian import HessianCollector
-from .asym import AsymmetricCollector, input_quantizer
+from .asym import AsymmetricCollector, asymmetric_target, input_quantizer
 from .replay import PartialForwards
 from .sink import SinkCollector
 
@@ -60,7 +60,7 @@ class _Stop(Exception):
 
 # sink-aware GPTQ's default weight for causal language models: the first tokens weighted as
 # much as all calibration tokens together (docs/results.md, "fp8ptq's default recipe against
-# llm-compressor": better than plain GPTQ at each of 3 calibration seeds on SmolLM2)
+# llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
 SINK_WEIGHT = 1.0
 
 
@@ -74,6 +74,15 @@ class Aim:
     kind: str
     damp: float = 0.01
     weight: float = 0.0
+
+    @property
+    def asym(self) -> bool:
+        return self.kind == "asym"
+
+    @property
+    def sink(self) -> float:
+        """The sink-aware weight (0: not sink-aware)."""
+        return self.weight if self.kind == "sink" else 0.0
 
     @classmethod
     def of(cls, recipe, causal_lm: bool) -> Aim | None:
@@ -112,7 +121,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     facts["aim"] = None if aim is None else {"kind": aim.kind, "weight": aim.weight}
     if aim is not None:
         facts["aim_correction"] = []
-    asym = aim is not None and aim.kind == "asym"
+    asym = aim is not None and aim.asym
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, aim)
@@ -182,10 +191,12 @@ class _Floats:
     else None) and its batches."""
 
     def __init__(self, unit: nn.Module, batches: list, aim: Aim | None):
-        asym = aim is not None and aim.kind == "asym"
-        self.unit = copy.deepcopy(unit) if asym else None
+        self.unit = copy.deepcopy(unit) if aim is not None and aim.asym else None
         self.batches, self.aim = batches, aim
-        self.sink = aim.weight if aim is not None and aim.kind == "sink" else 0.0
+
+    @property
+    def sink(self) -> float:
+        return 0.0 if self.aim is None else self.aim.sink
 
 
 def _summarise(facts: dict) -> None:
@@ -246,7 +257,8 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
             aim = None
             if h is not None and floats.aim is not None:
                 w0 = weight_2d(t.module).detach().double()
-                aim = hessians.target(t.name, w0, floats.aim.damp)
+                # both collectors hand the sweep's Hessian and the cross term of ``W*``
+                aim = asymmetric_target(w0, h, hessians.cross_term(t.name), floats.aim.damp)
                 facts["aim_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
             quantize(t, h, aim)

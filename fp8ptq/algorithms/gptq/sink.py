@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from ...observe.hessian import HessianCollector
-from .asym import asymmetric_target
 
 
 class SinkCollector(HessianCollector):
@@ -84,10 +83,6 @@ class SinkCollector(HessianCollector):
     def cross_term(self, name: str) -> torch.Tensor | None:
         """``C = H + 2 weight mean_B(x q^T)`` [in, in] (``C[i, j] = sum x_i q_j``)."""
         return self._with_sink(name, 0)
-
-    def target(self, name: str, w0: torch.Tensor, damp: float) -> torch.Tensor:
-        """``W* = W0 C H~^-1`` (``asymmetric_target``)."""
-        return asymmetric_target(w0, self.hessian(name), self.cross_term(name), damp)
 
 
 __all__ = ["SinkCollector"]
