@@ -5,6 +5,7 @@ the first group's equals one-pass GPTQ bit for bit, GPTQ's output error on those
 above round-to-nearest's, and GEMMs outside the blocks keep the one-pass Hessian."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -324,3 +325,24 @@ def test_next_block_inputs_replay_attention_and_gate_up(monkeypatch):
         monkeypatch.setattr(type(attn), "forward", cls_forward)
         counts[budget] = len(runs)
     assert counts[0] - counts[1 << 30] == 2 * len(BATCHES), counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_each_gemm_of_a_block_runs_once_per_batch(arch):
+    """A group's forward stops on entering its FIRST member: the members are fed one input
+    tensor, so its pre-hook collects for all of them. Stopped at the last member it had first
+    run q and k (before v) and gate (before up) once more per batch for nothing; now every GEMM
+    of a block that is followed by another runs the same number of times (in a Llama block the
+    run-order probe, then one forward per batch), and the Hessians stay the quantized model's
+    (``test_each_hessian_is_what_the_quantized_model_feeds_that_gemm``)."""
+    model = tiny(arch).float()
+    calls = Counter()
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".0." in name and "layer" in name:
+            m.register_forward_hook(lambda *_a, n=name: calls.update([n]))
+    recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
+                    dtype="float32")
+    quantize_model(model, recipe, BATCHES)
+    assert len(calls) >= 6 and len(set(calls.values())) == 1, calls
+    if arch == "llama":  # all of a Llama block's later forwards replay: one per batch
+        assert set(calls.values()) == {1 + len(BATCHES)}, calls

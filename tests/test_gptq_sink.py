@@ -69,6 +69,37 @@ def test_hessian_and_cross_term_are_the_hand_computed_sums():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dead", [False, True])
+def test_low_rank_target_is_the_dense_one(dead):
+    """``SinkCollector.aim`` (from the kept rows, a solve for n right-hand sides) gives the
+    ``W*`` of ``asymmetric_target`` on the dense ``H~`` and ``C``, also with an input channel
+    that was always zero (its column of ``W0`` kept), and leaves ``W0`` alone."""
+    x = sink_inputs(2, outlier=2.0)
+    if dead:
+        x[..., 5] = 0.0
+    got = collect(SinkCollector({}, {"lin": per_token}, 1.0), x)
+    w0 = torch.randn(6, x.shape[-1], dtype=torch.float64)
+    keep = w0.clone()
+    want = asymmetric_target(w0, got.hessian("lin"), got.cross_term("lin"), 0.01)
+    aim = got.aim("lin", w0, 0.01)
+    torch.testing.assert_close(aim, want, rtol=1e-9, atol=1e-9)
+    assert not torch.equal(aim, w0) and torch.equal(w0, keep)
+    if dead:
+        assert torch.equal(aim[:, 5], w0[:, 5])
+
+
+def test_hessian_is_computed_once_per_input():
+    """q/k/v share one input: ``H~`` is built once and handed to each (the sweep does not
+    modify it)."""
+    x = sink_inputs(3)
+    lins = {n: torch.nn.Linear(x.shape[-1], 3, bias=False) for n in ("q", "k")}
+    c = SinkCollector(lins, {"q": per_token}, 1.0)
+    with c.observing(), torch.inference_mode():
+        for lin in lins.values():
+            lin(x)
+    assert c.hessian("q") is c.hessian("k")
+
+
 def test_weight_zero_is_plain_gptq():
     x = sink_inputs(1)
     plain = collect(HessianCollector({}), x).hessian("lin")

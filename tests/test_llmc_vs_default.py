@@ -51,7 +51,7 @@ def test_section_marks_strictly_better_only_when_the_interval_is_below_zero():
              "fp8ptq-x-n64-seed0": {**common, "label": "fp8ptq default `-x`", "row": mixed,
                                     "against": "llmc-n64-seed0", "flags": ["-x"]}}
     args = Namespace(seeds="0", num_samples=64, articles=5, threads=1, variant=["x=-x"],
-                     note="")
+                     note="", first_article=1)
     meta = {"llmc": "llm-compressor 0.14.0.1", "fp8ptq": "0 (torch, transformers)",
             "written": "now", "load": "1.0"}
     text = lvd.section([base, theirs, better, mixed], by_name, facts, args, meta)
@@ -61,6 +61,15 @@ def test_section_marks_strictly_better_only_when_the_interval_is_below_zero():
     assert "llm-compressor 0.14.0.1" in text and "--variant 'x=-x'" in text
     assert "strictly better (paired interval below zero) at 1 of 1 seed(s) (0)." in text
     assert "`-x` against the default, seed 0: +" in text
+    assert "recorded by both runs agrees at every seed" in text
+    # a row calibrated on other windows by its flags is not a mismatch; the default's is
+    facts["fp8ptq-x-n64-seed0"].update(label="fp8ptq default `--num-samples 8`",
+                                       windows_sha256="other")
+    text = lvd.section([base, theirs, better, mixed], by_name, facts, args, meta)
+    assert "except for the rows whose flags choose other windows" in text
+    facts["fp8ptq-n64-seed0"]["windows_sha256"] = "other"
+    text = lvd.section([base, theirs, better, mixed], by_name, facts, args, meta)
+    assert "DIFFERS for fp8ptq default)" in text
 
 
 def test_pooled_rows_sum_each_articles_columns():

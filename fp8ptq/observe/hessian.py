@@ -64,6 +64,8 @@ class HessianCollector:
         self.rows: dict[str, int] = {}
         self.alias: dict[str, str] = {}  # module -> module whose accumulator it shares
         self._last: tuple | None = None  # (input tensor, owner) of the previous hook call
+        # (shape, device) -> a float32 buffer each batch's product is written into (see _product)
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
     @contextmanager
     def observing(self):
@@ -74,6 +76,14 @@ class HessianCollector:
             for h in handles:
                 h.remove()
             self._last = None
+            self._buffers.clear()
+
+    def share(self, names: list[str]) -> None:
+        """Declare that ``names`` are fed the very same input tensor: the later ones use the
+        first one's sums without their hooks having to run (a forward may then stop on entering
+        the first one; see ``fp8ptq.algorithms.gptq.sequential``)."""
+        for name in names[1:]:
+            self.alias[name] = self.alias.get(names[0], names[0])
 
     def _hook(self, name: str):
         def hook(_module, args):
@@ -98,16 +108,29 @@ class HessianCollector:
         if self.diagonal:
             self._add(self.sums, owner, x2.square().sum(dim=0))
         else:
-            self._add(self.sums, owner, x2.T @ x2)
+            self._add(self.sums, owner, self._product(x2, x2))
         self.rows[owner] = self.rows.get(owner, 0) + x2.shape[0]
 
+    def _product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a^T b`` (float32) written into a buffer kept for the pass, one per shape and
+        device. Why: on the CPU every fresh tensor of 1 MiB or more is a new mapping whose pages
+        the kernel zeroes on first touch (``fp8ptq.runtime.usage.bound_heap``); a batch's
+        ``in x in`` product and its float64 copy were two such tensors per GEMM input per batch,
+        most of the calibration's kernel time (docs/results.md, "Sequential GPTQ's speed")."""
+        key = (a.shape[1], b.shape[1], a.device, a.dtype)
+        out = self._buffers.get(key)
+        if out is None:
+            out = self._buffers[key] = torch.empty(key[:2], dtype=a.dtype, device=a.device)
+        return torch.mm(a.T, b, out=out)
+
     def _add(self, store: dict, owner: str, t: torch.Tensor) -> None:
-        # float32 products summed in float64; crossing to the host first moves half the bytes
-        t = t.double() if self.on_device else t.cpu().double()
+        """``store[owner] += t`` in float64 (a float32 product summed in place: no float64
+        copy of it is made); crossing to the host first moves half the bytes."""
+        t = t if self.on_device else t.cpu()
         if owner in store:
-            store[owner] += t
+            store[owner].add_(t)
         else:
-            store[owner] = t
+            store[owner] = t.double()
 
     def hessian(self, name: str) -> torch.Tensor | None:
         """``2 X^T X / rows`` of ``name``'s inputs ([in, in]; with ``diagonal``: its diagonal,

@@ -83,8 +83,8 @@ class AsymmetricCollector(HessianCollector):
         xf = self.float_inputs.pop(name).reshape(-1, x.shape[-1]).float()
         if xf.shape != xq.shape:
             raise RuntimeError(f"{name}: float and quantized streams gave different rows")
-        self._add(self.sums, owner, xq.T @ xq)
-        self._add(self.cross, owner, xf.T @ xq)
+        self._add(self.sums, owner, self._product(xq, xq))
+        self._add(self.cross, owner, self._product(xf, xq))
         self.rows[owner] = self.rows.get(owner, 0) + xq.shape[0]
 
     def _aliased(self, name: str) -> None:
@@ -97,6 +97,10 @@ class AsymmetricCollector(HessianCollector):
     def _stores(self) -> tuple[dict, ...]:
         return (self.sums, self.cross)
 
+    def aim(self, name: str, w0: torch.Tensor, damp: float) -> torch.Tensor:
+        """``W*`` of ``name`` (float64): ``asymmetric_target`` on its Hessian and cross term."""
+        return asymmetric_target(w0, self.hessian(name), self.cross_term(name), damp)
+
 
 def asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor,
                       damp: float) -> torch.Tensor:
@@ -107,15 +111,25 @@ def asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor,
     keeps ``H`` and ``C`` on the CPU), with masks instead of boolean indexing (no host sync)."""
     dev = W.device
     W, H, C = W.double(), H.to(dev, torch.float64), C.to(dev, torch.float64)
-    eye = torch.eye(H.shape[0], dtype=torch.float64, device=dev)
-    mean = float(torch.diag(H).mean()) or 1.0
-    dead = torch.diag(H) == 0
+    dead = torch.diagonal(H) == 0
     D = (C - H).masked_fill_(dead.unsqueeze(0), 0.0)
+    L = damped_cholesky(H, damp)
+    # (C - H) A^-1 = (A^-1 (C - H)^T)^T, A symmetric
+    return W + W @ torch.cholesky_solve(D.T.contiguous(), L).T
+
+
+def damped_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Lower Cholesky factor of ``A = H + lambda I`` (float64), lambda = ``damp`` x mean(diag H),
+    a 1 on the diagonal of inputs that were always zero (diag H = 0), more dampening where
+    ``A`` is still not positive definite (as GPTQ's own). ``H`` is not modified."""
+    H = H.to(torch.float64)
+    dead = torch.diagonal(H) == 0
+    mean = float(torch.diagonal(H).mean()) or 1.0
     for factor in (damp, max(damp, 1e-4) * 10, max(damp, 1e-4) * 100):  # as GPTQ's own
-        A = H + factor * mean * eye
-        A.diagonal().masked_fill_(dead, 1.0)
+        A = H.clone()
+        A.diagonal().add_(factor * mean).masked_fill_(dead, 1.0)
         L, info = torch.linalg.cholesky_ex(A)
+        del A
         if int(info) == 0:
-            # (C - H) A^-1 = (A^-1 (C - H)^T)^T, A symmetric
-            return W + W @ torch.cholesky_solve(D.T.contiguous(), L).T
+            return L
     raise ValueError("the Hessian is not positive definite even with heavy dampening")

@@ -18,8 +18,11 @@ on the same batch with the same weights (``tests/test_gptq_sequential.py``). Wha
 - modules called once per forward that contain a GEMM (a norm's output costs memory and saves
   next to nothing) and are not a module's sole child (a ``QuantGemm``'s inner ``Linear``: the
   wrapper's output is the one replayed);
-- outputs that are a tensor or a tuple of tensors / None, copied on record and on replay, so
-  that in-place updates downstream cannot touch the record;
+- outputs that are a tensor or a tuple of tensors / None, copied on record, so that in-place
+  updates downstream cannot touch the record; a record is replayed once (it is dropped as it
+  is handed out), so the replay hands out the record itself and copies only if the module is
+  called again in the same forward (which recording rules out: only modules called once are
+  kept);
 - in a unit's last group, only when a forward of the whole unit follows (a block's outputs
   for the next block: ``fp8ptq.execution.block_inputs.run_block`` replays them and recomputes only
   ``down_proj`` and what follows it); otherwise nothing;
@@ -141,8 +144,15 @@ class PartialForwards:
 
 
 def _replayer(out):
+    """A ``forward`` that returns ``out``: the record itself the first time (nothing else holds
+    it), a copy on any later call."""
+    handed = []
+
     def forward(*_args, **_kwargs):
-        return _copy(out)
+        if handed:
+            return _copy(out)
+        handed.append(True)
+        return out
     return forward
 
 

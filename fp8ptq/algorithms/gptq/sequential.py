@@ -46,7 +46,7 @@ from ...model.forward import micro_batches, run_batch
 from ...model.gemm import weight_2d
 from ...model.lean import lean_forwards
 from ...observe.hessian import HessianCollector
-from .asym import AsymmetricCollector, asymmetric_target, input_quantizer
+from .asym import AsymmetricCollector, input_quantizer
 from .replay import PartialForwards
 from .sink import SinkCollector
 
@@ -257,8 +257,8 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
             aim = None
             if h is not None and floats.aim is not None:
                 w0 = weight_2d(t.module).detach().double()
-                # both collectors hand the sweep's Hessian and the cross term of ``W*``
-                aim = asymmetric_target(w0, h, hessians.cross_term(t.name), floats.aim.damp)
+                # each collector computes its own ``W*`` (the sink's from its kept rows)
+                aim = hessians.aim(t.name, w0, floats.aim.damp)
                 facts["aim_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
             quantize(t, h, aim)
@@ -334,11 +334,18 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     # RMSNorm they were a visible share of a sequential GPTQ quantize of SmolLM2 in a profile
     with collector.observing(), torch.inference_mode(), lean_forwards(unit), \
             lean_forwards(floats.unit) if floats.unit is not None else nullcontext():
-        # registered after the collector's hooks, so it runs after the last one
-        stop = group[-1].module.register_forward_pre_hook(_raise_stop)
+        # The members share one input tensor (``_groups_in_run_order``), so the first one's
+        # pre-hook sees it for all of them and the forward stops there: stopped at the last
+        # member, it had run the others' GEMMs first for nothing (q and k before v, gate
+        # before up: 3 of a Llama block's 7 per batch). Registered after the collector's
+        # hooks, so it runs after them.
+        observed = [t for t in group if t.name in collector.modules]
+        first = observed[0] if observed else group[-1]
+        collector.share([t.name for t in observed])
+        stop = first.module.register_forward_pre_hook(_raise_stop)
         if floats.unit is not None:
             handles = collector.float_hooks(floats.unit, {t.name: t.name for t in group})
-            handles.append(floats.unit.get_submodule(group[-1].name)
+            handles.append(floats.unit.get_submodule(first.name)
                            .register_forward_pre_hook(_raise_stop))
         try:
             for j, batch in distributed.shard(batches):

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...observe.hessian import HessianCollector
+from .asym import damped_cholesky
 
 
 class SinkCollector(HessianCollector):
@@ -53,6 +54,7 @@ class SinkCollector(HessianCollector):
         self.quantizers, self.weight = quantizers, weight
         # owner -> [(call index, [2, rows, features]: the inputs x and their rounding q)]
         self.first_rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._tilde: dict[str, torch.Tensor | None] = {}  # owner -> H~, once asked for
 
     def _accumulate(self, name: str, owner: str, x: torch.Tensor) -> None:
         super()._accumulate(name, owner, x)
@@ -66,23 +68,56 @@ class SinkCollector(HessianCollector):
         kept = self.first_rows.setdefault(owner, [])
         kept.append((len(kept), rows))
 
+    def _rows(self, owner: str, device) -> torch.Tensor:
+        """The kept first rows of ``owner``, ``[2, n, features]`` float64 (0: x, 1: q)."""
+        # (gathered across ranks they come back on the host)
+        return torch.cat([r.to(device) for _, r in self.first_rows[owner]], dim=1).double()
+
     def _with_sink(self, name: str, left: int) -> torch.Tensor | None:
         """``H + 2 weight mean_B(r q^T)`` with ``r`` the kept rows ``left`` (0: x, 1: q)."""
         h = self._scaled(self.sums, name)
         owner = self.alias.get(name, name)
         if h is None or not self.first_rows.get(owner):
             return h
-        # (gathered across ranks they come back on the host)
-        rows = torch.cat([r.to(h.device) for _, r in self.first_rows[owner]], dim=1).double()
-        return h + (2.0 * self.weight / rows.shape[1]) * (rows[left].T @ rows[1])
+        rows = self._rows(owner, h.device)
+        return h.addmm_(rows[left].T, rows[1], alpha=2.0 * self.weight / rows.shape[1])
 
     def hessian(self, name: str) -> torch.Tensor | None:
-        """``H~ = H + 2 weight mean_B(q q^T)`` [in, in]: what the column sweep takes too."""
-        return self._with_sink(name, 1)
+        """``H~ = H + 2 weight mean_B(q q^T)`` [in, in]: what the column sweep takes too.
+        Computed once per input (q/k/v share it) and kept while the collector lives; callers
+        do not modify it (the sweep copies what it changes)."""
+        owner = self.alias.get(name, name)
+        if owner not in self._tilde:
+            self._tilde[owner] = self._with_sink(name, 1)
+        return self._tilde[owner]
 
     def cross_term(self, name: str) -> torch.Tensor | None:
         """``C = H + 2 weight mean_B(x q^T)`` [in, in] (``C[i, j] = sum x_i q_j``)."""
         return self._with_sink(name, 0)
+
+    def aim(self, name: str, w0: torch.Tensor, damp: float) -> torch.Tensor:
+        """``W*`` of ``name`` (float64, [out, in]): ``asymmetric_target(w0, hessian(name),
+        cross_term(name), damp)``, computed from the kept rows instead of ``C``.
+
+        ``C - H~ = (2 weight / n) (X_B - Q_B)^T Q_B`` has the rank of the n first rows, so
+        ``W0 (C - H~) A^-1 = (2 weight / n) (W0 R^T) (A^-1 Q_B^T)^T`` with ``R = X_B - Q_B``
+        and ``A`` the dampened ``H~``: one Cholesky and a solve for n right-hand sides, where
+        the dense form builds ``C``, ``C - H~`` and an ``in x in`` solve. Why: those
+        ``in x in`` float64 temporaries, a few per GEMM, made the sink's share of a SmolLM2
+        quantize larger than the column sweeps' (docs/results.md, "Sequential GPTQ's
+        speed")."""
+        owner = self.alias.get(name, name)
+        H = self.hessian(name)
+        w0 = w0.double()
+        if H is None or not self.first_rows.get(owner):
+            return w0
+        H = H.to(w0.device)
+        rows = self._rows(owner, w0.device)
+        dead = torch.diagonal(H) == 0  # inputs always zero: W0's column is kept there
+        Q = rows[1].masked_fill(dead.unsqueeze(0), 0.0)  # [n, in]
+        low = (w0 @ (rows[0] - rows[1]).T).mul_(2.0 * self.weight / rows.shape[1])  # [out, n]
+        L = damped_cholesky(H, damp)
+        return torch.addmm(w0, low, torch.cholesky_solve(Q.T.contiguous(), L).T)
 
 
 __all__ = ["SinkCollector"]
