@@ -6,7 +6,8 @@
         [--fp8ptq NAME,...] [--timings] [--prefix CMD] [--setup-only]
 
 llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
-(``--system-site-packages``: it reuses the machine's CPU torch), created on first use with
+(``--system-site-packages``: it reuses the machine's CPU torch), built by ``--setup-only`` (the
+only step that installs anything; without the venv the comparison stops with that command) with
 ``pip install -c constraints.txt llmcompressor==0.14.0.1`` so that torch stays the CPU wheel
 (an unpinned resolve pulls GBs of CUDA); llm-compressor pins its own transformers (<= 5.17) and
 compressed-tensors (0.19) inside it. The venv must import a ``+cpu`` torch before anything runs.
@@ -121,8 +122,9 @@ json.dump({"scheme": scheme, "seconds_in_process": time.perf_counter() - t0,
 '''
 
 
-def ensure_venv() -> Path:
-    """Create/complete the llm-compressor venv; refuse if its torch is not the CPU wheel."""
+def build_venv() -> Path:
+    """Create / complete the llm-compressor venv (``--setup-only``: the one step that installs
+    anything); refuse if its torch is not the CPU wheel."""
     py = VENV / "bin/python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)],
@@ -137,6 +139,25 @@ def ensure_venv() -> Path:
     if "+cpu" not in got.stdout:
         raise SystemExit(f"llm-compressor venv has torch {got.stdout.strip()}, not the CPU wheel")
     return py
+
+
+def llmc_version(py: Path) -> str:
+    """What ``py`` imports: ``llm-compressor X (compressed-tensors Y, torch Z, transformers W)``;
+    exits with the command that builds the venv when llm-compressor does not import there (the
+    comparison installs nothing unless asked to: ``--setup-only``)."""
+    got = subprocess.run([str(py), "-c", "import llmcompressor, compressed_tensors, torch, "
+                          "transformers as t; print(llmcompressor.__version__, "
+                          "compressed_tensors.__version__, torch.__version__, t.__version__)"],
+                         capture_output=True, text=True) if Path(py).exists() else None
+    if got is None or got.returncode != 0:
+        raise SystemExit(f"error: llm-compressor does not import with {py}; this comparison "
+                         "installs nothing by itself: run `python benchmarks/"
+                         "compare_llmcompressor.py --setup-only` (pip install -c constraints.txt "
+                         f"llmcompressor=={LLMC_VERSION} into {VENV}) first")
+    llmc, ct, torch_v, tf = got.stdout.split()[-4:]
+    if "+cpu" not in torch_v:
+        raise SystemExit(f"error: the llm-compressor venv has torch {torch_v}, not the CPU wheel")
+    return f"llm-compressor {llmc} (compressed-tensors {ct}, torch {torch_v}, transformers {tf})"
 
 
 def hf_folder(gguf: Path, out: Path) -> Path:
@@ -236,10 +257,13 @@ def main(argv=None) -> None:
     ap.add_argument("--setup-only", action="store_true", help="build the venv and stop")
     ap.add_argument("--no-eval", action="store_true", help="quantize (and time) only")
     args = ap.parse_args(argv)
-    py = ensure_venv()
     if args.setup_only:
-        print(f"llm-compressor {LLMC_VERSION} venv ready: {py}")
+        py = build_venv()
+        print(f"{llmc_version(py)} venv ready: {py}")
         return
+    py = VENV / "bin/python"
+    ran = llmc_version(py)
+    print(f"running {ran} from {py}", flush=True)
     assets = Path(args.assets).resolve()
     m = study.MODELS[args.model]
     limit = args.articles if m["task"] == "wikitext" else args.questions
@@ -276,7 +300,7 @@ def main(argv=None) -> None:
                                                         + extra)),
                        "--checkpoints", ",".join(f"{Path(llmc[s]['path']).name}="
                                                  f"{llmc[s]['path']}" for s in schemes)])
-    report = {"llmcompressor": {"version": LLMC_VERSION, "runs": llmc},
+    report = {"llmcompressor": {"version": ran, "runs": llmc},
               "fp8ptq_timings": timings, "equivalent": EQUIVALENT, "report": rows}
     path = cache / "compare_llmcompressor.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

@@ -101,19 +101,6 @@ def article_slice(data: Path, first: int, n: int, out: Path) -> tuple[str, Path]
     return str(path), scores
 
 
-def llmc_version(py: Path) -> str:
-    got = subprocess.run([str(py), "-c", "import llmcompressor, compressed_tensors, torch, "
-                          "transformers as t; print(llmcompressor.__version__, "
-                          "compressed_tensors.__version__, torch.__version__, t.__version__)"],
-                         capture_output=True, text=True)
-    if got.returncode != 0:
-        raise SystemExit(f"llm-compressor does not import with {py} (this script installs "
-                         "nothing: run `python benchmarks/compare_llmcompressor.py "
-                         f"--setup-only` first):\n{got.stderr[-2000:]}")
-    llmc, ct, torch_v, tf = got.stdout.split()[-4:]
-    return f"llm-compressor {llmc} (compressed-tensors {ct}, torch {torch_v}, transformers {tf})"
-
-
 def child_env(threads: int) -> dict:
     return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads)}
@@ -341,9 +328,9 @@ def main(argv=None) -> str | None:
     out = Path(args.out).resolve() / f"smollm2-{args.articles}"
     out.mkdir(parents=True, exist_ok=True)
     calib = assets / "calib/wiki-paragraphs.txt"
-    src = cl.hf_folder(assets / MODELS["smollm2"]["spec"], Path(args.out).resolve() / "smollm2-hf")
     py = Path(args.llmc_python)
-    llmc = llmc_version(py) if "llmc" in tools or "report" in steps else ""
+    llmc = cl.llmc_version(py) if "llmc" in tools or "report" in steps else ""
+    src = cl.hf_folder(assets / MODELS["smollm2"]["spec"], Path(args.out).resolve() / "smollm2-hf")
     if llmc:
         print(f"running {llmc} from {py}", flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -82,3 +82,24 @@ def test_pooled_rows_sum_each_articles_columns():
     assert lo < both["metrics"][METRIC] < hi
     diff, ci = lvd.paired_diff(lvd.pooled([b, b]), both)
     assert diff < 0 and ci[1] < 0
+
+
+def test_the_comparison_installs_nothing_by_itself(tmp_path, monkeypatch):
+    """Without llm-compressor's venv both comparison scripts stop with one ``error:`` line
+    naming the command that builds it (``--setup-only``), before converting or writing
+    anything, and create no venv."""
+    import pytest
+
+    cl = lvd.cl
+    venv = tmp_path / "llmc-venv"
+    monkeypatch.setattr(cl, "VENV", venv)
+    out = tmp_path / "out"
+    for main, argv in ((cl.main, ["smollm2", "--no-eval", "--out", str(out)]),
+                       (lvd.main, ["--steps", "quantize", "--tools", "llmc",
+                                   "--llmc-python", str(venv / "bin/python"),
+                                   "--out", str(out)])):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert str(stop.value).startswith("error: llm-compressor does not import")
+        assert "--setup-only" in str(stop.value)
+    assert not venv.exists() and not (out / "smollm2-hf").exists()
