@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ..io.atomic import write_text
+from ..model.auto import is_causal_lm_name
 from .layouts import get_layout
 
 CARD_NAME = "README.md"
@@ -42,8 +43,7 @@ def render(meta: dict, config: dict) -> str:
     front = {"base_model": base if source.get("kind") == "hub" else None,
              "library_name": stored.library_name,
              "tags": tags, "pipeline_tag": "text-generation"
-             if any(a.endswith(("ForCausalLM", "LMHeadModel"))
-                    for a in meta.get("architectures") or []) else None}
+             if any(is_causal_lm_name(a) for a in meta.get("architectures") or []) else None}
     front = {k: v for k, v in front.items() if v is not None}
     modules = meta.get("modules") or {}
     formats = sorted({(m["weight_format"]["name"], (m.get("act_format") or {}).get("name"),

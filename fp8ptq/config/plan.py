@@ -23,6 +23,7 @@ from ..calibrators import registry as calibrators
 from ..errors import UsageError
 from ..formats import FormatSpec, get_format
 from ..formats.granularity import DYNAMIC_GRANULARITIES, weight_granularity
+from ..model.auto import is_causal_lm_name
 from ..model.experts import ExpertsInfo, find_experts, router_names
 from ..model.gemm import CONV_TYPES, find_gemms, is_depthwise, matches
 from ..nn.quant_gemm import QuantGemm
@@ -361,7 +362,7 @@ def build_plan(model: nn.Module, recipe: Recipe) -> QuantPlan:
 
 def is_causal_lm(model: nn.Module) -> bool:
     """A transformers causal language model (``...ForCausalLM`` / ``...LMHeadModel``)."""
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    return is_causal_lm_name(type(model).__name__)
 
 
 # What a step that builds its own (meta-device) model is handed instead of a plan: the run's

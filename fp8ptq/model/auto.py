@@ -38,6 +38,16 @@ class LoadedModel:
     resolved_path: str  # local folder, hub id, or for a .gguf its dequantized copy in the cache
 
 
+# transformers' class-name suffixes of a causal language model (its first token attends to
+# itself alone): what picks the Auto class, the card's pipeline tag and sink-aware GPTQ's default
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm_name(name: str) -> bool:
+    """``name`` (an architecture or model class name) is a causal language model's."""
+    return name.endswith(CAUSAL_LM_SUFFIXES)
+
+
 def model_class(config, task: str | None = None):
     """The Auto class for ``config``: ``task`` if given, else by ``config.architectures``."""
     if task is not None:
@@ -48,7 +58,7 @@ def model_class(config, task: str | None = None):
             return AutoModelForQuestionAnswering
         if arch.endswith("ForSequenceClassification"):
             return AutoModelForSequenceClassification
-        if arch.endswith(("ForCausalLM", "LMHeadModel")):
+        if is_causal_lm_name(arch):
             return AutoModelForCausalLM
     return AutoModel
 

@@ -146,12 +146,13 @@ class PartialForwards:
 def _replayer(out):
     """A ``forward`` that returns ``out``: the record itself the first time (nothing else holds
     it), a copy on any later call."""
-    handed = []
+    handed = False
 
     def forward(*_args, **_kwargs):
+        nonlocal handed
         if handed:
             return _copy(out)
-        handed.append(True)
+        handed = True
         return out
     return forward
 

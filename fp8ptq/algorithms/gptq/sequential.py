@@ -313,8 +313,9 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
 def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats,
                     partial: PartialForwards | None = None,
                     members: list | None = None, record: bool = True) -> HessianCollector:
-    """The group's Hessians from every batch, each forward stopped once the group's last
-    member has seen its input (nothing after it is needed); reduced across ranks. With a
+    """The group's Hessians from every batch, each forward stopped on entering the group's
+    first member (its input is every member's: nothing after it is needed); reduced across
+    ranks. With a
     float stream each batch first runs the float copy to the same point, for the cross
     terms (``AsymmetricCollector``)."""
     # one group's sums at a time: they stay on the device its inputs are on (``on_device``)
