@@ -4,6 +4,24 @@
         [--out out/recipes] [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8,GPTQ-FP8_DYNAMIC]
         (also MXFP8, GPTQ-MXFP8)
         [--fp8ptq NAME,...] [--timings] [--prefix CMD] [--setup-only]
+    python benchmarks/compare_llmcompressor.py --study [--steps accuracy,minilm,budget,speed]
+
+``--study`` is the whole head-to-head against llm-compressor's best recipe (GPTQ with
+``FP8_DYNAMIC``, and ``FP8_BLOCK`` where the widths allow) in one command, each step a run of
+the script that owns it (``STUDY``: the arguments ``docs/results.md``'s sections were generated
+with; every row cached, so a stopped study resumes where it stopped):
+
+- ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 5 calibration seeds, the default
+  and its factors one at a time (windows, samples x length, dampening, act-order, one-pass
+  Hessians, weight-scale rule, asymmetric and sink-aware GPTQ, rotation), both tools'
+  calibrate + quantize seconds and peak RSS;
+- ``minilm``: the same for MiniLM SQuAD, ``FP8_DYNAMIC`` and ``FP8_BLOCK``, 3 seeds;
+- ``budget``: ``error_budget.py`` on the seed-0 checkpoints: which share of the loss is the
+  weights', the activations', each GEMM kind's and the first token's;
+- ``speed``: the default's calibrate + quantize against ``oneshot`` at 64 x 512, back to back
+  in a fresh folder (``out/timing``; run it on a quiet machine).
+
+About 7 hours on a 2-core CPU, most of it the SmolLM2 factor rows.
 
 llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
 (``--system-site-packages``: it reuses the machine's CPU torch), built by ``--setup-only`` (the
@@ -120,6 +138,49 @@ json.dump({"scheme": scheme, "seconds_in_process": time.perf_counter() - t0,
            "llmcompressor": __import__("llmcompressor").__version__},
           open(out + "/llmc_run.json", "w"))
 '''
+
+
+# --study: (step, what it answers, script, argv). The SmolLM2 argv is the one of the
+# llmc-compare section; the error budget reads that run's seed-0 checkpoints.
+_BUDGET = ROOT / "out/llmc-vs-default/smollm2-5"
+STUDY = (
+    ("accuracy", "the default against GPTQ FP8_DYNAMIC on SmolLM2, factor by factor",
+     "llmc_vs_default",
+     ["--seeds", "0,1,2,3,4", "--num-samples", "64", "--articles", "5",
+      "--variant", "nosink@0,1,2,3,4=--gptq-sink 0", "--variant", "sink0.1=--gptq-sink 0.1",
+      "--variant", "sink2@0,1,2,3,4=--gptq-sink 2",
+      "--variant", "nosink-noao=--gptq-sink 0 --no-gptq-act-order",
+      "--variant", "onepass=--no-gptq-sequential",
+      "--variant", "nosink-random=--gptq-sink 0 --calib-windows random",
+      "--variant", "nosink-gmse=--gptq-sink 0 --weight-calib gptq-mse",
+      "--variant", "nosink-n128x256=--gptq-sink 0 --num-samples 128 --seq-len 256",
+      "--variant", "nosink-damp10=--gptq-sink 0 --gptq-damp 0.1",
+      "--variant", "nosink-hmse=--gptq-sink 0 --weight-calib gptq-hmse",
+      "--variant", "asym@0,1=--gptq-asym",
+      "--variant", "nosink-rotate@0,1=--gptq-sink 0 --rotate hadamard"]),
+    ("minilm", "the default against GPTQ FP8_DYNAMIC and FP8_BLOCK on MiniLM SQuAD",
+     "llmc_vs_default", ["minilm", "--schemes", "FP8_DYNAMIC,FP8_BLOCK", "--seeds", "0,1,2"]),
+    ("budget", "where the loss comes from", "error_budget",
+     [str(_BUDGET / "fp8ptq-nosink-n64-seed0"), str(_BUDGET / "fp8ptq-n64-seed0"),
+      "--windows", "4"]),
+    ("speed", "GPTQ's calibrate + quantize seconds, the two tools back to back",
+     "llmc_vs_default",
+     ["--out", str(ROOT / "out/timing"), "--seeds", "0", "--num-samples", "64",
+      "--steps", "quantize"]),
+)
+
+
+def run_study(steps: list[str], assets: str) -> None:
+    """The ``STUDY`` steps named, in order, each through its script's ``main``."""
+    import importlib
+    unknown = [x for x in steps if x not in {name for name, *_ in STUDY}]
+    if unknown:
+        raise SystemExit(f"error: unknown study step(s) {', '.join(unknown)}; known: "
+                         + ", ".join(name for name, *_ in STUDY))
+    for name, what, script, argv in STUDY:
+        if name in steps:
+            print(f"== {name}: {what} (benchmarks/{script}.py)", flush=True)
+            importlib.import_module(script).main([*argv, "--assets", assets])
 
 
 def build_venv() -> Path:
@@ -256,6 +317,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prefix", default="", help="command the quantize children run under")
     ap.add_argument("--setup-only", action="store_true", help="build the venv and stop")
     ap.add_argument("--no-eval", action="store_true", help="quantize (and time) only")
+    ap.add_argument("--study", action="store_true",
+                    help="the whole study against llm-compressor's GPTQ recipes (STUDY)")
+    ap.add_argument("--steps", default=",".join(name for name, *_ in STUDY),
+                    help="--study's steps")
     args = ap.parse_args(argv)
     if args.setup_only:
         py = build_venv()
@@ -264,6 +329,9 @@ def main(argv=None) -> None:
     py = VENV / "bin/python"
     ran = llmc_version(py)
     print(f"running {ran} from {py}", flush=True)
+    if args.study:
+        run_study([x for x in args.steps.split(",") if x], args.assets)
+        return
     assets = Path(args.assets).resolve()
     m = study.MODELS[args.model]
     limit = args.articles if m["task"] == "wikitext" else args.questions

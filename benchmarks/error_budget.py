@@ -106,14 +106,18 @@ def perplexity(model, windows) -> float:
     return math.exp(nll / count)
 
 
-def main(argv=None) -> str:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", nargs="+")
     ap.add_argument("--source")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     study_args(ap, "error-budget", "error-budget")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> str:
+    args = parser().parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)

@@ -1,6 +1,7 @@
 """fp8ptq's default recipe against llm-compressor's GPTQ ``FP8_DYNAMIC``: same model, same tokens.
 
-    python benchmarks/llmc_vs_default.py [--seeds 0,1,2] [--num-samples 64] [--articles 5]
+    python benchmarks/llmc_vs_default.py [smollm2|minilm] [--schemes FP8_DYNAMIC,FP8_BLOCK]
+        [--seeds 0,1,2] [--num-samples 64] [--articles 5] [--questions 3335]
         [--threads 2] [--steps quantize,eval,report] [--tools fp8ptq,llmc]
         [--variant NAME=FLAGS ...] [--out out/llmc-vs-default] [--doc docs/results.md]
         [--llmc-python ~/.cache/fp8ptq-bench/llmc-venv/bin/python] [--assets ../shared/assets]
@@ -15,26 +16,32 @@ Per calibration seed:
    window rule, ``--num-samples`` x 512 tokens of ``calib/wiki-paragraphs.txt``, that seed), as
    token ids. llm-compressor gets them pre-tokenized, so both tools calibrate on the same
    tokens (the sha256 of the ids is in each run's record).
-2. Both tools quantize SmolLM2-135M (the GGUF dequantized once to a float32 folder, the
-   source of both) in a child process each: ``fp8ptq quantize SRC --format e4m3 --seed S
-   --num-samples N --dtype float32`` (every other field at its default: channel weight
-   scales, dynamic per-token activations, sequential GPTQ with act-order) and
-   llm-compressor's ``oneshot`` with ``GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC",
-   ignore=["lm_head"])`` on the windows. Recorded: calibrate+quantize seconds (fp8ptq's own
+2. Both tools quantize the model (SmolLM2-135M: the GGUF dequantized once to a float32
+   folder, the source of both; MiniLM: its SQuAD folder as it is) in a child process each:
+   ``fp8ptq quantize SRC --format e4m3 --seed S --num-samples N --dtype float32`` (every other
+   field at its default: channel weight scales, dynamic per-token activations, sequential
+   GPTQ with act-order) and llm-compressor's ``oneshot`` with ``GPTQModifier(targets="Linear",
+   scheme="FP8_DYNAMIC", ignore=["lm_head"])`` (``qa_outputs`` for MiniLM) on the windows.
+   ``--schemes FP8_BLOCK`` pairs ``GPTQModifier(scheme="FP8_BLOCK")`` with the default plus
+   ``--scheme fp8-block --weight-calib gptq`` (128x128 weight blocks, dynamic 1x128 input
+   groups; only where every GEMM's widths are whole 128-blocks, as vLLM requires: MiniLM's
+   384 / 1536, not SmolLM2's 576). Recorded: calibrate+quantize seconds (fp8ptq's own
    stage timer; the wall time around ``oneshot`` for llm-compressor), the child's wall time
    and its peak RSS (``ru_maxrss``). ``--threads`` sets each child's torch threads.
    ``--variant NAME=FLAGS`` adds fp8ptq rows with extra quantize flags (one factor at a time)
    at the first seed, ``--variant NAME@0,1,2=FLAGS`` at those seeds (then also pooled).
 3. Evaluation: one harness for every folder, ``fp8ptq eval --compare DIR``'s
    (``benchmarks/recipe_study.py``'s cached rows): WikiText-2 test, first ``--articles``
-   articles, context 2048, word perplexity, both checkpoints loaded as checkpoints (fp8ptq's
+   articles, context 2048, word perplexity (MiniLM: the held-out SQuAD v1.1 split, first
+   ``--questions`` questions, F1), both checkpoints loaded as checkpoints (fp8ptq's
    through its fp8ptq.json, llm-compressor's as transformers serves it, activation
    quantization applied in forward), against one unquantized baseline (float32).
 4. Report: each delta with its paired bootstrap 95% interval against the baseline, and the
    paired difference fp8ptq minus llm-compressor (percent of llm-compressor's perplexity,
-   the same articles resampled for both): an interval entirely below zero is "strictly
-   better". Written to ``--out/report.json`` and ``section.md`` and spliced into ``--doc``'s
-   ``llmc-compare`` block.
+   the same articles resampled for both; F1 points for SQuAD, questions resampled): an
+   interval entirely below zero (above zero for F1) is "strictly better". Written to
+   ``--out/report.json`` and ``section.md`` and spliced into ``--doc``'s ``llmc-compare``
+   block (``llmc-compare-minilm`` for MiniLM).
 
 Steps are cached (folders, ``*.json`` rows), so a stopped run resumes; ``--steps`` and
 ``--tools`` split the work across processes (e.g. one quantizing while another evaluates).
@@ -49,6 +56,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,11 +73,44 @@ from fp8ptq.evals.stats import Records, paired_interval  # noqa: E402
 from fp8ptq.execution import job  # noqa: E402
 from fp8ptq.io.data import build_calibration_set  # noqa: E402
 
-SCHEME = "GPTQ-FP8_DYNAMIC"
+# llm-compressor scheme -> (its GPTQ recipe, fp8ptq's flags on top of the default, row tag)
+SCHEMES = {"FP8_DYNAMIC": ("GPTQ-FP8_DYNAMIC", [], ""),
+           "FP8_BLOCK": ("GPTQ-FP8_BLOCK", ["--scheme", "fp8-block", "--weight-calib", "gptq"],
+                         "block-")}
 # quantize flags that choose other calibration windows than llm-compressor is handed
 WINDOW_FLAGS = ("--num-samples", "--seq-len", "--calib-windows")
-METRIC = "wikitext.word_perplexity"
-TASK = "wikitext"
+
+
+@dataclass(frozen=True)
+class Score:
+    """What a model is scored by: the task, its metric, and which way is better. Perplexity
+    differences are in percent of llm-compressor's; F1 differences in points."""
+    task: str
+    metric: str  # "task.name", a key of a row's metrics
+    lower_is_better: bool
+    model: str  # the protocol's sentence on the model
+    data: str  # ... and on the evaluation slice (formatted with the row count)
+
+    @property
+    def unit(self) -> str:
+        return "%" if self.lower_is_better else " pts"
+
+    def strict(self, ci) -> bool:
+        """The paired interval of fp8ptq minus llm-compressor lies wholly on the better side."""
+        return bool(ci) and (ci[1] < 0 if self.lower_is_better else ci[0] > 0)
+
+
+SCORES = {
+    "smollm2": Score("wikitext", "wikitext.word_perplexity", True,
+                     "SmolLM2-135M (Q4_1 GGUF dequantized to a float32 folder, the source of "
+                     "both tools; float32 throughout)",
+                     "WikiText-2 test, articles {first}-{last}, context 2048, word perplexity"),
+    "minilm": Score("squad", "squad.f1", False,
+                    "MiniLM fine-tuned for SQuAD (float32 folder, the source of both tools)",
+                    "SQuAD v1.1 held-out split, questions {first}-{last}, F1"),
+}
+SCORE = SCORES["smollm2"]
+METRIC, TASK = SCORE.metric, SCORE.task
 
 
 def windows_file(src: Path, calib: Path, n: int, seed: int, out: Path) -> Path:
@@ -106,12 +147,13 @@ def child_env(threads: int) -> dict:
             "MKL_NUM_THREADS": str(threads)}
 
 
-def quantize_llmc(py: Path, src: Path, windows: Path, n: int, dest: Path, threads: int) -> dict:
+def quantize_llmc(py: Path, src: Path, windows: Path, n: int, dest: Path, threads: int,
+                  scheme: str = "GPTQ-FP8_DYNAMIC", task: str = "causal-lm") -> dict:
     facts_file = dest / "llmc_run.json"
     if not facts_file.exists():
         t0 = time.perf_counter()
-        subprocess.run([str(py), "-c", cl.CHILD, str(src), SCHEME, str(dest), str(windows),
-                        str(n), "512", "causal-lm"], check=True, env=child_env(threads))
+        subprocess.run([str(py), "-c", cl.CHILD, str(src), scheme, str(dest), str(windows),
+                        str(n), "512", task], check=True, env=child_env(threads))
         facts = json.loads(facts_file.read_text())
         facts.update(wall_seconds=time.perf_counter() - t0, threads=threads,
                      windows_sha256=json.loads(windows.read_text())["sha256"],
@@ -151,15 +193,25 @@ def parse_variant(spec: str, first_seed: int) -> tuple[str, set[int], str]:
     return name, {int(s) for s in at.split(",")} if at else {first_seed}, flags
 
 
-def paired_diff(ours: dict, theirs: dict) -> tuple[float, list[float] | None]:
-    """fp8ptq minus llm-compressor in percent of llm-compressor's perplexity, paired 95% CI."""
-    iv = paired_interval(records_from_json(theirs["records"])[TASK],
-                         records_from_json(ours["records"])[TASK], METRIC.partition(".")[2])
-    a, b = ours["metrics"][METRIC], theirs["metrics"][METRIC]
-    return 100 * (a / b - 1), iv and iv["pct_ci95"]
+def paired_diff(ours: dict, theirs: dict, score: Score = SCORE
+                ) -> tuple[float, list[float] | None]:
+    """fp8ptq minus llm-compressor with its paired 95% interval: in percent of
+    llm-compressor's perplexity, or in points of F1."""
+    iv = paired_interval(records_from_json(theirs["records"])[score.task],
+                         records_from_json(ours["records"])[score.task],
+                         score.metric.partition(".")[2])
+    a, b = ours["metrics"][score.metric], theirs["metrics"][score.metric]
+    if score.lower_is_better:
+        return 100 * (a / b - 1), iv and iv["pct_ci95"]
+    return a - b, iv and iv["ci95"]
 
 
-def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict) -> str:
+def _span(d: float, ci, unit: str) -> str:
+    return f"{d:+.2f}{unit}" + (f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else "")
+
+
+def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict,
+            score: Score = SCORE) -> str:
     base = by_name["baseline"]
     pairs = [(f, facts[f["against"]]) for f in facts.values() if f.get("against")]
     # rows whose flags choose other windows (--num-samples, --seq-len, --calib-windows)
@@ -170,27 +222,37 @@ def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict) -> s
     windows = ("agrees at every seed" if not other else
                "DIFFERS for " + ", ".join(moved) if moved else
                "agrees at every seed except for the rows whose flags choose other windows")
+    schemes = getattr(args, "schemes", "FP8_DYNAMIC").split(",")
+    first = getattr(args, "first_article", 1)
+    count = args.articles if score.lower_is_better else args.questions
+    model = getattr(args, "model", "smollm2")
+    ppl = score.lower_is_better
     lines = [
-        "## fp8ptq's default recipe against llm-compressor's GPTQ FP8_DYNAMIC"
-        + ("" if args.first_article == 1 else
-           f": selection slice (articles {args.first_article}-"
-           f"{args.first_article + args.articles - 1})"), "",
+        "## fp8ptq's default recipe against llm-compressor's GPTQ " + " and ".join(schemes)
+        + ("" if model == "smollm2" else f": {model}")
+        + ("" if first == 1 else f": selection slice (articles {first}-{first + count - 1})"),
+        "",
         "Generated by `python benchmarks/llmc_vs_default.py "
-        f"--seeds {args.seeds} --num-samples {args.num_samples} --articles {args.articles} "
-        + ("" if args.first_article == 1 else f"--first-article {args.first_article} ")
+        + ("" if model == "smollm2" else f"{model} ")
+        + ("" if schemes == ["FP8_DYNAMIC"] else f"--schemes {','.join(schemes)} ")
+        + f"--seeds {args.seeds} --num-samples {args.num_samples} "
+        + (f"--articles {args.articles} " if ppl else f"--questions {args.questions} ")
+        + ("" if first == 1 else f"--first-article {first} ")
         + f"--threads {args.threads}" + "".join(f" --variant '{v}'" for v in args.variant)
         + (" --note ..." if args.note else "")
         + "`.", "",
-        "Model SmolLM2-135M (Q4_1 GGUF dequantized to a float32 folder, the source of both "
-        "tools; float32 throughout), "
-        + f"WikiText-2 test, articles {args.first_article}-"
-        f"{args.first_article + args.articles - 1}, "
-        "context 2048, word perplexity, every folder scored by `fp8ptq eval --compare DIR`'s "
-        "harness against one unquantized baseline. fp8ptq: `fp8ptq quantize SRC --format e4m3 "
-        f"--num-samples {args.num_samples} --seed S --dtype float32` (the default recipe: "
-        "channel weight scales, dynamic per-token activations, sequential GPTQ with act-order, "
-        "document windows). llm-compressor: `oneshot` with `GPTQModifier(targets=\"Linear\", "
-        "scheme=\"FP8_DYNAMIC\", ignore=[\"lm_head\"])`, given fp8ptq's own calibration "
+        f"Model {score.model}, "
+        + score.data.format(first=first, last=first + count - 1) + ", every folder scored by "
+        "`fp8ptq eval --compare DIR`'s harness against one unquantized baseline. fp8ptq: "
+        f"`fp8ptq quantize SRC --format e4m3 --num-samples {args.num_samples} --seed S "
+        "--dtype float32` (the default recipe: channel weight scales, dynamic per-token "
+        "activations, sequential GPTQ with act-order, document windows"
+        + ("" if schemes == ["FP8_DYNAMIC"] else
+           "; the `FP8_BLOCK` rows add `--scheme fp8-block --weight-calib gptq`: 128x128 "
+           "weight blocks, dynamic 1x128 input groups, the same GPTQ") + "). llm-compressor: "
+        "`oneshot` with `GPTQModifier(targets=\"Linear\", scheme=S, ignore=[\""
+        + ("lm_head" if ppl else "qa_outputs") + "\"])`, S " + " / ".join(schemes)
+        + ", given fp8ptq's own calibration "
         f"windows for that seed ({args.num_samples} x 512 token ids; the sha256 of the ids "
         f"recorded by both runs {windows}), "
         f"{meta['llmc']}; fp8ptq {meta['fp8ptq']}. Machine: {platform.machine()} "
@@ -201,71 +263,90 @@ def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict) -> s
         "`oneshot` for llm-compressor), and in parentheses the whole child (load, quantize, "
         "save); peak RSS: the child's `ru_maxrss`." + (f" {args.note}" if args.note else ""),
         "",
-        f"Baseline: {base['metrics'][METRIC]:.3f}. Delta: relative word perplexity against it, "
-        "paired bootstrap 95% interval over the articles. fp8ptq - llmc: the paired "
-        "difference in percent of llm-compressor's perplexity; strictly better when its "
-        "interval lies entirely below zero.", "",
-        "| seed | tool | word ppl | delta (95% CI) | fp8ptq - llmc (95% CI) | quantize s | "
-        "peak RSS MB | load |",
+        f"Baseline: {base['metrics'][score.metric]:.3f}. Delta: "
+        + ("relative word perplexity" if ppl else "F1 points") + " against it, "
+        "paired bootstrap 95% interval over the " + ("articles" if ppl else "questions")
+        + ". fp8ptq - llmc: the paired difference "
+        + ("in percent of llm-compressor's perplexity" if ppl else "in F1 points")
+        + "; strictly better when its interval lies entirely "
+        + ("below" if ppl else "above") + " zero.", "",
+        "| seed | tool | " + ("word ppl" if ppl else "F1") + " | delta (95% CI) | "
+        "fp8ptq - llmc (95% CI) | quantize s | peak RSS MB | load |",
         "|---|---|---|---|---|---|---|---|"]
     for name in [r["name"] for r in rows[1:]]:
         v, f = by_name[name], facts[name]
-        lo, hi = v["deltas_pct_ci95"][METRIC]
+        if ppl:
+            lo, hi = v["deltas_pct_ci95"][score.metric]
+            delta = f"{v['deltas_pct'][score.metric]:+.2f}% ({lo:+.2f}..{hi:+.2f})"
+        else:
+            lo, hi = v["deltas_ci95"][score.metric]
+            delta = f"{v['deltas'][score.metric]:+.2f} ({lo:+.2f}..{hi:+.2f})"
         cell = "-"
         if f.get("against"):
-            d, ci = paired_diff(f["row"], facts[f["against"]]["row"])
-            cell = f"{d:+.2f}% ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else f"{d:+.2f}%"
-            if ci and ci[1] < 0:
+            d, ci = paired_diff(f["row"], facts[f["against"]]["row"], score)
+            cell = _span(d, ci, "%" if ppl else "")
+            if score.strict(ci):
                 cell = f"**{cell}**"
         load = ", ".join(f"{x:.1f}" for x in f["load_after"])
-        lines.append(f"| {f['seed']} | {f['label']} | {v['metrics'][METRIC]:.3f} | "
-                     f"{v['deltas_pct'][METRIC]:+.2f}% ({lo:+.2f}..{hi:+.2f}) | {cell} | "
+        lines.append(f"| {f['seed']} | {f['label']} | {v['metrics'][score.metric]:.3f} | "
+                     f"{delta} | {cell} | "
                      f"{f['cq']:.0f} ({f['wall']:.0f}) | {f['rss']:.0f} | {load} |")
-    lines += ["", *summary_lines(facts)]
+    lines.append("")
+    for scheme in schemes:
+        of = {k: f for k, f in facts.items() if f.get("scheme", "FP8_DYNAMIC") == scheme}
+        lines += summary_lines(of, score, "" if len(schemes) == 1 else f"{scheme}: ")
     return "\n".join(lines).rstrip() + "\n"
 
 
-def pooled(rows: list[dict]) -> dict:
-    """One row whose per-article columns are the sums of ``rows``' (same articles): its
-    perplexity is the seeds' pooled one, and its articles still pair with another pool's."""
-    recs = [records_from_json(r["records"])[TASK] for r in rows]
+def pooled(rows: list[dict], score: Score = SCORE) -> dict:
+    """One row whose per-sample columns are the means of ``rows``' (same articles or
+    questions): its metric is the seeds' pooled one (perplexity from the summed
+    log-likelihoods and words; F1 the mean over seeds), and its samples still pair with
+    another pool's."""
+    recs = [records_from_json(r["records"])[score.task] for r in rows]
     first = recs[0]
-    summed = Records(first.ids, {k: sum(r.columns[k] for r in recs) for k in first.columns},
-                     first.formulas, first.scale)
-    metric = METRIC.partition(".")[2]
-    return {"metrics": {METRIC: float(summed.metric(metric))},
-            "records": {TASK: records_to_json({TASK: summed})[TASK]}}
+    summed = Records(first.ids, {k: sum(r.columns[k] for r in recs) / len(recs)
+                                 for k in first.columns}, first.formulas, first.scale)
+    metric = score.metric.partition(".")[2]
+    return {"metrics": {score.metric: float(summed.metric(metric))},
+            "records": {score.task: records_to_json({score.task: summed})[score.task]}}
 
 
-def summary_lines(facts: dict) -> list[str]:
+def summary_lines(facts: dict, score: Score = SCORE, lead: str = "") -> list[str]:
     """Per seed, whether the default is strictly better; each variant against the default of
-    its seed (paired, in percent of the default's perplexity)."""
+    its seed (paired: in percent of the default's perplexity, or F1 points)."""
     default = {f["seed"]: f for f in facts.values() if f.get("against") and not f.get("flags")}
     if not default:
         return []
+    unit = score.unit
     wins = [s for s, f in default.items()
-            if (paired_diff(f["row"], facts[f["against"]]["row"])[1] or [0, 0])[1] < 0]
-    out = [f"The default strictly better (paired interval below zero) at {len(wins)} of "
+            if score.strict(paired_diff(f["row"], facts[f["against"]]["row"], score)[1])]
+    side = "below" if score.lower_is_better else "above"
+    out = [f"{lead}The default strictly better (paired interval {side} zero) at {len(wins)} of "
            f"{len(default)} seed(s)" + (f" ({', '.join(map(str, sorted(wins)))})" if wins
                                        else "") + "."]
     if len(default) > 1:
-        ours = pooled([f["row"] for f in default.values()])
-        theirs = pooled([facts[f["against"]]["row"] for f in default.values()])
-        d, ci = paired_diff(ours, theirs)
-        span = f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else ""
-        out.append(f"Pooled over seeds {', '.join(map(str, sorted(default)))} (each article's "
-                   f"log-likelihood and words summed over the seeds, articles resampled): "
-                   f"fp8ptq - llmc {d:+.2f}%{span}; the seeds themselves are not resampled, "
-                   "so the interval holds the articles' noise only.")
+        ours = pooled([f["row"] for f in default.values()], score)
+        theirs = pooled([facts[f["against"]]["row"] for f in default.values()], score)
+        d, ci = paired_diff(ours, theirs, score)
+        each = ", ".join(f"{paired_diff(f['row'], facts[f['against']]['row'], score)[0]:+.2f}"
+                         for _, f in sorted(default.items()))
+        out.append(f"{lead}Pooled over seeds {', '.join(map(str, sorted(default)))} (each "
+                   + ("article's log-likelihood and words summed" if score.lower_is_better
+                      else "question's F1 averaged")
+                   + " over the seeds, "
+                   + ("articles" if score.lower_is_better else "questions") + " resampled): "
+                   f"fp8ptq - llmc {_span(d, ci, unit)}; per seed {each}; the seeds themselves "
+                   "are not resampled, so the interval holds the samples' noise only.")
     variants = [f for f in facts.values() if f.get("flags") and f["seed"] in default]
     for f in variants:
         base = _base_variant(f, variants)
         against = default[f["seed"]] if base is None else base
-        d, ci = paired_diff(f["row"], against["row"])
-        span = f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else ""
+        d, ci = paired_diff(f["row"], against["row"], score)
         what = "the default" if base is None else f"`{' '.join(base['flags'])}`"
-        out.append(f"`{' '.join(f['flags'])}` against {what}, seed {f['seed']}: {d:+.2f}%{span}.")
-    return out + pooled_variant_lines(facts, default)
+        out.append(f"{lead}`{' '.join(f['flags'])}` against {what}, seed {f['seed']}: "
+                   f"{_span(d, ci, unit)}.")
+    return out + [lead + x for x in pooled_variant_lines(facts, default, score)]
 
 
 def _base_variant(f: dict, variants: list[dict]) -> dict | None:
@@ -276,7 +357,7 @@ def _base_variant(f: dict, variants: list[dict]) -> dict | None:
     return max(bases, key=lambda g: len(g["flags"]), default=None)
 
 
-def pooled_variant_lines(facts: dict, default: dict) -> list[str]:
+def pooled_variant_lines(facts: dict, default: dict, score: Score = SCORE) -> list[str]:
     """A variant measured at two or more seeds, pooled as the default is: against
     llm-compressor and against the default of the same seeds."""
     by_flags: dict[tuple, list[dict]] = {}
@@ -288,24 +369,29 @@ def pooled_variant_lines(facts: dict, default: dict) -> list[str]:
         if len(fs) < 2:
             continue
         seeds = sorted(f["seed"] for f in fs)
-        ours = pooled([f["row"] for f in fs])
+        ours = pooled([f["row"] for f in fs], score)
         cells = []
         for label, others in (("llmc", [facts[f["against"]]["row"] for f in fs]),
                               ("the default", [default[f["seed"]]["row"] for f in fs])):
-            d, ci = paired_diff(ours, pooled(others))
-            span = f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else ""
-            cells.append(f"minus {label} {d:+.2f}%{span}")
+            d, ci = paired_diff(ours, pooled(others, score), score)
+            cells.append(f"minus {label} {_span(d, ci, score.unit)}")
         out.append(f"`{' '.join(flags)}` pooled over seeds {', '.join(map(str, seeds))}: "
                    + "; ".join(cells) + ".")
     return out
 
 
-def main(argv=None) -> str | None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", choices=sorted(SCORES), nargs="?", default="smollm2")
     study_args(ap, "llmc-vs-default", "llmc-compare")
+    ap.add_argument("--schemes", default="FP8_DYNAMIC",
+                    help="llm-compressor GPTQ schemes to pair: FP8_DYNAMIC (with fp8ptq's "
+                         "default), FP8_BLOCK (with the default + --scheme fp8-block "
+                         "--weight-calib gptq)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--articles", type=int, default=5)
+    ap.add_argument("--questions", type=int, default=3335, help="SQuAD questions (minilm)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads per process")
     ap.add_argument("--steps", default="quantize,eval,report")
     ap.add_argument("--tools", default="fp8ptq,llmc")
@@ -320,80 +406,105 @@ def main(argv=None) -> str | None:
                          "a selection slice disjoint from the report's first articles; its "
                          "scores are cached under --out/smollm2-5-from-K (the checkpoints "
                          "are the ones in --out/smollm2-5)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> str | None:
+    args = parser().parse_args(argv)
+    score = SCORES[args.model]
+    schemes = [x for x in args.schemes.split(",") if x]
+    unknown = [x for x in schemes if x not in SCHEMES]
+    if unknown:
+        raise SystemExit(f"error: unknown scheme(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(SCHEMES)}")
+    if args.first_article != 1 and args.model != "smollm2":
+        raise SystemExit("error: --first-article is for WikiText (smollm2) only")
     steps, tools = set(args.steps.split(",")), set(args.tools.split(","))
     import torch
     torch.set_num_threads(args.threads)
     assets = Path(args.assets).resolve()
-    out = Path(args.out).resolve() / f"smollm2-{args.articles}"
+    limit = args.articles if score.lower_is_better else args.questions
+    out = Path(args.out).resolve() / f"{args.model}-{limit}"
     out.mkdir(parents=True, exist_ok=True)
     calib = assets / "calib/wiki-paragraphs.txt"
     py = Path(args.llmc_python)
     llmc = cl.llmc_version(py) if "llmc" in tools or "report" in steps else ""
-    src = cl.hf_folder(assets / MODELS["smollm2"]["spec"], Path(args.out).resolve() / "smollm2-hf")
+    spec = MODELS[args.model]
+    src = (cl.hf_folder(assets / spec["spec"], Path(args.out).resolve() / "smollm2-hf")
+           if args.model == "smollm2" else assets / spec["spec"])
     if llmc:
         print(f"running {llmc} from {py}", flush=True)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
     variants = [parse_variant(v, seeds[0]) for v in args.variant]
     n = args.num_samples
-    # rows: (name, tool, seed, flags, against)
+    # rows: (name, tool, seed, flags, against, scheme); flags: the variant's, on top of the
+    # scheme's own (SCHEMES)
     plan = []
-    for s in seeds:
-        tag = f"n{n}-seed{s}"
-        plan.append((f"llmc-{tag}", "llmc", s, None, None))
-        plan.append((f"fp8ptq-{tag}", "fp8ptq", s, [], f"llmc-{tag}"))
-        plan += [(f"fp8ptq-{k}-{tag}", "fp8ptq", s, f.split(), f"llmc-{tag}")
-                 for k, at, f in variants if s in at]
+    for scheme in schemes:
+        tag = SCHEMES[scheme][2]
+        for x in seeds:
+            row = f"{tag}n{n}-seed{x}"
+            plan.append((f"llmc-{row}", "llmc", x, None, None, scheme))
+            plan.append((f"fp8ptq-{row}", "fp8ptq", x, [], f"llmc-{row}", scheme))
+            plan += [(f"fp8ptq-{k}-{row}", "fp8ptq", x, f.split(), f"llmc-{row}", scheme)
+                     for k, at, f in variants if x in at]
     plan = [p for p in plan if p[1] in tools] if "report" not in steps else plan
+    task = "causal-lm" if score.lower_is_better else "qa"
     facts = {}
     if "quantize" in steps:
-        for name, tool, s, flags, _ in plan:
+        for name, tool, x, flags, _, scheme in plan:
             dest = out / name
             t0 = time.strftime("%H:%M", time.gmtime())
             if tool == "llmc":
-                w = windows_file(src, calib, n, s, out)
-                f = quantize_llmc(py, src, w, n, dest, args.threads)
+                w = windows_file(src, calib, n, x, out)
+                f = quantize_llmc(py, src, w, n, dest, args.threads, SCHEMES[scheme][0], task)
                 print(f"{name} (from {t0}): oneshot {f.get('oneshot_seconds', 0):.0f} s, "
                       f"child {f['wall_seconds']:.0f} s, {f['peak_rss_mb']:.0f} MB", flush=True)
             else:
-                f = quantize_fp8ptq(src, calib, n, s, dest, flags, args.threads)
+                f = quantize_fp8ptq(src, calib, n, x, dest, SCHEMES[scheme][1] + flags,
+                                    args.threads)
                 print(f"{name} (from {t0}): calibrate+quantize "
                       f"{f['calibrate_quantize_seconds']:.0f} s, child {f['wall_seconds']:.0f}"
                       f" s, {f['peak_rss_mb']:.0f} MB", flush=True)
     if not steps & {"eval", "report"}:
         return None
     base = Recipe(calib_data=str(calib), dtype="float32")
-    eval_data, scores = str(assets / MODELS["smollm2"]["data"]), out
+    eval_data, scores = str(assets / spec["data"]), out
     if args.first_article != 1:
         eval_data, scores = article_slice(Path(eval_data), args.first_article, args.articles, out)
-    eval_kwargs = {"data": {TASK: eval_data},
-                   "limit": args.articles, "seq_len": 2048, "batch_size": None}
+    eval_kwargs = {"data": {score.task: eval_data},
+                   "limit": limit, "seq_len": spec["seq_len"], "batch_size": None}
     texts = job.calibration_texts(base, str(src))
-    docs = [run_one("baseline", None, str(src), base, texts, TASK, eval_kwargs, scores)]
-    for name, tool, s, flags, against in plan:
+    docs = [run_one("baseline", None, str(src), base, texts, score.task, eval_kwargs, scores)]
+    for name, tool, x, flags, against, scheme in plan:
         dest = out / name
         if not dest.exists():
             print(f"{name}: not quantized yet, skipped", flush=True)
             continue
-        doc = run_one(name, {}, str(src), base, texts, TASK, eval_kwargs, scores,
+        doc = run_one(name, {}, str(src), base, texts, score.task, eval_kwargs, scores,
                       checkpoint=str(dest))
         docs.append(doc)
-        print(f"{name}: {doc['metrics'][METRIC]:.3f} ({doc['wall_seconds']:.0f} s)", flush=True)
+        print(f"{name}: {doc['metrics'][score.metric]:.3f} ({doc['wall_seconds']:.0f} s)",
+              flush=True)
+        what = "" if scheme == "FP8_DYNAMIC" else f" `{scheme}`"
         if tool == "llmc":
             f = json.loads((dest / "llmc_run.json").read_text())
-            facts[name] = {"label": "llm-compressor", "cq": f.get("oneshot_seconds", 0.0),
+            facts[name] = {"label": "llm-compressor" + what,
+                           "cq": f.get("oneshot_seconds", 0.0),
                            "wall": f["wall_seconds"], "rss": f["peak_rss_mb"],
                            "load_after": f["load_after"], "version": f["llmcompressor"],
                            "windows_sha256": f["windows_sha256"]}
         else:
             f = json.loads(dest.with_name(dest.name + ".quantize.json").read_text())
-            label = "fp8ptq default" if not flags else f"fp8ptq default `{' '.join(flags)}`"
+            label = "fp8ptq default" + (f" + `{' '.join(SCHEMES[scheme][1])}`" if what else "")
+            label += f" `{' '.join(flags)}`" if flags else ""
             calib_meta = json.loads((dest / "fp8ptq.json").read_text())["calibration"]
             facts[name] = {"label": label, "cq": f["calibrate_quantize_seconds"],
                            "wall": f["wall_seconds"], "rss": f["peak_rss_mb"],
                            "load_after": f["load_after"], "flags": flags,
                            "windows_sha256": calib_meta["sha256"]}
-        facts[name].update(seed=s, row=doc, against=against if against in facts else None)
+        facts[name].update(seed=x, row=doc, scheme=scheme,
+                           against=against if against in facts else None)
     if "report" not in steps:
         return None
     rows = [{**d, "records": records_from_json(d["records"])} for d in docs]
@@ -407,13 +518,15 @@ def main(argv=None) -> str | None:
                       f"transformers {transformers.__version__})",
             "llmc": llmc, "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "load": ", ".join(f"{x:.1f}" for x in os.getloadavg())}
-    text = section(docs, by_name, facts, args, meta)
+    text = section(docs, by_name, facts, args, meta, score)
     summary = {k: {kk: vv for kk, vv in f.items() if kk != "row"} for k, f in facts.items()}
     for k, f in facts.items():
         if f.get("against"):
-            d, ci = paired_diff(f["row"], facts[f["against"]]["row"])
-            summary[k]["minus_llmc_pct"], summary[k]["minus_llmc_pct_ci95"] = d, ci
-    block = "llmc-compare" if args.first_article == 1 else "llmc-compare-selection"
+            d, ci = paired_diff(f["row"], facts[f["against"]]["row"], score)
+            summary[k]["minus_llmc"], summary[k]["minus_llmc_ci95"] = d, ci
+            summary[k]["minus_llmc_unit"] = score.unit.strip()
+    block = ("llmc-compare" + ("" if args.model == "smollm2" else f"-{args.model}")
+             + ("" if args.first_article == 1 else "-selection"))
     return write_section(scores, {"llmcompressor": llmc, "rows": summary, "report": report_doc},
                          text, args.doc, block)
 

@@ -103,3 +103,47 @@ def test_the_comparison_installs_nothing_by_itself(tmp_path, monkeypatch):
         assert str(stop.value).startswith("error: llm-compressor does not import")
         assert "--setup-only" in str(stop.value)
     assert not venv.exists() and not (out / "smollm2-hf").exists()
+
+
+def test_the_study_steps_are_arguments_their_scripts_accept():
+    """``compare_llmcompressor.py --study`` runs each step through its script's ``main``: every
+    step's arguments parse with that script's parser (a renamed or removed flag fails here, not
+    hours into a study), and every SmolLM2 variant is a flag ``fp8ptq quantize`` takes."""
+    import importlib
+
+    from fp8ptq.cli.main import main as cli
+
+    cl = lvd.cl
+    assert [name for name, *_ in cl.STUDY] == ["accuracy", "minilm", "budget", "speed"]
+    quantize = cli.get_command(None, "quantize")
+    known = {o for p in quantize.params for o in (*p.opts, *p.secondary_opts)}
+    for _name, _what, script, argv in cl.STUDY:
+        args = importlib.import_module(script).parser().parse_args([*argv, "--assets", "x"])
+        for spec in getattr(args, "variant", []):
+            _, _, flags = lvd.parse_variant(spec, 0)
+            for flag in (f for f in flags.split() if f.startswith("--")):
+                assert flag in known, flag
+    minilm = lvd.parser().parse_args(cl.STUDY[1][3])
+    assert minilm.model == "minilm" and minilm.schemes == "FP8_DYNAMIC,FP8_BLOCK"
+
+
+def test_squad_differences_are_points_and_better_is_higher():
+    """MiniLM's rows: F1 differences in points, strictly better when the interval is above
+    zero; pooled F1 is the mean over seeds."""
+    score = lvd.SCORES["minilm"]
+
+    def row(f1):
+        f1 = np.array(f1, dtype=float)
+        return {"metrics": {score.metric: float(f1.mean())},
+                "records": {"squad": {"ids": list(range(len(f1))), "columns": {"f1": f1.tolist()},
+                                      "formulas": {"f1": ["mean", "f1", None]}, "scale": {}}}}
+
+    theirs = row([50, 60, 70, 80, 90, 40, 30, 20])
+    ours = row([52, 61, 71, 83, 91, 42, 31, 22])
+    d, ci = lvd.paired_diff(ours, theirs, score)
+    assert np.isclose(d, 1.625) and score.strict(ci) and ci[0] > 0
+    back, ci_back = lvd.paired_diff(theirs, ours, score)
+    assert back < 0 and not score.strict(ci_back)
+    both = lvd.pooled([ours, theirs], score)
+    assert np.isclose(both["metrics"][score.metric],
+                      (ours["metrics"][score.metric] + theirs["metrics"][score.metric]) / 2)
