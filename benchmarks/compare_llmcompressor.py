@@ -22,7 +22,7 @@ with; every row cached, so a stopped study resumes where it stopped):
   in a fresh folder (``out/timing``; run it on a quiet machine).
 
 Hours on a 2-core CPU: the ``minilm`` step took 1.5 h here (12 quantizations, 13 evaluations
-of 3,335 questions), ``accuracy`` (53 checkpoints) most of a working day.
+of 3,335 questions), ``accuracy`` (32 checkpoints) most of a working day.
 
 llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
 (``--system-site-packages``: it reuses the machine's CPU torch), built by ``--setup-only`` (the
