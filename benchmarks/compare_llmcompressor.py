@@ -11,7 +11,7 @@
 the script that owns it (``STUDY``: the arguments ``docs/results.md``'s sections were generated
 with; every row cached, so a stopped study resumes where it stopped):
 
-- ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 5 calibration seeds, the default
+- ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 10 calibration seeds, the default
   and its factors one at a time (windows, samples x length, dampening, act-order, one-pass
   Hessians, weight-scale rule, asymmetric and sink-aware GPTQ, rotation), both tools'
   calibrate + quantize seconds and peak RSS;
@@ -22,7 +22,7 @@ with; every row cached, so a stopped study resumes where it stopped):
   in a fresh folder (``out/timing``; run it on a quiet machine).
 
 Hours on a 2-core CPU: the ``minilm`` step took 1.5 h here (12 quantizations, 13 evaluations
-of 3,335 questions), ``accuracy`` (32 checkpoints) most of a working day.
+of 3,335 questions), ``accuracy`` (42 checkpoints) most of a working day.
 
 llm-compressor runs in its own virtual environment, ``~/.cache/fp8ptq-bench/llmc-venv``
 (``--system-site-packages``: it reuses the machine's CPU torch), built by ``--setup-only`` (the
@@ -147,7 +147,7 @@ _BUDGET = ROOT / "out/llmc-vs-default/smollm2-5"
 STUDY = (
     ("accuracy", "the default against GPTQ FP8_DYNAMIC on SmolLM2, factor by factor",
      "llmc_vs_default",
-     ["--seeds", "0,1,2,3,4", "--num-samples", "64", "--articles", "5",
+     ["--seeds", "0,1,2,3,4,5,6,7,8,9", "--num-samples", "64", "--articles", "5",
       "--variant", "nosink@0,1,2,3,4=--gptq-sink 0", "--variant", "sink0.1=--gptq-sink 0.1",
       "--variant", "sink2@0,1,2,3,4=--gptq-sink 2",
       "--variant", "nosink-noao=--gptq-sink 0 --no-gptq-act-order",
