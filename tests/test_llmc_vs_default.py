@@ -2,7 +2,6 @@
 section that says when it is strictly better (its interval entirely below zero)."""
 
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import llmc_vs_default as lvd  # noqa: E402
 
-METRIC = lvd.METRIC
+METRIC = lvd.SCORE.metric
 
 
 def _row(name: str, nll_per_word: list[float]) -> dict:
@@ -50,8 +49,7 @@ def test_section_marks_strictly_better_only_when_the_interval_is_below_zero():
                                   "against": "llmc-n64-seed0"},
              "fp8ptq-x-n64-seed0": {**common, "label": "fp8ptq default `-x`", "row": mixed,
                                     "against": "llmc-n64-seed0", "flags": ["-x"]}}
-    args = Namespace(seeds="0", num_samples=64, articles=5, threads=1, variant=["x=-x"],
-                     note="", first_article=1)
+    args = lvd.parser().parse_args(["--seeds", "0", "--threads", "1", "--variant", "x=-x"])
     meta = {"llmc": "llm-compressor 0.14.0.1", "fp8ptq": "0 (torch, transformers)",
             "written": "now", "load": "1.0"}
     text = lvd.section([base, theirs, better, mixed], by_name, facts, args, meta)
