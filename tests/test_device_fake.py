@@ -32,6 +32,67 @@ def _format_tables():
     half_layout(get_format("e4m3"))
 
 
+def test_format_tables_built_first_inside_a_fake_mode_are_real():
+    """A format whose tables are first asked for inside a tracing mode still gets real CPU
+    tables (they are kept for the process: a fake one would poison every later use)."""
+    from fp8ptq.formats.binades import binade_tables
+    from fp8ptq.formats.spec import FormatSpec
+    fresh = FormatSpec("e3m4-traced", exponent_bits=3, mantissa_bits=4, bias=3)
+    with fake_cuda():
+        lay, tables = fresh.layout, binade_tables(fresh)
+    assert type(lay.values) is torch.Tensor and type(tables.step) is torch.Tensor
+    assert lay.max == 15.5 and float(tables.step[127]) == 2.0 ** -4
+
+
+def test_elementwise_work_on_a_gpu_runs_in_few_large_chunks(monkeypatch):
+    """On a GPU a chunk costs kernel launches, not cache: one weight's encode and its rounding
+    by ``quantize_weight`` run in one piece there (the CPU's cache-sized chunks would cut this
+    4M-element weight into 64 and 32 pieces, each with its own reads back to the host)."""
+    from fp8ptq.formats import codec
+    calls = []
+    real = codec._encode_dense
+
+    def counted(x, spec, **kw):
+        calls.append(x.numel())
+        return real(x, spec, **kw)
+
+    monkeypatch.setattr(codec, "_encode_dense", counted)
+    fmt, gran = get_format("e4m3"), weight_granularity("channel")
+    with fake_cuda() as mode:
+        W = torch.randn(1024, 4096, device=CUDA)
+        codec.encode(W, fmt)
+        assert calls == [W.numel()]
+        scale = gran.amax(W) / fmt.max
+        mode.syncs, calls[:] = 0, []
+        quantize_weight(W, scale, fmt, gran)
+        assert calls == [W.numel()]
+        assert mode.syncs <= 3  # amax and the two sums of squares, once for the weight
+    calls.clear()
+    from fp8ptq.runtime import native
+    with native.disabled():  # the torch path on a CPU: cache-sized chunks
+        codec.encode(torch.randn(1024, 4096), fmt)
+    assert calls == [codec.CHUNK_ELEMENTS] * 64
+
+
+def test_a_model_is_read_straight_onto_the_gpu(tmp_path, word_tokenizer, monkeypatch):
+    """``load_model(..., device="cuda")`` of a local safetensors folder sends each parameter to
+    the GPU as it is read, not the whole model gathered in host memory and then copied (the
+    placement is recorded here; the tensors themselves stay on this CPU)."""
+    from fp8ptq.io import loading, weights
+    placed = []
+    real = weights.set_module_tensor_to_device
+
+    def record(module, name, device, **kw):
+        placed.append(str(device))
+        return real(module, name, "cpu", **kw)
+
+    monkeypatch.setattr(weights, "set_module_tensor_to_device", record)
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: self)
+    src, _ = saved_llama_with_calib(tmp_path, word_tokenizer)
+    loading.load_model(str(src), device="cuda")
+    assert placed and set(placed) == {"cuda"}
+
+
 def _hessian(cols: int = IN) -> torch.Tensor:
     x = torch.randn(4 * cols, cols, generator=torch.Generator().manual_seed(0))
     x[:, 3] = 0.0  # an input that was always zero (the sweep's "dead" columns)
@@ -133,10 +194,16 @@ RECIPES = {
 def test_recipes_quantize_a_cuda_model(monkeypatch, name, fp8_cores):
     """Each recipe on a tiny Llama on "cuda" (the default: sequential GPTQ): calibration
     forwards, statistics, Hessians, each group's sweep, the quantized layers' forwards that
-    feed the next group, with real FP8 GEMMs (``fp8_cores``) or simulated ones."""
+    feed the next group (simulated on every GPU: no real-kernel plan is made while
+    quantizing), then the quantized model's forward with real FP8 GEMMs (``fp8_cores``) or
+    simulated ones."""
     if not fp8_cores and name != "gptq-token":
         pytest.skip("the simulated GEMMs are checked on one recipe")
     monkeypatch.setattr(quant_gemm, "_fp8_capable", lambda device: fp8_cores)
+    plans = []
+    real_plan = QuantGemm.scaled_mm_plan
+    monkeypatch.setattr(QuantGemm, "scaled_mm_plan",
+                        lambda self, device: plans.append(real_plan(self, device)) or plans[-1])
     model = tiny("llama")
     recipe = Recipe(format="e4m3", dtype="float32", **RECIPES[name])
     with fake_cuda():
@@ -144,9 +211,12 @@ def test_recipes_quantize_a_cuda_model(monkeypatch, name, fp8_cores):
         batches = [{k: v.to(CUDA) for k, v in b.items()}
                    for b in token_batches(IDS[:2, :8], 2)]
         quantize_model(model, recipe, batches)
+        assert not any(plans)  # quantizing never ran a real FP8 GEMM
+        model(**batches[0])
     layers = [m for m in model.modules() if isinstance(m, QuantGemm)]
     assert layers and all(m.weight.device == CUDA and m.weight_scale.device == CUDA
                           for m in layers)
+    assert any(plans) == (fp8_cores and recipe.act_granularity != "group")
 
 
 @pytest.mark.slow

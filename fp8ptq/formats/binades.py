@@ -20,7 +20,7 @@ from functools import cache
 import torch
 
 from ..runtime import native
-from .layouts import plain_tensors
+from .layouts import table_builder
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def _per_field(lay) -> list[tuple[int, float, int]]:
 
 
 @cache
-@plain_tensors
+@table_builder
 def binade_tables(spec) -> BinadeTables:
     lay = spec.layout
     step, inv, first, rank = [], [], [], []
@@ -72,7 +72,7 @@ def exponent_field(a: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-@plain_tensors
+@table_builder
 def native_tables(spec, rounding: str, saturate: bool = True,
                   nan_to_zero: bool = False) -> native.FormatTables | None:
     """``spec`` as the C kernels' integer tables (``fp8ptq.runtime.native``), or None where they

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,21 @@ def plain_tensors(fn):
     return wrapper
 
 
-@plain_tensors
+def table_builder(fn):
+    """``plain_tensors`` for a function that BUILDS a process-wide table from a format's
+    numbers, also outside any tensor-dispatch mode: a table built first inside a tracing mode
+    (``FakeTensorMode``: a fake device's sweep, torch.compile's tracing) would otherwise be that
+    mode's fake tensor, with no values, and stay cached for the process."""
+    inner = plain_tensors(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _disable_current_modes():
+            return inner(*args, **kwargs)
+    return wrapper
+
+
+@table_builder
 def build_layout(spec) -> Layout:
     if spec.specials == "int":
         return _int_layout(spec)

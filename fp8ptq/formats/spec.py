@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .layouts import build_layout
+from .layouts import build_layout, table_builder
 
 ROUNDINGS = ("nearest_even", "half_away", "stochastic", "hybrid")
 
@@ -117,8 +117,7 @@ class FormatSpec:
         """Precision varies across binades (HiFloat8), so mapping amax onto ``max`` is not
         automatically the best scale. Cached, as ``calibration_max``: a dynamic scale reads it
         at every forward of every GEMM."""
-        steps = self.layout.step_log2.tolist()
-        widths = {e - s for e, s in zip(range(self.layout.e_lo, self.layout.e_hi + 1), steps)}
+        widths = set(_binade_widths(self.layout))
         return self.is_float and len(widths - {min(widths)}) > 1
 
     @cached_property
@@ -130,7 +129,7 @@ class FormatSpec:
         if not self.tapered:
             return self.max
         lay = self.layout
-        widths = [e - s for e, s in zip(range(lay.e_lo, lay.e_hi + 1), lay.step_log2.tolist())]
+        widths = _binade_widths(lay)
         top = max(e for e, w in zip(range(lay.e_lo, lay.e_hi + 1), widths) if w == max(widths))
         return 2.0 ** (top + 1)
 
@@ -171,3 +170,11 @@ def scaled_mm_pair(weight: FormatSpec, act: FormatSpec | None) -> bool:
     E4M3: E5M2 x E5M2 is not supported)?"""
     return (act is not None and weight.scaled_mm_operand and act.scaled_mm_operand
             and "float8_e4m3fn" in (weight.torch_dtype, act.torch_dtype))
+
+
+@table_builder
+def _binade_widths(lay) -> list[int]:
+    """Mantissa bits of each binade ``e_lo..e_hi`` (``e - log2 spacing``), read from the
+    layout's table outside any tracing mode (``table_builder``): a format's range facts are
+    cached on first use, which may come inside one."""
+    return [e - s for e, s in zip(range(lay.e_lo, lay.e_hi + 1), lay.step_log2.tolist())]

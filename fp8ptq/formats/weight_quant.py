@@ -23,6 +23,7 @@ from ..errors import NumericsError
 from ..runtime import native
 from . import FormatSpec, decode, encode
 from .binades import native_tables
+from .codec import chunk_elements
 from .scales import amax_to_scale
 
 # Elements per chunk: float32 temporaries of this size stay in L2 (512 KiB)
@@ -73,7 +74,7 @@ def quantize_weight(w2d: torch.Tensor, scale: torch.Tensor, fmt: FormatSpec, gra
     signal = noise = 0.0
     amax = 0.0
     dequantize = _decoder(fmt)
-    for start, stop in row_chunks(rows, cols, gran, whole=whole):
+    for start, stop in row_chunks(rows, cols, gran, whole=whole, device=w2d.device):
         x = w2d[start:stop].float()
         flat = x.reshape(-1)
         top = float(flat.abs().max()) if flat.numel() else 0.0
@@ -121,10 +122,14 @@ def _native_sweep(w2d, scale, fmt, gran, rounding, name) -> QuantizedWeight | No
 
 
 def row_chunks(rows: int, cols: int, gran, *, whole: bool = False,
-               elements: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+               elements: int = CHUNK_ELEMENTS,
+               device: torch.device | None = None) -> list[tuple[int, int]]:
     """``(start, stop)`` row ranges of chunks of about ``elements`` (default: cache-sized) of a
     ``[rows, cols]`` weight, each starting at a multiple of the granularity's ``row_step`` (so
-    ``gran.rows`` gives its scales); one range with ``whole``."""
+    ``gran.rows`` gives its scales); one range with ``whole``. On a GPU ``device``, chunks of
+    ``chunk_elements`` (launches, not cache, are what a chunk costs there)."""
+    if device is not None:
+        elements = chunk_elements(device, elements)
     step = gran.row_step
     chunk = max(rows, 1) if whole else max(step, (elements // max(cols, 1)) // step * step)
     return [(start, min(rows, start + chunk)) for start in range(0, rows, chunk)]
@@ -142,7 +147,8 @@ def by_rows(src: torch.Tensor, scale: torch.Tensor, gran, fn, dtype: torch.dtype
     if whole:
         return fn(src, gran.expand(scale, src))
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
-    for start, stop in row_chunks(*src.shape, gran, elements=BY_ROWS_ELEMENTS):
+    for start, stop in row_chunks(*src.shape, gran, elements=BY_ROWS_ELEMENTS,
+                                  device=src.device):
         part = src[start:stop]
         out[start:stop] = fn(part, gran.expand(gran.rows(scale, start, stop), part))
     return out
