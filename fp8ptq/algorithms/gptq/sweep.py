@@ -25,6 +25,8 @@ import torch
 
 from fp8ptq.formats import FormatSpec, decode, encode, torch_dtype
 
+from . import fused
+
 BLOCK = 128
 
 
@@ -139,33 +141,57 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
     a sync)."""
     cols, rows = Wt.shape
     codes = torch.empty(cols, rows, dtype=torch.uint8, device=Wt.device)
-    step = _column_step(fmt, kw, Wt.device)
+    kernel = fused_block(fmt, kw, Wt, block)
+    step = None if kernel is not None else _column_step(fmt, kw, Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
         err = torch.empty(i2 - i1, rows, dtype=torch.float32, device=Wt.device)
-        d = torch.diagonal(U1)
-        for i in range(i2 - i1):
-            w, e = W1[i], err[i]
-            step(w, S1[i], codes[i1 + i], e)
-            e.div_(d[i])
-            W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1)  # rank-1, no outer-product temporary
+        if kernel is not None:  # the block's column loop as one kernel (``fused``)
+            try:
+                kernel.run(W1, U1, S1, err, codes[i1:i2])
+            except fused.Unavailable:
+                kernel, step = None, _column_step(fmt, kw, Wt.device)
+        if kernel is None:
+            _column_loop(W1, U1, S1, err, codes[i1:i2], step)
         Wt[i2:].addmm_(U[i1:i2, i2:].T, err, alpha=-1)
     return codes.T
+
+
+def _column_loop(W1, U1, S1, err, code_rows, step) -> None:
+    """One block's columns in order, as torch operations: each column rounded (``step``), its
+    error divided by its pivot and spread onto the block's later columns."""
+    d = torch.diagonal(U1)
+    for i in range(W1.shape[0]):
+        w, e = W1[i], err[i]
+        step(w, S1[i], code_rows[i], e)
+        e.div_(d[i])
+        W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1)  # rank-1, no outer-product temporary
+
+
+def fused_block(fmt: FormatSpec, kw: dict, Wt: torch.Tensor,
+                block: int) -> fused.BlockSweep | None:
+    """The one-kernel block sweep (``fused``) where it runs: a CUDA weight with Triton,
+    round-half-to-even, blocks of at most 256 columns (the tile lives in registers)."""
+    if block > 256 or not fused.wanted(fmt, kw, Wt):
+        return None
+    return fused.BlockSweep(fmt, Wt.device)
 
 
 def _column_step(fmt: FormatSpec, kw: dict, device: torch.device):
     """``step(w, s, code_row, err_row)``: one column's codes (written into ``code_row``) and its
     rounding error ``w - decode(code) * s`` (into ``err_row``).
 
-    On a GPU, for a format torch has a float8 dtype of and round-to-nearest-even, the step is
-    the saturating cast itself: divide, clamp, cast, and the cast back, six small kernels and
-    no Python in between. The sweep issues one step per column (155,648 columns for four
-    8B-shaped blocks), so on a GPU its cost is the launches: the generic ``encode`` / ``decode``
-    path (chunking, table lookups, NaN handling a finite column never needs) took about 0.5 ms
-    a column there, several times what the GEMM work of the step costs. The codes are the same:
-    ``encode`` takes this very cast for these formats (``codec._native_round``). On a CPU the
+    The torch loop's step, for what the one-kernel block sweep (``fused``) does not take: a
+    GPU without Triton, another rounding mode, a CPU. On a GPU, for a format torch has a float8
+    dtype of and round-to-nearest-even, the step is the saturating cast itself: divide, clamp,
+    cast, and the cast back, six small kernels and no Python in between. The sweep issues one
+    step per column (155,648 columns for four 8B-shaped blocks), so on a GPU its cost is the
+    launches: the generic ``encode`` / ``decode`` path (chunking, table lookups, NaN handling a
+    finite column never needs) took about 0.5 ms a column there, several times what the GEMM
+    work of the step costs. The codes are the same: ``encode`` takes this very cast for these
+    formats (``codec._native_round``). On a CPU the
     C kernels behind ``encode`` / ``decode`` are faster than either."""
     dt = torch_dtype(fmt)
     fast = (device.type != "cpu" and dt is not None and fmt.rounding == "nearest_even"
