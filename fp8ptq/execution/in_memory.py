@@ -54,7 +54,7 @@ from ..nn.quant_experts import (
     quantize_experts,
     unify_expert_input_scales,
 )
-from ..nn.quant_gemm import QuantGemm
+from ..nn.quant_gemm import QuantGemm, simulated_gemms
 from ..observe.hessian import HessianCollector
 from ..observe.observers import StatsCollector, TensorStats
 from ..observe.taps import ActivationTaps
@@ -152,9 +152,13 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     ``model`` (``build_plan(model, recipe)``, made by the run's entry point and used as it is,
     through the transform stages); made here for a call outside a run. Every forward of every
     stage runs bf16 / fp16 GEMMs in float32 on CPUs without a fast kernel for them
-    (``fp8ptq.model.gemm32``). The process's allocator is left as the caller set it (the
+    (``fp8ptq.model.gemm32``), and every quantized GEMM that feeds a later stage (sequential
+    GPTQ's groups) is simulated on every device (``simulated_gemms``): the same arithmetic on
+    a CPU and a GPU, and no compiling of the real FP8 kernel's activation quantizer, which is
+    inference's (``torch.compile``, seconds per process) for forwards a GPU runs in
+    milliseconds either way. The process's allocator is left as the caller set it (the
     ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``)."""
-    with float32_gemms(model=model):
+    with float32_gemms(model=model), simulated_gemms():
         return _quantize_model(model, recipe, batches, progress, plan)
 
 

@@ -40,6 +40,7 @@ from ..io.loading import LoadedModel, load_tokenizer
 from ..io.source import SafetensorsSource
 from ..io.weights import WeightLoader, build_empty
 from ..model.blocks import block_prefix, find_blocks
+from ..nn.quant_gemm import simulated_gemms
 from ..runtime.usage import release_free_memory
 from . import distributed
 from .block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
@@ -352,12 +353,13 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
                    spill_dir=spill_dir, progress=progress, planner=planner)
-    if output is None:
-        (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
-    else:
-        result, sizes = write_sequential(
-            folder, recipe, batches, output, force=force, tokenizer=tokenizer,
-            close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)),
-            max_shard_bytes=max_shard_bytes, **options)
+    with simulated_gemms():  # quantized blocks feed the next one as ``quantize_model``'s do
+        if output is None:
+            (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
+        else:
+            result, sizes = write_sequential(
+                folder, recipe, batches, output, force=force, tokenizer=tokenizer,
+                close_kwargs=close_kwargs and (lambda r: close_kwargs(r, calib)),
+                max_shard_bytes=max_shard_bytes, **options)
     loaded = LoadedModel(result.model, tokenizer, str(folder), "local", str(folder))
     return result, loaded, calib, sizes

@@ -151,7 +151,7 @@ def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
     model = None
     if streamable(location, kind, config, extra, hub_kwargs):
         try:
-            model = load_streaming(location, config, cls, dtype)
+            model = load_streaming(location, config, cls, dtype, device)
         except DataError as e:
             raise DataError(f"cannot load model {source!r}: {e}") from None
     if (model is None and not as_served and is_safetensors_folder(Path(location))

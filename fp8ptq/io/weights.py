@@ -55,11 +55,13 @@ def build_empty(folder: str | Path, dtype: torch.dtype, task: str | None = None)
 
 class WeightLoader:
     """Loads the checkpoint tensors of ``source`` into ``model`` (built by ``empty_model``:
-    meta parameters become real CPU tensors), all at once or a part at a time. Tied parameters
-    that are not a tie's source are left to ``model.tie_weights()`` (not read twice)."""
+    meta parameters become real tensors on ``device``), all at once or a part at a time. Tied
+    parameters that are not a tie's source are left to ``model.tie_weights()`` (not read
+    twice)."""
 
-    def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
-        self.model, self.source = model, source
+    def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.model, self.source, self.device = model, source, device
         self.map = SourceMap(model, source.names(), dtype)
         self.tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         self.loads = [ld for ld in self.map.loads if not set(ld.targets) <= self.tied]
@@ -89,18 +91,21 @@ class WeightLoader:
                 if want is not None and tuple(value.shape) != tuple(want):
                     raise DataError(f"{folder}: {name} has shape {tuple(value.shape)} in the "
                                     f"checkpoint, the model expects {tuple(want)}")
-                set_module_tensor_to_device(self.model, name, "cpu", value=value,
+                set_module_tensor_to_device(self.model, name, self.device, value=value,
                                             dtype=value.dtype)
 
 
-def load_streaming(folder: str | Path, config, cls, dtype: torch.dtype) -> nn.Module | None:
+def load_streaming(folder: str | Path, config, cls, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> nn.Module | None:
     """The whole model from a local safetensors folder, read tensor by tensor (see the module
     docstring), or None when the checkpoint does not provide every parameter (a head to be
-    initialized, an adapter...): then ``from_pretrained`` decides, as it always did."""
+    initialized, an adapter...): then ``from_pretrained`` decides, as it always did. Each
+    parameter goes to ``device`` as it is read (a GPU model is not first gathered in host
+    memory and then copied whole); buffers stay where the model's code made them."""
     model = empty_model(cls, config, dtype)
     source = SafetensorsSource(folder)
     try:
-        loader = WeightLoader(model, source, dtype)
+        loader = WeightLoader(model, source, dtype, device)
         if loader.uncovered():
             return None
         loader.load(loader.loads)
