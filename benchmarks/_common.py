@@ -33,9 +33,11 @@ def timed(seconds: dict, key: str):
 
 
 def emit(title: str, rows: list[dict], json_path: str | None, extra: dict | None = None) -> None:
-    """Print ``rows`` as a rich table; write them (plus ``extra``) as JSON to ``json_path``."""
+    """Print ``rows`` as a rich table; write them (plus ``extra``) as JSON to ``json_path``.
+    A field holding a dict (a breakdown) goes to the JSON only."""
     table = Table(title=title)
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    columns = list(dict.fromkeys(k for row in rows for k, v in row.items()
+                                 if not isinstance(v, dict)))
     for col in columns:
         table.add_column(col, justify="left" if col == columns[0] else "right")
     for row in rows:

@@ -144,7 +144,9 @@ def quantize(args, src: Path, out: Path, flags: list[str]) -> dict:
     if done.returncode != 0:
         return {"wall_s": wall, "error": done.stderr.strip()[-500:]}
     report = json.loads(done.stdout[done.stdout.index("{"):])
-    return {"wall_s": wall, "peak_gpu_mb": report.get("peak_gpu_mb"),
+    seconds = report.get("seconds", {})
+    return {"wall_s": wall, "calibrate_quantize_s": seconds.get("calibrate+quantize"),
+            "stage_s": seconds, "peak_gpu_mb": report.get("peak_gpu_mb"),
             "peak_rss_mb": report.get("peak_rss_mb")}
 
 
@@ -202,7 +204,7 @@ def bf16_prefill(args, src: Path, vocab: int) -> float:
 
 
 LLMC_CHILD = r'''
-import sys, tempfile, time, torch
+import json, sys, tempfile, time, torch
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -213,32 +215,46 @@ tok = AutoTokenizer.from_pretrained(src)
 ids = tok(open(calib).read(), return_tensors="pt").input_ids[0]
 rows = [ids[i * seq:(i + 1) * seq].tolist() for i in range(min(n, len(ids) // seq))]
 ds = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * seq for _ in rows]})
-t0 = time.perf_counter()
+t = [time.perf_counter()]
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device)
+t.append(time.perf_counter())
 oneshot(model=model, dataset=ds, recipe=GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC",
         ignore=["lm_head"]), max_seq_length=seq, num_calibration_samples=len(rows))
-with tempfile.TemporaryDirectory() as out:
-    model.save_pretrained(out, save_compressed=True)
 if device.startswith("cuda"):
     torch.cuda.synchronize()
-print("LLMC_SECONDS", time.perf_counter() - t0)
+t.append(time.perf_counter())
+with tempfile.TemporaryDirectory() as out:
+    model.save_pretrained(out, save_compressed=True)
+t.append(time.perf_counter())
+cuda = device.startswith("cuda")
+peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+print("LLMC_SECONDS", json.dumps({"load": t[1] - t[0], "oneshot": t[2] - t[1],
+                                  "save": t[3] - t[2], "peak_gpu_mb": peak}))
 '''
 
 
-def llm_compressor(args, src: Path) -> tuple[float | None, str | None]:
-    """llm-compressor's GPTQ + FP8_DYNAMIC wall time (load, ``oneshot`` on the same
-    ``--num-samples`` x ``--seq-len`` calibration tokens, save) or a note why not."""
+def llm_compressor(args, src: Path) -> tuple[dict | None, str | None]:
+    """llm-compressor's GPTQ + FP8_DYNAMIC on the same ``--num-samples`` x ``--seq-len``
+    calibration tokens, the row's fields as ``quantize`` gives fp8ptq's: ``wall_s`` the whole
+    process (start and imports included, as fp8ptq's ``wall_s``), ``calibrate_quantize_s`` its
+    ``oneshot`` (calibration forwards and GPTQ: fp8ptq's ``calibrate+quantize`` stage), the
+    load and save beside them; or a note why not."""
     if args.llmc_path is None and importlib.util.find_spec("llmcompressor") is None:
         return None, "llm-compressor is not importable here: its oneshot was skipped"
     env = dict(os.environ)
     if args.llmc_path:
         env["PYTHONPATH"] = args.llmc_path
+    t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", LLMC_CHILD, str(src), args.calib,
                            str(args.num_samples), str(args.seq_len), args.device],
                           capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
     for line in done.stdout.splitlines():
         if line.startswith("LLMC_SECONDS"):
-            return float(line.split()[1]), None
+            stages = json.loads(line.split(maxsplit=1)[1])
+            peak = stages.pop("peak_gpu_mb")
+            return {"wall_s": wall, "calibrate_quantize_s": stages["oneshot"],
+                    "stage_s": stages, "peak_gpu_mb": peak}, None
     return None, f"llm-compressor's oneshot failed: {done.stderr.strip()[-300:]}"
 
 
@@ -318,12 +334,18 @@ def main(argv=None) -> None:
             rows.append(measure(args, src, Path(tmp) / name, name, ids, vocab, bf16_s))
             if args.json:  # each row as it comes: a run stopped midway keeps what it measured
                 Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
-    llmc_s, note = llm_compressor(args, src)
-    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", "wall_s": llmc_s})
+    llmc, note = llm_compressor(args, src)
+    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", **(llmc or {})})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
     extra["notes"] = [n for n in [note] if n]
     title = (f"fp8ptq on {device}: Llama h{s['hidden']}/i{s['intermediate']} x {args.layers} "
              "layers")
     emit(title, rows, args.json, extra)
+    for row in rows:
+        if row.get("stage_s"):
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stage_s"].items())
+            print(f"{row['recipe']} seconds: {stages}")
     for n in extra["notes"]:
         print(f"note: {n}")
 

@@ -27,12 +27,14 @@ def run_table(run: dict) -> str:
         ppl = None
         if r.get("ppl_real") and r.get("ppl_simulated"):
             ppl = 100 * (r["ppl_real"] / r["ppl_simulated"] - 1)
-        rows.append([r["recipe"], _f(r.get("wall_s"), ".1f"), _f(r.get("peak_gpu_mb"), ".0f"),
+        rows.append([r["recipe"], _f(r.get("wall_s"), ".1f"),
+                     _f(r.get("calibrate_quantize_s"), ".1f"), _f(r.get("peak_gpu_mb"), ".0f"),
                      _f(r.get("peak_rss_mb"), ".0f"), r.get("gemms_real", "-"),
                      _f(ppl, "+.2f"), _f(r.get("prefill_tok_s"), ",.0f"),
                      _f(r.get("vs_bf16")), _f(r.get("gemm_bf16_ms"), ".3f"),
                      _f(r.get("gemm_module_ms"), ".3f"), _f(r.get("act_quant_ms"), ".3f")])
-    header = ["recipe", "quantize s", "peak GPU MB", "peak RSS MB", "real GEMMs",
+    header = ["recipe", "quantize s", "calibrate + quantize s", "peak GPU MB", "peak RSS MB",
+              "real GEMMs",
               "ppl real vs simulated %", "prefill tok/s", "vs bf16", "GEMM bf16 ms",
               "GEMM fp8ptq ms", "act. quant ms"]
     return (f"bf16 (transformers) prefill: {_f(bf16.get('prefill_tok_s'), ',.0f')} tok/s.\n\n"
@@ -47,7 +49,10 @@ def render(data: Path = DATA) -> str:
            "intermediate 14336, 32 heads, 8 KV heads), the number of blocks given, random "
            "weights, a 32,000-word tokenizer trained on the calibration text; its perplexity "
            "(~74k) only compares the real and simulated GEMMs. `quantize s`: the whole "
-           "`fp8ptq quantize` process (start, load, calibrate, quantize, write). `GEMM`: the "
+           "`fp8ptq quantize` process (start, load, calibrate, quantize, write), and for "
+           "llm-compressor its whole process likewise (the 07:03 and 07:17 UTC runs of "
+           "2026-11-27 timed it from after its imports to after its save); `calibrate + "
+           "quantize s`: fp8ptq's stage of that name, llm-compressor's `oneshot` call. `GEMM`: the "
            "first block's up_proj on the prefill's tokens (one call, synchronized: latency).", ""]
     for f in sorted(data.glob("*-checks.json")):
         c = json.loads(f.read_text())
