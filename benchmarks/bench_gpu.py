@@ -328,6 +328,7 @@ def main(argv=None) -> None:
     extra = {"device": device, "torch": torch.__version__, "layers": args.layers, **s,
              "calibration": f"{args.num_samples} x {args.seq_len}",
              "eval_tokens": int(ids.shape[1]), "prefill": f"{args.batch} x {args.prefill_len}",
+             "repeat": args.repeat,
              "block_mb": block_mb(args), "notes": []}
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-gpu-") as tmp:
         for name in args.recipes.split(","):

@@ -66,7 +66,8 @@ def render(data: Path = DATA) -> str:
         out += [f"### {run['device']}, {run['layers']} blocks, {meta.get('date', '')}", "",
                 f"Calibration {run['calibration']} tokens; real vs simulated on "
                 f"{run['eval_tokens']} WikiText-2 tokens; prefill {run['prefill']} tokens "
-                f"(median of 5 after a warm-up). torch {run['torch']}. Command: "
+                f"(median of {run.get('repeat', 5)} after a warm-up). torch {run['torch']}. "
+                f"Command: "
                 f"{meta.get('command', '-')}. Code: {meta.get('code', '-')}.", "",
                 run_table(run), ""]
         out += [f"Note: {n}" for n in run.get("notes", [])]
