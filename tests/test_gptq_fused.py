@@ -21,8 +21,14 @@ from fp8ptq.algorithms.gptq import fused, sweep
 from fp8ptq.formats import get_format
 from fused_cases import FORMATS, LAYOUTS, problem, scales
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton runs the fused sweep (its interpreter here)")
+_no_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton runs the fused sweep (its interpreter here)")
+
+
+def needs_triton(test):
+    """Triton's interpreter runs it; ``slow``: the cases take ~30 s (one child process), the
+    full suite's time, not the quick tier's."""
+    return pytest.mark.slow(_no_triton(test))
 
 
 @pytest.fixture(scope="module")
