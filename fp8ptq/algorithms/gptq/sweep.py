@@ -191,8 +191,8 @@ def _column_step(fmt: FormatSpec, kw: dict, device: torch.device):
     launches: the generic ``encode`` / ``decode`` path (chunking, table lookups, NaN handling a
     finite column never needs) took about 0.5 ms a column there, several times what the GEMM
     work of the step costs. The codes are the same: ``encode`` takes this very cast for these
-    formats (``codec._native_round``). On a CPU the
-    C kernels behind ``encode`` / ``decode`` are faster than either."""
+    formats (``codec._native_round``). On a CPU the C kernels behind ``encode`` / ``decode``
+    are faster than either."""
     dt = torch_dtype(fmt)
     fast = (device.type != "cpu" and dt is not None and fmt.rounding == "nearest_even"
             and kw.get("rounding") in (None, "nearest_even"))
