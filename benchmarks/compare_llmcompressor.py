@@ -263,6 +263,27 @@ def fp8ptq_windows(src: Path, calib: Path, n: int, out: Path) -> Path:
     return path
 
 
+def llmc_child(py: Path, src: Path, scheme: str, dest: Path, calib: Path, n: int, task: str,
+               *, prefix: list[str] = (), env: dict | None = None, after=None) -> dict:
+    """llm-compressor's ``CHILD`` run once into ``dest`` under the llm-compressor venv's
+    ``py`` (cached: ``dest/llmc_run.json`` holds its facts), the whole process's wall time
+    added, the sha256 of ``calib`` when it is fp8ptq's windows (a JSON from
+    ``fp8ptq_windows``), and ``after()``'s facts (read once the child has ended). The one way
+    both comparison scripts run llm-compressor."""
+    facts_file = dest / "llmc_run.json"
+    if not facts_file.exists():
+        env = env or {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        wall, _ = timed_child([str(py), "-c", CHILD, str(src), scheme, str(dest), str(calib),
+                               str(n), "512", task], list(prefix), env)
+        facts = json.loads(facts_file.read_text())
+        facts["wall_seconds"] = wall
+        if calib.suffix == ".json":
+            facts["windows_sha256"] = json.loads(calib.read_text())["sha256"]
+        facts.update(after() if after else {})
+        facts_file.write_text(json.dumps(facts, indent=1))
+    return json.loads(facts_file.read_text())
+
+
 def run_llmc(py: Path, src: Path, scheme: str, out: Path, calib: Path, n: int, task: str,
              prefix: list[str], windows: Path | None = None) -> dict:
     """One llm-compressor run (cached). ``windows``: fp8ptq's token windows (a JSON from
@@ -271,16 +292,8 @@ def run_llmc(py: Path, src: Path, scheme: str, out: Path, calib: Path, n: int, t
     dest = out / f"llmc-{scheme}{suffix}"
     if windows is not None and reads_data(scheme):
         calib = windows
-    if not (dest / "llmc_run.json").exists():
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        wall, _ = timed_child([str(py), "-c", CHILD, str(src), scheme, str(dest), str(calib),
-                               str(n), "512", task], prefix, env)
-        facts = json.loads((dest / "llmc_run.json").read_text())
-        facts["wall_seconds"] = wall
-        if calib.suffix == ".json":
-            facts["windows_sha256"] = json.loads(calib.read_text())["sha256"]
-        (dest / "llmc_run.json").write_text(json.dumps(facts, indent=1))
-    return {"path": str(dest), **json.loads((dest / "llmc_run.json").read_text())}
+    return {"path": str(dest), **llmc_child(py, src, scheme, dest, calib, n, task,
+                                            prefix=prefix)}
 
 
 def time_fp8ptq(src: Path, name: str, out: Path, calib: Path, n: int, prefix: list[str]

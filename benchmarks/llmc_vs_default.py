@@ -149,17 +149,8 @@ def child_env(threads: int) -> dict:
 
 def quantize_llmc(py: Path, src: Path, windows: Path, n: int, dest: Path, threads: int,
                   scheme: str = "GPTQ-FP8_DYNAMIC", task: str = "causal-lm") -> dict:
-    facts_file = dest / "llmc_run.json"
-    if not facts_file.exists():
-        t0 = time.perf_counter()
-        subprocess.run([str(py), "-c", cl.CHILD, str(src), scheme, str(dest), str(windows),
-                        str(n), "512", task], check=True, env=child_env(threads))
-        facts = json.loads(facts_file.read_text())
-        facts.update(wall_seconds=time.perf_counter() - t0, threads=threads,
-                     windows_sha256=json.loads(windows.read_text())["sha256"],
-                     load_after=os.getloadavg())
-        facts_file.write_text(json.dumps(facts, indent=1))
-    return json.loads(facts_file.read_text())
+    return cl.llmc_child(py, src, scheme, dest, windows, n, task, env=child_env(threads),
+                         after=lambda: {"threads": threads, "load_after": os.getloadavg()})
 
 
 def quantize_fp8ptq(src: Path, calib: Path, n: int, seed: int, dest: Path, flags: list[str],

@@ -145,3 +145,28 @@ def test_squad_differences_are_points_and_better_is_higher():
     both = lvd.pooled([ours, theirs], score)
     assert np.isclose(both["metrics"][score.metric],
                       (ours["metrics"][score.metric] + theirs["metrics"][score.metric]) / 2)
+
+
+def test_llm_compressor_runs_once_per_folder_with_its_facts(tmp_path, monkeypatch):
+    """Both comparison scripts run llm-compressor through one launcher: the child once per
+    folder (cached), its facts kept with the process's wall time, the windows' sha256 and the
+    caller's own facts read after the child ended."""
+    cl = lvd.cl
+    runs = tmp_path / "runs.txt"
+    child = ("import json, pathlib, sys\n"
+             "src, scheme, dest = sys.argv[1:4]\n"
+             f"open({str(runs)!r}, 'a').write(scheme + '\\n')\n"
+             "pathlib.Path(dest).mkdir(parents=True, exist_ok=True)\n"
+             "(pathlib.Path(dest) / 'llmc_run.json').write_text(json.dumps({'scheme': scheme}))\n")
+    monkeypatch.setattr(cl, "CHILD", child)
+    windows = tmp_path / "windows.json"
+    windows.write_text('{"sha256": "abc", "input_ids": [[1, 2]]}')
+    dest = tmp_path / "llmc-n64-seed0"
+    for _ in range(2):
+        facts = lvd.quantize_llmc(Path(sys.executable), tmp_path, windows, 64, dest, threads=1)
+    assert runs.read_text().split() == ["GPTQ-FP8_DYNAMIC"]  # the second call read the cache
+    assert facts["scheme"] == "GPTQ-FP8_DYNAMIC" and facts["windows_sha256"] == "abc"
+    assert facts["threads"] == 1 and len(facts["load_after"]) == 3 and facts["wall_seconds"] > 0
+    row = cl.run_llmc(Path(sys.executable), tmp_path, "FP8_DYNAMIC", tmp_path / "cmp",
+                      tmp_path / "calib.txt", 8, "causal-lm", [])
+    assert row["path"] == str(tmp_path / "cmp" / "llmc-FP8_DYNAMIC") and "windows_sha256" not in row
