@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--llmc-path", default=None, help="PYTHONPATH for the llm-compressor run "
                    "alone (its pins, e.g. compressed-tensors, differ from fp8ptq's)")
+    p.add_argument("--llmc-first", action="store_true", help="run llm-compressor before "
+                   "fp8ptq's recipes as well as after them (a fresh machine's first process "
+                   "pays its cold start: this shows which tool it was)")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -316,6 +319,7 @@ def block_mb(args) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     src = build_model(args)
+    first = llm_compressor(args, src) if args.llmc_first else None
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(src)
     vocab = len(tokenizer)
@@ -323,6 +327,8 @@ def main(argv=None) -> None:
     bf16_s = bf16_prefill(args, src, vocab)
     tokens = args.batch * args.prefill_len
     rows = [{"recipe": "bf16 (transformers)", "prefill_tok_s": tokens / bf16_s}]
+    if first is not None and first[0] is not None:
+        rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC (run first)", **first[0]})
     s = args.shape
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     extra = {"device": device, "torch": torch.__version__, "layers": args.layers, **s,
