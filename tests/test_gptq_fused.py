@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,13 @@ def test_a_fake_cuda_weight_goes_the_torch_way_unless_the_kernel_is_faked(monkey
         assert sweep.fused_block(fmt, {}, Wc, 128) is None  # a fake tensor: not launchable
         monkeypatch.setattr(fused, "launchable", lambda t: True)
         monkeypatch.setattr(fused, "_kernel", lambda: Launcher())
+        entered = []  # the device context each launch runs in (no CUDA context on this build)
+        monkeypatch.setattr(fused, "_on", lambda device: entered.append(device) or nullcontext())
         codes = sweep.gptq_codes(Wc, H, S, fmt, act_order=True)
         assert codes.device == Wc.device and codes.shape == W.shape
     assert [(g, w) for g, _, w in launches] == [((2,), 128), ((2,), 8)]  # 136 = 128 + 8 columns
     assert all(d == {Wc.device} for _, d, _ in launches)
+    assert entered == [Wc.device] * 2  # launched on the weight's GPU, whichever is current
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_torch_loops_codes(monkeypatch):

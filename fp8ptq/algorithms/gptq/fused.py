@@ -29,6 +29,7 @@ interpreter (``TRITON_INTERPRET=1``) against the torch loop.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -89,10 +90,13 @@ class BlockSweep:
         kernel = _kernel()
         grid = (-(-rows // BLOCK_R),)
         try:
-            kernel[grid](W1, U1, S1, values, err, self.step, self.inv_step, rows, width,
-                         W1.stride(0), U1.stride(0), S1.stride(0), S1.stride(1),
-                         values.stride(0), err.stride(0), self.qmax, WIDTH=_pow2(width),
-                         BLOCK_R=BLOCK_R, num_warps=4, enable_fp_fusion=False)
+            # Triton launches on the current CUDA device: a weight placed on another GPU (a
+            # device map over several) is swept where it lives
+            with _on(W1.device):
+                kernel[grid](W1, U1, S1, values, err, self.step, self.inv_step, rows, width,
+                             W1.stride(0), U1.stride(0), S1.stride(0), S1.stride(1),
+                             values.stride(0), err.stride(0), self.qmax, WIDTH=_pow2(width),
+                             BLOCK_R=BLOCK_R, num_warps=4, enable_fp_fusion=False)
         except Exception as e:  # noqa: BLE001 - a kernel Triton cannot build here
             _FAILED.append(e)
             warnings.warn(f"GPTQ's fused Triton sweep failed to run ({type(e).__name__}: "
@@ -108,6 +112,11 @@ class Unavailable(RuntimeError):
 
 
 _FAILED: list[Exception] = []  # once the kernel failed in this process, it is not tried again
+
+
+def _on(device: torch.device):
+    """The CUDA device context of ``device`` (nothing to enter for the interpreter's CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _pow2(n: int) -> int:
