@@ -343,9 +343,7 @@ def main(argv=None) -> None:
                 Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
     llmc, note = llm_compressor(args, src)
     rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", **(llmc or {})})
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
-    extra["notes"] = [n for n in [note] if n]
+    extra["notes"] = list(dict.fromkeys(n for n in [first and first[1], note] if n))
     title = (f"fp8ptq on {device}: Llama h{s['hidden']}/i{s['intermediate']} x {args.layers} "
              "layers")
     emit(title, rows, args.json, extra)

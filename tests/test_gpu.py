@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 import fp8ptq
 from fp8ptq.nn import quant_gemm
 from fp8ptq.nn.quant_gemm import QuantGemm, gemm_paths
+from fused_cases import output_error
 from tiny_models import invoke, saved_llama_with_calib
 
 pytestmark = [pytest.mark.gpu,
@@ -147,10 +148,8 @@ def test_the_fused_gptq_sweep_gives_the_torch_loops_codes_faster(monkeypatch):
           f"{seconds['0']:.3f} s, fused kernel {seconds['1']:.3f} s; {differ:.2e} of codes differ "
           f"(block rows {fused.BLOCK_R})")
     assert differ <= 1e-3
-    err = {}
-    for flag, c in codes.items():
-        D = W - sweep.decode(c, fmt) * S
-        err[flag] = float(torch.einsum("oi,ij,oj->", D.double(), H.double(), D.double()))
+    err = {flag: output_error(W.double(), c, S.double(), H.double(), fmt)
+           for flag, c in codes.items()}
     assert abs(err["1"] / err["0"] - 1) < 0.01
     assert seconds["1"] < seconds["0"] / 3
 

@@ -369,7 +369,7 @@ def _fake_quantize_torch(x, scale, spec, rows, kwargs) -> torch.Tensor:
 CHUNK_ELEMENTS = 1 << 16
 # On a GPU a chunk is a handful of kernel launches and its temporaries live in no cache, so
 # chunks there are large: cache-sized ones cut one 14336 x 4096 weight into ~900 pieces, ~5,000
-# launches for one encode (52,363 chunk calls, ~4 s of a 4-block 8B-shaped GPTQ run on an H200).
+# launches for one encode (52,363 chunk calls, ~5 s of a 4-block 8B-shaped GPTQ run on an H200).
 # 2^24 float32 elements: 64 MB temporaries, four pieces for that weight.
 GPU_CHUNK_ELEMENTS = 1 << 24
 

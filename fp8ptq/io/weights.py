@@ -1,15 +1,15 @@
 """A model built without its weights, then filled from its safetensors checkpoint tensor by tensor.
 
-One loader serves two callers: the in-memory pipeline loads a local safetensors folder on the
-CPU through ``load_streaming`` (``fp8ptq.io.loading``) instead of ``from_pretrained``, and
-sequential mode (``fp8ptq.execution.streaming``) loads one block's tensors at a time through
-``WeightLoader``. Both read with fp8ptq's one weight reader (``fp8ptq.io.source``: positioned
-reads, headers checked up front) and map checkpoint keys to parameters with the map the
-model-free path uses (``fp8ptq.io.weight_map.SourceMap``: transformers' own renamings, and its
-converters that fuse per-expert MoE tensors into Mixtral / Qwen2-MoE / Qwen3-MoE's 3-D
-``...Experts`` parameters, each in the dtype ``from_pretrained`` gives it). So the three paths
-read a checkpoint the same way, and a parameter loaded here is bit for bit the one
-``from_pretrained`` builds (tested).
+One loader serves two callers: the in-memory pipeline loads a local safetensors folder onto its
+device (each parameter as it is read) through ``load_streaming`` (``fp8ptq.io.loading``) instead
+of ``from_pretrained``, and sequential mode (``fp8ptq.execution.streaming``) loads one block's
+tensors at a time through ``WeightLoader``. Both read with fp8ptq's one weight reader
+(``fp8ptq.io.source``: positioned reads, headers checked up front) and map checkpoint keys to
+parameters with the map the model-free path uses (``fp8ptq.io.weight_map.SourceMap``:
+transformers' own renamings, and its converters that fuse per-expert MoE tensors into Mixtral /
+Qwen2-MoE / Qwen3-MoE's 3-D ``...Experts`` parameters, each in the dtype ``from_pretrained``
+gives it). So the three paths read a checkpoint the same way, and a parameter loaded here is bit
+for bit the one ``from_pretrained`` builds (tested).
 
 Why not ``from_pretrained`` on the CPU: it memory-maps every safetensors file and the pages it
 reads stay resident (and count in the process's RSS) until the whole model is loaded, on top
