@@ -4,7 +4,8 @@
         [--out out/recipes] [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8,GPTQ-FP8_DYNAMIC]
         (also MXFP8, GPTQ-MXFP8)
         [--fp8ptq NAME,...] [--timings] [--prefix CMD] [--setup-only]
-    python benchmarks/compare_llmcompressor.py --study [--steps accuracy,minilm,budget,speed]
+    python benchmarks/compare_llmcompressor.py --study
+        [--steps accuracy,minilm,budget,squad-budget,speed]
 
 ``--study`` is the whole head-to-head against llm-compressor's best recipe (GPTQ with
 ``FP8_DYNAMIC``, and ``FP8_BLOCK`` where the widths allow) in one command, each step a run of
@@ -18,6 +19,9 @@ with; every row cached, so a stopped study resumes where it stopped):
 - ``minilm``: the same for MiniLM SQuAD, ``FP8_DYNAMIC`` and ``FP8_BLOCK``, 5 seeds;
 - ``budget``: ``error_budget.py`` on the seed-0 checkpoints: which share of the loss is the
   weights', the activations', each GEMM kind's and the first token's;
+- ``squad-budget``: ``squad_budget.py`` on the ``minilm`` step's ``FP8_DYNAMIC`` checkpoints
+  of both tools: the same split on MiniLM SQuAD, and how far each checkpoint sits from the
+  float model (KL of the answer distributions, which F1 differences this small cannot show);
 - ``speed``: the default's calibrate + quantize against ``oneshot`` at 64 x 512, back to back
   in a fresh folder (``out/timing``; run it on a quiet machine).
 
@@ -144,6 +148,7 @@ json.dump({"scheme": scheme, "seconds_in_process": time.perf_counter() - t0,
 # --study: (step, what it answers, script, argv). The SmolLM2 argv is the one of the
 # llmc-compare section; the error budget reads that run's seed-0 checkpoints.
 _BUDGET = ROOT / "out/llmc-vs-default/smollm2-5"
+_MINILM = ROOT / "out/llmc-vs-default/minilm-3335"  # the minilm step's checkpoints
 STUDY = (
     ("accuracy", "the default against GPTQ FP8_DYNAMIC on SmolLM2, factor by factor",
      "llmc_vs_default",
@@ -165,6 +170,12 @@ STUDY = (
     ("budget", "where the loss comes from", "error_budget",
      [str(_BUDGET / "fp8ptq-nosink-n64-seed0"), str(_BUDGET / "fp8ptq-n64-seed0"),
       "--windows", "4"]),
+    ("squad-budget", "where MiniLM's loss comes from, and each checkpoint's distance from float",
+     "squad_budget",
+     [*(str(_MINILM / f"{tool}-n64-seed{s}") for tool in ("fp8ptq", "llmc") for s in range(5)),
+      *(x for tool, label in (("fp8ptq", "fp8ptq default"), ("llmc", "llm-compressor"))
+        for x in ("--against", label + "=" + ",".join(
+            str(_MINILM / f"{tool}-n64-seed{s}.json") for s in range(5))))]),
     ("speed", "GPTQ's calibrate + quantize seconds, the two tools back to back",
      "llmc_vs_default",
      ["--out", str(ROOT / "out/timing"), "--seeds", "0", "--num-samples", "64",

@@ -112,7 +112,8 @@ def test_the_study_steps_are_arguments_their_scripts_accept():
     from fp8ptq.cli.main import main as cli
 
     cl = lvd.cl
-    assert [name for name, *_ in cl.STUDY] == ["accuracy", "minilm", "budget", "speed"]
+    assert [name for name, *_ in cl.STUDY] == ["accuracy", "minilm", "budget", "squad-budget",
+                                               "speed"]
     quantize = cli.get_command(None, "quantize")
     known = {o for p in quantize.params for o in (*p.opts, *p.secondary_opts)}
     for _name, _what, script, argv in cl.STUDY:
@@ -123,6 +124,16 @@ def test_the_study_steps_are_arguments_their_scripts_accept():
                 assert flag in known, flag
     minilm = lvd.parser().parse_args(cl.STUDY[1][3])
     assert minilm.model == "minilm" and minilm.schemes == "FP8_DYNAMIC,FP8_BLOCK"
+    # the squad budget reads the minilm step's FP8_DYNAMIC checkpoints and evaluations
+    import squad_budget
+    budget = squad_budget.parser().parse_args(cl.STUDY[3][3])
+    out = Path(minilm.out).resolve() / f"minilm-{minilm.questions}"
+    tag = lvd.SCHEMES["FP8_DYNAMIC"][2]
+    rows = [f"{tool}-{tag}n{minilm.num_samples}-seed{s}" for tool in ("fp8ptq", "llmc")
+            for s in minilm.seeds.split(",")]
+    assert budget.checkpoint == [str(out / r) for r in rows]
+    files = [f.split("=", 1)[1].split(",") for f in budget.against]
+    assert sorted(sum(files, [])) == sorted(str(out / f"{r}.json") for r in rows)
 
 
 def test_squad_differences_are_points_and_better_is_higher():
