@@ -14,7 +14,8 @@ with; every row cached, so a stopped study resumes where it stopped):
 
 - ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 10 calibration seeds, the default
   and its factors one at a time (windows, samples x length, dampening, act-order, one-pass
-  Hessians, weight-scale rule, asymmetric and sink-aware GPTQ, rotation), both tools'
+  Hessians and their accumulation dtype, weight-scale rule, asymmetric and sink-aware GPTQ,
+  rotation, what stays in high precision), both tools'
   calibrate + quantize seconds and peak RSS;
 - ``minilm``: the same for MiniLM SQuAD, ``FP8_DYNAMIC`` and ``FP8_BLOCK``, 5 seeds;
 - ``budget``: ``error_budget.py`` on the seed-0 checkpoints: which share of the loss is the
@@ -163,7 +164,11 @@ STUDY = (
       "--variant", "nosink-damp10=--gptq-sink 0 --gptq-damp 0.1",
       "--variant", "nosink-hmse=--gptq-sink 0 --weight-calib gptq-hmse",
       "--variant", "asym@0,1=--gptq-asym",
-      "--variant", "nosink-rotate@0,1=--gptq-sink 0 --rotate hadamard"]),
+      "--variant", "nosink-rotate@0,1=--gptq-sink 0 --rotate hadamard",
+      "--variant", "nosink-keepdown=--gptq-sink 0 --skip *down_proj",
+      "--variant", "nosink-keepends=--gptq-sink 0 --skip model.layers.0.* "
+      "--skip model.layers.29.*",
+      "--variant", "nosink-h32=--gptq-sink 0 --gptq-hessian-dtype float32"]),
     ("minilm", "the default against GPTQ FP8_DYNAMIC and FP8_BLOCK on MiniLM SQuAD",
      "llmc_vs_default", ["minilm", "--schemes", "FP8_DYNAMIC,FP8_BLOCK",
                          "--seeds", "0,1,2,3,4"]),

@@ -201,6 +201,14 @@ def _span(d: float, ci, unit: str) -> str:
     return f"{d:+.2f}{unit}" + (f" ({ci[0]:+.2f}..{ci[1]:+.2f})" if ci else "")
 
 
+def _threads(facts: dict) -> str:
+    """The torch threads the rows' quantize children ran with, from their own records (a
+    cached row keeps the count of the run that made it)."""
+    used = sorted({f["threads"] for f in facts.values() if f and f.get("threads")})
+    return " or ".join(map(str, used)) + (" (each row's in its record)" if len(used) > 1
+                                          else "")
+
+
 def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict,
             score: Score = SCORE) -> str:
     base = by_name["baseline"]
@@ -246,7 +254,7 @@ def section(rows: list[dict], by_name: dict, facts: dict, args, meta: dict,
         f"recorded by both runs {windows}), "
         f"{meta['llmc']}; fp8ptq {meta['fp8ptq']}. Machine: {platform.machine()} "
         f"{os.cpu_count()} cores, shared with "
-        f"other jobs; {args.threads} torch thread(s) per child; report written "
+        f"other jobs; {_threads(facts)} torch thread(s) per child; report written "
         f"{meta['written']} at load average {meta['load']} (load after each quantize child in "
         "the row). Seconds: calibrate+quantize (fp8ptq's stage timer; the wall time of "
         "`oneshot` for llm-compressor), and in parentheses the whole child (load, quantize, "
@@ -482,7 +490,7 @@ def main(argv=None) -> str | None:
                            "cq": f.get("oneshot_seconds", 0.0),
                            "wall": f["wall_seconds"], "rss": f["peak_rss_mb"],
                            "load_after": f["load_after"], "version": f["llmcompressor"],
-                           "windows_sha256": f["windows_sha256"]}
+                           "windows_sha256": f["windows_sha256"], "threads": f.get("threads")}
         else:
             f = json.loads(dest.with_name(dest.name + ".quantize.json").read_text())
             label = "fp8ptq default" + (f" + `{' '.join(SCHEMES[scheme][1])}`" if what else "")
@@ -491,7 +499,7 @@ def main(argv=None) -> str | None:
             facts[name] = {"label": label, "cq": f["calibrate_quantize_seconds"],
                            "wall": f["wall_seconds"], "rss": f["peak_rss_mb"],
                            "load_after": f["load_after"], "flags": flags,
-                           "windows_sha256": calib_meta["sha256"]}
+                           "windows_sha256": calib_meta["sha256"], "threads": f.get("threads")}
         facts[name].update(seed=x, row=doc, scheme=scheme,
                            against=against if against in facts else None)
     if "report" not in steps:

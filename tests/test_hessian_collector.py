@@ -2,10 +2,12 @@
 one reused float32 buffer per shape and added in place into float64 sums, and the replayed
 records of sequential GPTQ's partial forwards handed out once without a copy."""
 
+import pytest
 import torch
 
 from fp8ptq.algorithms.gptq.asym import AsymmetricCollector
 from fp8ptq.algorithms.gptq.replay import _replayer
+from fp8ptq.algorithms.gptq.sink import SinkCollector
 from fp8ptq.observe.hessian import HessianCollector
 
 
@@ -35,6 +37,33 @@ def test_sums_over_batches_are_each_inputs_own():
     assert not torch.allclose(c.hessian("l0"), c.hessian("l1"))
 
 
+@pytest.mark.parametrize("kind", ["plain", "sink"])
+def test_float32_sums_are_their_own_and_close_to_float64(kind):
+    """``gptq_hessian_dtype`` float32: the sums are float32 tensors of their own (never the
+    reused float32 product buffer, which the next batch overwrites), within float32 rounding of
+    the float64 sums after many batches; the sink-aware ``H~`` made from them is float64."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, 24, generator=g) * 2 + 1 for _ in range(12)]
+
+    def collected(dtype):
+        lin = torch.nn.Linear(24, 3, bias=False)
+        c = HessianCollector({"lin": lin}, dtype=dtype) if kind == "plain" else \
+            SinkCollector({"lin": lin}, {"lin": None}, 1.0, dtype=dtype)
+        with c.observing(), torch.inference_mode():
+            for x in batches:
+                lin(x)
+        return c
+
+    lo, hi = collected(torch.float32), collected(torch.float64)
+    assert lo.sums["lin"].dtype == torch.float32 and hi.sums["lin"].dtype == torch.float64
+    got, want = lo.hessian("lin"), hi.hessian("lin")
+    assert got.dtype == (torch.float32 if kind == "plain" else torch.float64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    X = torch.cat([x.reshape(-1, 24) for x in batches]).double()
+    if kind == "plain":  # the buffer's last batch alone would be far off
+        torch.testing.assert_close(got.double(), 2 * X.T @ X / len(X), rtol=1e-5, atol=1e-4)
+
+
 def test_asymmetric_sums_do_not_share_the_buffer_by_mistake():
     """The asymmetric collector writes ``X~^T X~`` and then ``X^T X~`` through the same
     buffer: each lands in its own sum."""
@@ -62,3 +91,29 @@ def test_a_record_is_handed_out_once_then_copied():
     second = forward()
     assert second is not out and second[0] is not out[0] and second[1] is None
     assert torch.equal(second[0], out[0])
+
+
+def test_a_model_quantized_with_float32_sums_is_nearly_the_float64_one():
+    """``Recipe(gptq_hessian_dtype="float32")`` reaches the in-order collectors: the recipe
+    records it, the largest Hessian held is half the bytes, and the codes differ only where a
+    weight sat within summation rounding of a code boundary."""
+    from fp8ptq.config.recipe import Recipe
+    from fp8ptq.execution.in_memory import quantize_model, token_batches
+    from tiny_models import IDS, tiny
+
+    batches = list(token_batches(IDS, 4))
+    models, facts = {}, {}
+    for dtype in ("float64", "float32"):
+        model = tiny("llama").float()
+        recipe = Recipe(format="e4m3", act_granularity="token", dtype="float32",
+                        weight_calib="gptq", gptq_hessian_dtype=dtype)
+        result = quantize_model(model, recipe, batches)
+        models[dtype], facts[dtype] = model, result.extras["gptq"]["sequential"]
+    assert facts["float32"]["max_hessian_bytes"] * 2 == facts["float64"]["max_hessian_bytes"]
+    same = total = 0
+    for (_, a), (_, b) in zip(models["float64"].named_modules(),
+                              models["float32"].named_modules()):
+        if hasattr(a, "weight_codes"):
+            same += int((a.weight_codes == b.weight_codes).sum())
+            total += a.weight_codes.numel()
+    assert total > 0 and same / total > 0.99

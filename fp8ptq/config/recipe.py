@@ -113,6 +113,11 @@ class Recipe(BaseModel):
         True, "GPTQ: quantize columns in order of decreasing input energy [on].",
         off="--no-gptq-act-order")
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
+    # what GPTQ's Hessian sums are accumulated in (each batch's product is float32 either way);
+    # float32 is llm-compressor's, halves the sums' memory, and is a factor of the comparison
+    gptq_hessian_dtype: str = flag(
+        "float64", "GPTQ: accumulate the Hessian sums in this dtype [float64].",
+        choices=("float64", "float32"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(

@@ -57,8 +57,8 @@ class HessianCollector:
     822 MB and 205 M additions per batch) buy nothing there."""
 
     def __init__(self, modules: dict[str, nn.Module], diagonal: bool = False,
-                 on_device: bool = False):
-        self.diagonal, self.on_device = diagonal, on_device
+                 on_device: bool = False, dtype: torch.dtype = torch.float64):
+        self.diagonal, self.on_device, self.dtype = diagonal, on_device, dtype
         self.modules = {n: m for n, m in modules.items() if not isinstance(m, CONV_TYPES)}
         self.sums: dict[str, torch.Tensor] = {}
         self.rows: dict[str, int] = {}
@@ -125,13 +125,13 @@ class HessianCollector:
         return torch.mm(a.T, b, out=out)
 
     def _add(self, store: dict, owner: str, t: torch.Tensor) -> None:
-        """``store[owner] += t`` in float64 (a float32 product summed in place: no float64
-        copy of it is made); crossing to the host first moves half the bytes."""
+        """``store[owner] += t`` in ``dtype`` (float64 by default: a float32 product summed in
+        place, no float64 copy of it made); crossing to the host first moves half the bytes."""
         t = t if self.on_device else t.cpu()
         if owner in store:
             store[owner].add_(t)
         else:
-            store[owner] = t.double()
+            store[owner] = t.to(self.dtype, copy=True)
 
     def hessian(self, name: str) -> torch.Tensor | None:
         """``2 X^T X / rows`` of ``name``'s inputs ([in, in]; with ``diagonal``: its diagonal,

@@ -66,7 +66,8 @@ class Session:
     def __init__(self, model, recipe, batches, targets, level, progress, hessians: bool = False):
         self.model, self.recipe, self.batches, self.progress = model, recipe, batches, progress
         self.level = level
-        self.hessians = HessianCollector({t.name: t.module for t in targets}) \
+        self.hessians = HessianCollector({t.name: t.module for t in targets},
+                                         dtype=getattr(torch, recipe.gptq_hessian_dtype)) \
             if hessians else None
         self.collector = collect_stats(model, targets, batches,
                                        _ticker(progress, "calibrating", len(batches)),

@@ -60,8 +60,8 @@ class AsymmetricCollector(HessianCollector):
     unit run on the same batch just before."""
 
     def __init__(self, modules: dict[str, nn.Module], quantizers: dict,
-                 on_device: bool = False):
-        super().__init__(modules, on_device=on_device)
+                 on_device: bool = False, dtype: torch.dtype = torch.float64):
+        super().__init__(modules, on_device=on_device, dtype=dtype)
         self.quantizers = quantizers
         self.cross: dict[str, torch.Tensor] = {}
         self.float_inputs: dict[str, torch.Tensor] = {}

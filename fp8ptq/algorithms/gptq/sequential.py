@@ -102,11 +102,13 @@ class Aim:
 
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
                       quantize: Quantize, *, activation_budget: int = 1 << 30,
-                      spill_dir=None, aim: Aim | None = None) -> dict:
+                      spill_dir=None, aim: Aim | None = None,
+                      hessian_dtype: torch.dtype = torch.float64) -> dict:
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
     ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
     Hessian. ``aim``: what GPTQ aims at (``Aim``: asymmetric or sink-aware), handed to
-    ``quantize`` as its ``W*``; None: plain (``aim`` None). Those outside the blocks
+    ``quantize`` as its ``W*``; None: plain (``aim`` None); ``hessian_dtype``: what the
+    Hessian sums are accumulated in (``gptq_hessian_dtype``). Those outside the blocks
     (``outside_blocks``) are left to the caller. Returns the facts for the report
     (``blocks``, ``groups``, ``forwards``, ``replayed_outputs`` (module outputs
     ``fp8ptq.algorithms.gptq.replay`` replayed instead of recomputing),
@@ -124,7 +126,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     asym = aim is not None and aim.asym
     if found is None:
         facts["blocks"] = 1
-        floats = _Floats(model, batches, aim)
+        floats = _Floats(model, batches, aim, hessian_dtype)
         partial = _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
                                  activation_budget)
         _count_replayed(facts, partial)
@@ -150,7 +152,7 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
             block_batches, float_batches = ([None if kw is None else BlockBatch(s, j, kw)
                                              for j, kw in enumerate(kwargs_list)]
                                             for s in (store, fstore))
-            floats = _Floats(block, float_batches, aim)
+            floats = _Floats(block, float_batches, aim, hessian_dtype)
             follows = i + 1 < len(blocks)
             partial = _quantize_unit(
                 block, local, {t.name for t in local if t.target.name in gptq}, block_batches,
@@ -190,9 +192,11 @@ class _Floats:
     stream: a float copy of the unit taken before any of its GEMMs is quantized (``unit``,
     else None) and its batches."""
 
-    def __init__(self, unit: nn.Module, batches: list, aim: Aim | None):
+    def __init__(self, unit: nn.Module, batches: list, aim: Aim | None,
+                 dtype: torch.dtype = torch.float64):
         self.unit = copy.deepcopy(unit) if aim is not None and aim.asym else None
         self.batches, self.aim = batches, aim
+        self.dtype = dtype  # what the unit's Hessian sums are accumulated in
 
     @property
     def sink(self) -> float:
@@ -322,12 +326,13 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     modules = {t.name: t.module for t in group}
     quantizers = {t.name: input_quantizer(_entry(t)) for t in group}
     if floats.sink:
-        collector = SinkCollector(modules, quantizers, floats.sink, on_device=True)
+        collector = SinkCollector(modules, quantizers, floats.sink, on_device=True,
+                                  dtype=floats.dtype)
     elif floats.unit is None:
-        collector = HessianCollector(modules, on_device=True,
+        collector = HessianCollector(modules, on_device=True, dtype=floats.dtype,
                                      diagonal=hessian_diagonal_only([_entry(t) for t in group]))
     else:
-        collector = AsymmetricCollector(modules, quantizers, on_device=True)
+        collector = AsymmetricCollector(modules, quantizers, on_device=True, dtype=floats.dtype)
     error = None
     handles = []
     # the partial forwards run the same fewer-temporaries code as the statistics pass and

@@ -49,8 +49,8 @@ class SinkCollector(HessianCollector):
     rows are ``2 x sequences x features x 4`` bytes.)"""
 
     def __init__(self, modules: dict[str, nn.Module], quantizers: dict, weight: float,
-                 on_device: bool = False):
-        super().__init__(modules, on_device=on_device)
+                 on_device: bool = False, dtype: torch.dtype = torch.float64):
+        super().__init__(modules, on_device=on_device, dtype=dtype)
         self.quantizers, self.weight = quantizers, weight
         # owner -> [(call index, [2, rows, features]: the inputs x and their rounding q)]
         self.first_rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -90,6 +90,7 @@ class SinkCollector(HessianCollector):
         if owner not in self._tilde:
             h = self.sums.pop(owner, None)
             if h is not None:
+                h = h.double()  # float32 sums (``gptq_hessian_dtype``): H~ is float64 anyway
                 with torch.inference_mode():  # the sums were made under it: in place needs it
                     h.mul_(2.0).div_(max(self.rows[owner], 1))  # as ``_scaled``, bit for bit
                     if self.first_rows.get(owner):
