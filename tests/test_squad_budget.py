@@ -1,12 +1,13 @@
 """``benchmarks/squad_budget.py``'s pieces: every GEMM of a BERT question-answering model has
 exactly one kind, the KL of the answer distributions is zero for the float model's own logits
-and grows with the perturbation, padding included or not, and the paired interval brackets
-the mean difference."""
+and grows with the perturbation, padding excluded, the paired interval brackets the mean
+difference, and the whole budget runs on the real MiniLM (slow)."""
 
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -51,3 +52,39 @@ def test_paired_interval_brackets_the_mean_difference():
     lo, hi = got["ci95"]
     assert lo < got["delta"] < hi and lo > 0  # a +1 shift over 500 samples of sd 5
     assert sb.paired(theirs, theirs) == {"delta": 0.0, "ci95": [0.0, 0.0]}
+
+
+@pytest.mark.slow
+def test_the_budget_runs_end_to_end_on_the_real_minilm(tmp_path):
+    """A short MiniLM checkpoint, six questions: the activation rows and the checkpoint's two
+    columns are scored, the float model's own F1 is what a comparison's records say, and the
+    bound against a comparison whose every question scored 0 is the activations-alone F1."""
+    import json
+
+    from fp8ptq.evals import squad
+    from tiny_models import invoke
+
+    assets = Path(__file__).resolve().parents[1] / ".." / "shared" / "assets"
+    ck = tmp_path / "ck"
+    r = invoke(["quantize", str(assets / "models/minilm-squad"), "-o", ck, "--format", "e4m3",
+                "--calib-data", str(assets / "calib/wiki-paragraphs.txt"), "--num-samples", 2,
+                "--seq-len", 64, "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    ids = [e["id"] for e in squad.load_examples(assets / "squad-v1.1/dev-heldout.json",
+                                                limit=6)]
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"records": {"squad": {"ids": ids, "columns": {
+        "f1": [0.0] * 6}}}}))
+    text = sb.main([str(ck), "--questions", "6", "--oracle-questions", "6", "--threads", "1",
+                    "--against", f"nothing={zero}", "--assets", str(assets),
+                    "--out", str(tmp_path / "out"), "--doc", ""])
+    report = json.loads((tmp_path / "out/report.json").read_text())
+    labels = [row["label"] for row in report["rows"]]
+    assert labels[0] == "activations only" and len(labels) == 1 + len(sb.KINDS)
+    col = report["columns"][0]
+    assert col["everything"]["kl"] > 0 and col["weights"]["kl"] > 0
+    assert report["rows"][0]["kl"] > 0 and all(row["kl"] >= 0 for row in report["rows"])
+    bound = report["oracle"]["against"]["nothing"]
+    assert bound["delta"] == pytest.approx(report["oracle"]["f1_activations"])
+    assert bound["delta"] > 0 and bound["ci95"][0] <= bound["delta"] <= bound["ci95"][1]
+    assert "## MiniLM SQuAD" in text and "`ck`" in text
