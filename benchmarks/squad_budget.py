@@ -33,10 +33,12 @@ Written to ``--out/report.json`` / ``section.md`` and the ``squad-budget`` block
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from error_budget import Switches, dequantized  # noqa: E402
+from recipe_study import records_from_json  # noqa: E402
 from results_page import study_args, write_section  # noqa: E402
+
+from fp8ptq.evals.stats import Records, paired_interval  # noqa: E402
 
 # BERT's GEMMs by the end of their module name (``attention.output.dense`` before
 # ``output.dense``: the first match wins)
@@ -145,15 +150,12 @@ def main(argv=None) -> str:
                          **activations(scorer, weights[0], chosen)})
     columns = []
     for ck, w in zip(cks, weights):
-        sw = Switches(scorer.model, w)
         every = set(w)
         col = {"checkpoint": ck.name}
-        for key, (wts, ins) in {"everything": (every, every), "weights": (every, set())}.items():
-            sw.set(wts, ins)
-            col[key] = scorer.score()
+        for key, ins in (("everything", every), ("weights", set())):
+            with switched(scorer, w, every, ins):
+                col[key] = scorer.score()
             print(f"{ck.name} {key}: {col[key]}", flush=True)
-        sw.remove()
-        sw.set_float()
         columns.append(col)
     report = {"source": source, "questions": args.questions,
               "f1_float": float(scorer.f1_float.mean()), "rows": rows, "columns": columns,
@@ -168,8 +170,8 @@ def against(scorer: Scorer, weights: dict, specs: list[str]) -> dict:
     """The activations-alone model (every GEMM's input rounded, float weights) against each
     ``LABEL=EVAL.json,...``: its F1 minus the seeds' mean F1, question by question (matched by
     id), with the paired bootstrap 95% interval."""
-    import json
-    f1, _ = activations_f1(scorer, weights)
+    with switched(scorer, weights, set(), set(weights)):
+        f1, _ = scorer.run()
     ids = [e["id"] for e in scorer.examples]
     out = {"questions": len(ids), "f1_float": float(scorer.f1_float.mean()),
            "f1_activations": float(f1.mean()), "against": {}}
@@ -177,8 +179,8 @@ def against(scorer: Scorer, weights: dict, specs: list[str]) -> dict:
         label, _, files = spec.partition("=")
         per_seed = []
         for f in files.split(","):
-            rec = json.loads(Path(f).read_text())["records"]["squad"]
-            by_id = dict(zip(rec["ids"], rec["columns"]["f1"]))
+            rec = records_from_json(json.loads(Path(f).read_text())["records"])["squad"]
+            by_id = dict(zip(rec.ids, rec.columns["f1"]))
             per_seed.append(np.array([by_id[i] for i in ids]))
         theirs = np.mean(per_seed, axis=0)
         out["against"][label] = {"seeds": len(per_seed), "f1": float(theirs.mean()),
@@ -187,20 +189,23 @@ def against(scorer: Scorer, weights: dict, specs: list[str]) -> dict:
 
 
 def paired(ours: np.ndarray, theirs: np.ndarray) -> dict:
-    """``ours - theirs`` (mean) with its paired bootstrap 95% interval over the samples."""
-    d = ours - theirs
-    rng = np.random.default_rng(1234)
-    means = d[rng.integers(0, len(d), size=(1000, len(d)))].mean(axis=1)
-    return {"delta": float(d.mean()),
-            "ci95": [float(x) for x in np.percentile(means, [2.5, 97.5])]}
+    """``ours - theirs`` (mean) with its paired bootstrap 95% interval over the samples (the
+    evaluation report's own, ``fp8ptq.evals.stats.paired_interval``)."""
+    def records(x):
+        return Records(list(range(len(x))), {"f1": np.asarray(x, dtype=float)},
+                       {"f1": ("mean", "f1", None)})
+    iv = paired_interval(records(theirs), records(ours), "f1")
+    return {"delta": float(np.mean(ours) - np.mean(theirs)), "ci95": iv["ci95"]}
 
 
-def activations_f1(scorer: Scorer, weights: dict) -> tuple[np.ndarray, list]:
-    """Per-question F1 (and logits) with every GEMM's input rounded, float weights."""
+@contextmanager
+def switched(scorer: Scorer, weights: dict, quantized: set[str], rounded: set[str]):
+    """The float model with the checkpoint weights of ``quantized`` and the inputs of
+    ``rounded`` rounded (``error_budget.Switches``), restored afterwards."""
     sw = Switches(scorer.model, weights)
     try:
-        sw.set(set(), set(weights))
-        return scorer.run()
+        sw.set(quantized, rounded)
+        yield
     finally:
         sw.remove()
         sw.set_float()
@@ -208,13 +213,8 @@ def activations_f1(scorer: Scorer, weights: dict) -> tuple[np.ndarray, list]:
 
 def activations(scorer: Scorer, weights: dict, rounded: set[str]) -> dict:
     """The score with the inputs of ``rounded`` rounded and every weight float."""
-    sw = Switches(scorer.model, weights)
-    try:
-        sw.set(set(), rounded)
+    with switched(scorer, weights, set(), rounded):
         got = scorer.score()
-    finally:
-        sw.remove()
-        sw.set_float()
     print(f"activations of {len(rounded)} GEMMs: {got}", flush=True)
     return got
 

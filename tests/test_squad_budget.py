@@ -73,8 +73,9 @@ def test_the_budget_runs_end_to_end_on_the_real_minilm(tmp_path):
     ids = [e["id"] for e in squad.load_examples(assets / "squad-v1.1/dev-heldout.json",
                                                 limit=6)]
     zero = tmp_path / "zero.json"
-    zero.write_text(json.dumps({"records": {"squad": {"ids": ids, "columns": {
-        "f1": [0.0] * 6}}}}))
+    zero.write_text(json.dumps({"records": {"squad": {  # an evaluation JSON's records
+        "ids": ids, "columns": {"f1": [0.0] * 6}, "formulas": {"f1": ["mean", "f1", None]},
+        "scale": {"f1": 1.0}}}}))
     text = sb.main([str(ck), "--questions", "6", "--oracle-questions", "6", "--threads", "1",
                     "--against", f"nothing={zero}", "--assets", str(assets),
                     "--out", str(tmp_path / "out"), "--doc", ""])

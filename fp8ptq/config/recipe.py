@@ -329,6 +329,12 @@ class Recipe(BaseModel):
                                  "pick one")
 
     @property
+    def hessian_dtype(self):
+        """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in."""
+        import torch  # the recipe module itself stays importable without torch
+        return getattr(torch, self.gptq_hessian_dtype)
+
+    @property
     def skip_patterns(self) -> list[str]:
         return list(self.skip) + ([] if self.quantize_lm_head else ["lm_head"])
 

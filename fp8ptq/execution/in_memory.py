@@ -266,8 +266,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     one_pass = set(outside_blocks(model, targets)) if in_order else None  # the rest: in order
     hessian_from = [t for t in targets if reads_data(t)
                     and (one_pass is None or t.name in one_pass)]
-    hessian_dtype = getattr(torch, recipe.gptq_hessian_dtype)
-    hessians = HessianCollector({t.name: t.module for t in hessian_from}, dtype=hessian_dtype,
+    hessians = HessianCollector({t.name: t.module for t in hessian_from},
+                                dtype=recipe.hessian_dtype,
                                 diagonal=hessian_diagonal_only(hessian_from)) \
         if facts.gptq else None
     # the statistics pass, unless nothing reads it (dynamic inputs with in-order GPTQ alone)
@@ -315,7 +315,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=hessian_dtype)
+            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=recipe.hessian_dtype)
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
