@@ -126,8 +126,9 @@ def loading_options(f):
                      help="accelerate device map: auto|balanced|balanced_low_0|sequential, a "
                           "JSON object {module: device} ('disk' offloads) or a .json file."),
         click.option("--max-memory", default=None,
-                     help="Memory per device for the device map: SIZE (CPU) or "
-                          "DEVICE=SIZE[,...], e.g. 0=20GiB,cpu=64GiB (needs --device-map)."),
+                     help="Memory budget: SIZE (the host) or DEVICE=SIZE[,...], e.g. "
+                          "0=20GiB,cpu=64GiB (GPU 0 and the host); with --device-map, "
+                          "accelerate's limits per device."),
         click.option("--offload-folder", type=click.Path(), default=None,
                      help="Where disk-offloaded weights go [a temporary folder]."),
     ]

@@ -114,10 +114,12 @@ class Recipe(BaseModel):
         off="--no-gptq-act-order")
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
     # what GPTQ's Hessian sums are accumulated in (each batch's product is float32 either way);
-    # float32 is llm-compressor's, halves the sums' memory, and is a factor of the comparison
+    # float32 is llm-compressor's, halves the sums' memory, and is a factor of the comparison;
+    # auto: float32 on a GPU (there the Cholesky factor follows: memory is the GPU's scarcest
+    # resource), float64 on the CPU (``hessian_dtype_on``)
     gptq_hessian_dtype: str = flag(
-        "float64", "GPTQ: accumulate the Hessian sums in this dtype [float64].",
-        choices=("float64", "float32"))
+        "auto", "GPTQ: accumulate the Hessian sums in this dtype [auto: float32 on a GPU, "
+        "float64 on the CPU].", choices=("auto", "float64", "float32"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(
@@ -328,11 +330,14 @@ class Recipe(BaseModel):
                 raise UsageError("gptq_sink and gptq_asym aim each GEMM at different targets: "
                                  "pick one")
 
-    @property
-    def hessian_dtype(self):
-        """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in."""
+    def hessian_dtype_on(self, device):
+        """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in on
+        ``device`` (``auto``: float32 on a GPU, float64 elsewhere)."""
         import torch  # the recipe module itself stays importable without torch
-        return getattr(torch, self.gptq_hessian_dtype)
+        name = self.gptq_hessian_dtype
+        if name == "auto":
+            name = "float64" if torch.device(device).type == "cpu" else "float32"
+        return getattr(torch, name)
 
     @property
     def skip_patterns(self) -> list[str]:

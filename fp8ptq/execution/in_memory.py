@@ -267,7 +267,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     hessian_from = [t for t in targets if reads_data(t)
                     and (one_pass is None or t.name in one_pass)]
     hessians = HessianCollector({t.name: t.module for t in hessian_from},
-                                dtype=recipe.hessian_dtype,
+                                dtype=recipe.hessian_dtype_on("cpu"),  # summed on the host
                                 diagonal=hessian_diagonal_only(hessian_from)) \
         if facts.gptq else None
     # the statistics pass, unless nothing reads it (dynamic inputs with in-order GPTQ alone)
@@ -315,7 +315,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=recipe.hessian_dtype)
+            aim=Aim.of(recipe, facts.causal_lm),
+            hessian_dtype=recipe.hessian_dtype_on(_device_of(model)))
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
@@ -336,6 +337,11 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     extras["high_precision"] = high_precision_report(model)
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras,
                           recipe=recipe, plan=plan)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: its first parameter's device (the CPU for one without)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,

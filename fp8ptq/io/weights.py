@@ -77,9 +77,11 @@ class WeightLoader:
         return [n for n, _ in self.model.named_parameters()
                 if n not in self.map.by_target and n not in self.tied]
 
-    def load(self, loads: list[Load]) -> None:
-        """Read ``loads`` and set their parameters, one load's tensors in memory at a time."""
+    def load(self, loads: list[Load], device: torch.device | str | None = None) -> None:
+        """Read ``loads`` and set their parameters, one load's tensors in memory at a time, on
+        ``device`` (default: the loader's)."""
         folder = self.source.folder
+        device = self.device if device is None else device
         for ld in loads:
             try:
                 values = self.map.realize(ld, self.source.read_one)
@@ -91,7 +93,7 @@ class WeightLoader:
                 if want is not None and tuple(value.shape) != tuple(want):
                     raise DataError(f"{folder}: {name} has shape {tuple(value.shape)} in the "
                                     f"checkpoint, the model expects {tuple(want)}")
-                set_module_tensor_to_device(self.model, name, self.device, value=value,
+                set_module_tensor_to_device(self.model, name, device, value=value,
                                             dtype=value.dtype)
 
 

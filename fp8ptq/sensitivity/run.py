@@ -67,7 +67,7 @@ class Session:
         self.model, self.recipe, self.batches, self.progress = model, recipe, batches, progress
         self.level = level
         self.hessians = HessianCollector({t.name: t.module for t in targets},
-                                         dtype=recipe.hessian_dtype) \
+                                         dtype=recipe.hessian_dtype_on("cpu")) \
             if hessians else None
         self.collector = collect_stats(model, targets, batches,
                                        _ticker(progress, "calibrating", len(batches)),
