@@ -15,7 +15,7 @@ from fp8ptq.checkpoint.writer import CheckpointWriter
 from fp8ptq.cli.main import main
 from fp8ptq.errors import NumericsError
 from fp8ptq.execution import in_memory, streaming
-from fp8ptq.io import atomic
+from fp8ptq.files import atomic
 
 FAULT = os.environ.get("FP8PTQ_TEST_FAULT", "calibrate")
 RANK = os.environ.get("RANK")

@@ -7,9 +7,9 @@ import torch
 
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.execution import in_memory
-from fp8ptq.execution.block_inputs import ActivationStore, capture_block_inputs, run_block
 from fp8ptq.execution.in_memory import collect_stats, plan_targets
 from fp8ptq.model import forward
+from fp8ptq.model.block_inputs import ActivationStore, capture_block_inputs, run_block
 from fp8ptq.model.forward import micro_batch_spans, micro_batches, token_batches
 from fp8ptq.runtime import usage
 from tiny_models import IDS, tiny

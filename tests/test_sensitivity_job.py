@@ -7,7 +7,7 @@ import torch
 
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.sensitivity.job import run_sensitivity, streamed_selection
+from fp8ptq.execution.sensitivity_job import run_sensitivity, streamed_selection
 from tiny_models import tiny
 
 

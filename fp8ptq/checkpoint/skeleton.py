@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import DataError, Fp8ptqError, first_line
-from ..io.safe_pickle import load_torch_file
+from ..files.safe_pickle import load_torch_file
 from ..model.gemm import set_submodule
 from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 

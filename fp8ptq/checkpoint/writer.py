@@ -41,7 +41,7 @@ from torch import nn
 
 from ..config.recipe import Recipe, moot_options
 from ..errors import Fp8ptqError, UsageError
-from ..io.atomic import atomic_dir
+from ..files.atomic import atomic_dir
 from ..model.gemm import CONV_TYPES
 from ..nn.quant_experts import ProjectionQuant, QuantExperts
 from ..nn.quant_gemm import QuantGemm

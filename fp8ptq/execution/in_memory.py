@@ -33,6 +33,7 @@ from ..errors import NumericsError, UsageError
 from ..formats import decode
 from ..formats.scales import amax_to_scale, histogram_sqnr_db, sqnr_db
 from ..formats.weight_quant import choose_scale, quantize_weight
+from ..io.placement import materialize_offloaded
 from ..model.forward import (  # noqa: F401 - run_batch, token_batches re-exported
     head_observed,
     micro_batches,
@@ -55,12 +56,11 @@ from ..nn.quant_experts import (
     unify_expert_input_scales,
 )
 from ..nn.quant_gemm import QuantGemm, simulated_gemms
+from ..observe import distributed
 from ..observe.hessian import HessianCollector
 from ..observe.observers import StatsCollector, TensorStats
-from ..observe.taps import ActivationTaps
 from ..runtime.usage import release_free_memory
-from . import distributed
-from .placement import materialize_offloaded
+from ..taps.taps import ActivationTaps
 
 # The plan's module entries (``fp8ptq.config.plan``) are what the pipeline quantizes; the old names
 # stay.

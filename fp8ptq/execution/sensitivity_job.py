@@ -15,17 +15,23 @@ from pathlib import Path
 
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
-from ..execution import job, strategy
-from ..execution.in_memory import token_batches
-from ..execution.placement import materialize_offloaded
-from ..execution.streaming import calibration_from_folder
 from ..io.data import FILE_SUFFIXES, load_texts
+from ..io.placement import materialize_offloaded
 from ..runtime.usage import timed
-from .report import SensitivityResult
-from .run import DEFAULT_EVAL_DATA, DEFAULT_STAT_FORMATS, analyze, check_recipe, eval_windows
-from .stream import analyze_streamed
-from .suggest import parse_target
-from .swap import plan_format
+from ..sensitivity.report import SensitivityResult
+from ..sensitivity.run import (
+    DEFAULT_EVAL_DATA,
+    DEFAULT_STAT_FORMATS,
+    analyze,
+    check_recipe,
+    eval_windows,
+)
+from ..sensitivity.suggest import parse_target
+from ..sensitivity.swap import plan_format
+from . import job, strategy
+from .in_memory import token_batches
+from .sensitivity_stream import analyze_streamed
+from .streaming import calibration_from_folder
 
 
 @dataclass

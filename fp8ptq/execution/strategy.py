@@ -62,7 +62,7 @@ from ..model.blocks import block_prefix, find_blocks
 from ..model.forward import MICRO_TOKENS
 from ..model.gemm import weight_2d
 from ..nn.fused import fused_groups
-from . import distributed
+from ..observe import distributed
 from .model_free import ModelFreeJob, NotModelFree, refusal
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports

@@ -39,11 +39,11 @@ from ..io.data import build_calibration_set, resolve_calib_spec
 from ..io.loading import LoadedModel, load_tokenizer
 from ..io.source import SafetensorsSource
 from ..io.weights import WeightLoader, build_empty
+from ..model.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from ..model.blocks import block_prefix, find_blocks
 from ..nn.quant_gemm import simulated_gemms
+from ..observe import distributed
 from ..runtime.usage import release_free_memory
-from . import distributed
-from .block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from .in_memory import QuantizeResult, high_precision_report, quantize_model, token_batches
 
 

@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import load_quantized
 from ..errors import DataError, UsageError, first_line
-from ..execution.placement import Placement
+from ..files.json_files import read_json
+from ..files.safe_pickle import load_torch_file
 from ..model.auto import (  # noqa: F401 - re-exported
     TASK_CLASSES,
     LoadedModel,
@@ -26,9 +27,8 @@ from ..model.auto import (  # noqa: F401 - re-exported
     model_class,
 )
 from ..vision import TinyMobileNet
-from .files import read_json
 from .gguf_convert import convert_gguf
-from .safe_pickle import load_torch_file
+from .placement import Placement
 from .source import is_safetensors_folder, prequantized
 from .weights import load_streaming
 
