@@ -23,14 +23,13 @@ from ..files.safe_pickle import load_torch_file
 from ..model.auto import (  # noqa: F401 - re-exported
     TASK_CLASSES,
     LoadedModel,
-    load_config,
     model_class,
 )
 from ..vision import TinyMobileNet
 from .gguf_convert import convert_gguf
 from .placement import Placement
 from .source import is_safetensors_folder, prequantized
-from .weights import load_streaming
+from .weights import load_config, load_streaming
 
 # the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
 # "Expecting value: line 1 column 1" without a file name)
