@@ -7,7 +7,8 @@ import typing
 
 import click
 
-from fp8ptq.config.recipe import Recipe, flag_spec, moot_options
+from fp8ptq.config.moot import moot_options
+from fp8ptq.config.recipe import Recipe, flag_spec
 from fp8ptq.errors import UsageError
 from fp8ptq.io.loading import is_torch_module_file, source_note
 from fp8ptq.io.placement import parse_placement

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config.recipe import Recipe, moot_options
+from ..config.moot import moot_options
+from ..config.recipe import Recipe
 from ..errors import Fp8ptqError, UsageError
 from ..files.atomic import atomic_dir
 from ..model.gemm import CONV_TYPES
@@ -340,7 +341,7 @@ class CheckpointWriter:
 
 
 def _moot(recipe, model) -> dict[str, str]:
-    """The recipe fields this run ignored (``fp8ptq.config.recipe.moot_options``): field -> why."""
+    """The recipe fields this run ignored (``fp8ptq.config.moot.moot_options``): field -> why."""
     if not isinstance(recipe, Recipe):
         return {}
     convolutions = any(isinstance(m, CONV_TYPES) for m in model.modules())
