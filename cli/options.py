@@ -112,7 +112,7 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None,
 
 def loading_options(f):
     """How a model is loaded: ``--device-map``, ``--max-memory``, ``--offload-folder`` (handed to
-    accelerate, see ``fp8ptq.execution.placement``), ``--trust-pickle`` and
+    accelerate, see ``fp8ptq.io.placement``), ``--trust-pickle`` and
     ``--trust-remote-code``; the
     command reads them with ``loading_from``."""
     options = [

@@ -1,4 +1,5 @@
-"""fp8ptq.io.atomic: every output appears complete or not at all (one mechanism for all writers)."""
+"""fp8ptq.files.atomic: every output appears complete or not at all (one mechanism for all
+writers)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``--metric sqnr`` streamed block by block (``fp8ptq.sensitivity.stream``): the same module
-statistics and unit measures as the in-memory analysis, at most two blocks resident,
+"""``--metric sqnr`` streamed block by block (``fp8ptq.execution.sensitivity_stream``): the same
+module statistics and unit measures as the in-memory analysis, at most two blocks resident,
 activations spilled under a tiny budget, and what cannot stream refused with the reason."""
 
 import json

@@ -1,4 +1,4 @@
-"""Attention-matmul and residual-add taps (``fp8ptq.observe.taps``) on tiny models built from
+"""Attention-matmul and residual-add taps (``fp8ptq.taps.taps``) on tiny models built from
 configs."""
 
 import math

@@ -12,7 +12,7 @@ of ``CheckpointWriter``, the session object that streaming writers use directly:
         ckpt.add_tensors(other_tensors)         # embeddings, final norm, lm_head, ...
         ckpt.close(model, recipe, result=...)   # config.json, fp8ptq.json, card; rename
 
-* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.io.atomic``).
+* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.files.atomic``).
 * ``add_modules(model_or_block, names, reports, prefix=)`` writes the quantized modules'
   tensors in the layout's form and records their fp8ptq.json entries; ``add_block`` also adds
   the block's other tensors. A model-free writer that holds no module calls ``add_gemm`` /

@@ -1,11 +1,12 @@
 """``fp8ptq sensitivity`` as one library call: the analysis of MODEL, in memory or streamed.
 
 Where the analysis runs is decided here, not by the command: block by block from the
-safetensors folder (``fp8ptq.sensitivity.stream``) with ``--sequential``, or when a plain
+safetensors folder (``fp8ptq.execution.sensitivity_stream``) with ``--sequential``, or when a plain
 ``--max-memory SIZE`` is too small for the whole model (``fp8ptq.execution.strategy`` sizes it
 as for ``quantize``); else the model is loaded whole (``analyze``). The CLI parses flags into
 these arguments, calls ``run_sensitivity`` and prints the result, as ``fp8ptq quantize`` does
-with ``fp8ptq.quantize``. Imported from its module (it builds on ``fp8ptq.execution``).
+with ``fp8ptq.quantize``. It sits in ``fp8ptq.execution``, above the analysis it runs
+(``fp8ptq.sensitivity``), since it builds on the quantize job and strategy.
 """
 
 from __future__ import annotations
