@@ -1,10 +1,12 @@
 """No import cycles in the package: the graph of top-level imports (read from the source, not by
 importing) must be acyclic, so must the graph of the folders it makes (each subpackage, the
 mapped ``calibrators`` / ``cli`` / ``evals`` included, and each top-level module, one node: the
-folders form layers, docs/design.md draws them), no fp8ptq module imports another inside a
+folders form layers: docs/design.md's table gives each its layer, and every import across
+folders points to a lower one), no fp8ptq module imports another inside a
 function (the way cycles used to be dodged), and no module is over 450 lines."""
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -179,6 +181,24 @@ def test_folder_graph_finds_a_cycle_through_two_modules_of_each_folder():
 def test_no_import_cycles_between_folders():
     """Folders form layers: a folder imports only folders below it (docs/design.md)."""
     assert cycles(folder_graph()) == []
+
+
+def design_layers() -> dict[str, int]:
+    """Folder -> layer, from the folder table of docs/design.md (``| 3 | `fp8ptq/nn/` | ...``)."""
+    rows = re.findall(r"^\| (\d+) \| `([\w/]+)/` \|", (ROOT / "docs" / "design.md").read_text(),
+                      re.MULTILINE)
+    return {"fp8ptq." + path.removeprefix("fp8ptq/").replace("/", "."): int(layer)
+            for layer, path in rows}
+
+
+def test_the_design_doc_draws_the_layers_the_imports_keep():
+    """Every folder is in docs/design.md's table, and imports only folders of lower layers."""
+    layers, graph = design_layers(), folder_graph()
+    folders = {f for f in graph if _is_package(f, package_modules()) and f != "fp8ptq"}
+    assert folders == set(layers)
+    upward = sorted(f"{a} ({layers[a]}) -> {b} ({layers[b]})" for a in folders
+                    for b in graph[a] if b in layers and layers[b] >= layers[a])
+    assert upward == []
 
 
 def test_no_module_over_450_lines():
