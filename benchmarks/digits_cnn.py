@@ -24,11 +24,11 @@ import torch
 from _common import emit
 
 from fp8ptq.config.recipe import Recipe
+from fp8ptq.evals.vision import quantize_and_score
 from fp8ptq.vision import (
     accuracy,
     image_batches,
     load_digits_data,
-    quantize_and_score,
     train_digits_cnn,
 )
 

@@ -43,7 +43,7 @@ from fp8ptq.evals.compare import (  # noqa: F401
 from fp8ptq.evals.evaluate import prepare
 from fp8ptq.evals.report import check_gates, parse_gate, render_table, to_markdown
 from fp8ptq.execution.quantize import calib_facts
-from fp8ptq.io.atomic import check_writable, write_file
+from fp8ptq.files.atomic import check_writable, write_file
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.runtime.usage import time_line, usage
 

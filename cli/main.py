@@ -20,7 +20,7 @@ import click
 
 from fp8ptq import __version__
 from fp8ptq.errors import Fp8ptqError, first_line
-from fp8ptq.execution import distributed
+from fp8ptq.observe import distributed
 from fp8ptq.runtime.usage import bound_heap
 
 from .help_format import EXAMPLE_MODEL, SCREEN_COLUMNS, example

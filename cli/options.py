@@ -7,10 +7,11 @@ import typing
 
 import click
 
-from fp8ptq.config.recipe import Recipe, flag_spec, moot_options
+from fp8ptq.config.moot import moot_options
+from fp8ptq.config.recipe import Recipe, flag_spec
 from fp8ptq.errors import UsageError
-from fp8ptq.execution.placement import parse_placement
 from fp8ptq.io.loading import is_torch_module_file, source_note
+from fp8ptq.io.placement import parse_placement
 
 
 def _opt(*decls: str, **attrs):
@@ -111,7 +112,7 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None,
 
 def loading_options(f):
     """How a model is loaded: ``--device-map``, ``--max-memory``, ``--offload-folder`` (handed to
-    accelerate, see ``fp8ptq.execution.placement``), ``--trust-pickle`` and
+    accelerate, see ``fp8ptq.io.placement``), ``--trust-pickle`` and
     ``--trust-remote-code``; the
     command reads them with ``loading_from``."""
     options = [

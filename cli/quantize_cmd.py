@@ -6,11 +6,11 @@ import json
 
 import click
 
-from fp8ptq.execution import distributed
 from fp8ptq.execution.budget import parse_budget
 from fp8ptq.execution.quantize import quantize, target_request
 from fp8ptq.formats import get_format
 from fp8ptq.io.loading import check_model_spec
+from fp8ptq.observe import distributed
 
 from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options

@@ -627,7 +627,7 @@ def test_quiet_by_default(A, tmp_path):
 
 
 def test_stale_temporary_of_a_killed_run_is_removed(A, tmp_path):
-    from fp8ptq.io.atomic import remove_stale_temporaries
+    from fp8ptq.files.atomic import remove_stale_temporaries
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -697,7 +697,7 @@ def test_recipe_files_never_traceback(text):
 def test_gate_override_and_placement_parsers_never_traceback(text):
     from fp8ptq.cli.options import parse_overrides
     from fp8ptq.evals.report import parse_gate
-    from fp8ptq.execution.placement import parse_device_map, parse_max_memory
+    from fp8ptq.io.placement import parse_device_map, parse_max_memory
 
     for parse in (lambda: parse_gate(text, ["wikitext.word_perplexity", "squad.f1"]),
                   lambda: parse_overrides([text]), lambda: parse_max_memory(text),

@@ -29,6 +29,7 @@ from fp8ptq.checkpoint import save_quantized
 from fp8ptq.checkpoint.skeleton import SKELETON_NAME
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.evals.vision import quantize_and_score
 from fp8ptq.execution import job
 from fp8ptq.execution.in_memory import plan_targets, quantize_model
 from fp8ptq.vision import (
@@ -37,7 +38,6 @@ from fp8ptq.vision import (
     image_batches,
     load_digits_data,
     predict,
-    quantize_and_score,
     train_digits_cnn,
 )
 from tiny_models import invoke

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fp8ptq.config.recipe import Recipe, moot_options
+from fp8ptq.config.moot import moot_options
+from fp8ptq.config.recipe import Recipe
 from tiny_models import invoke, saved_llama_with_calib
 
 # recipe fields -> the fields moot under them (the recipe-level table)

@@ -27,15 +27,16 @@ from ..config.plan import QuantPlan, build_plan, needs_calibration
 from ..config.recipe import Recipe
 from ..config.schemes import scheme_flags
 from ..errors import UsageError
+from ..files.atomic import check_writable, scratch_dir
 from ..formats import get_format
-from ..io.atomic import check_writable, scratch_dir
 from ..io.loading import check_model_spec
 from ..numbers import finite_or_none
+from ..observe import distributed
 from ..runtime.usage import usage
 from ..sensitivity import parse_target
 from ..sensitivity.budget import HIGH_PRECISION, check_metric, check_target_recipe
 from ..version import __version__
-from . import distributed, job, strategy
+from . import job, strategy
 from .budget import Budget
 from .model_free_run import quantize_checkpoint
 from .strategy import Selection

@@ -61,7 +61,7 @@ from ..model.blocks import block_prefix, find_blocks
 from ..model.forward import MICRO_TOKENS
 from ..model.gemm import weight_2d
 from ..nn.fused import fused_groups
-from . import distributed
+from ..observe import distributed
 from .budget import (  # noqa: F401 - parse_size, process_budget re-exported
     Budget,
     activations_fit,

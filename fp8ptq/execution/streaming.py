@@ -39,17 +39,17 @@ from ..io.data import build_calibration_set, resolve_calib_spec
 from ..io.loading import LoadedModel, load_tokenizer
 from ..io.source import SafetensorsSource
 from ..io.weights import WeightLoader, build_empty
-from ..model.blocks import block_prefix, find_blocks, place
-from ..nn.quant_gemm import simulated_gemms
-from ..runtime.usage import release_free_memory
-from . import distributed
-from .block_inputs import (
+from ..model.block_inputs import (
     ActivationStore,
     BlockBatch,
     capture_block_inputs,
     run_block,
     to_device,
 )
+from ..model.blocks import block_prefix, find_blocks, place
+from ..nn.quant_gemm import simulated_gemms
+from ..observe import distributed
+from ..runtime.usage import release_free_memory
 from .in_memory import QuantizeResult, high_precision_report, quantize_model, token_batches
 
 

@@ -47,8 +47,8 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from ..checkpoint.shards import SHARD_BYTES, ShardWriter
 from ..errors import DataError, first_line
+from ..files.atomic import atomic_dir
 from ..model.auto import model_class
-from .atomic import atomic_dir
 from .weights import empty_model
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")

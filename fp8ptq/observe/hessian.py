@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..execution.block_inputs import ActivationStore
+from ..model.block_inputs import ActivationStore
 from ..model.gemm import CONV_TYPES
 
 

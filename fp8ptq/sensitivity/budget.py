@@ -42,8 +42,8 @@ from torch import nn
 from ..calibrators import registry as calibrators
 from ..config.recipe import Recipe
 from ..errors import UsageError
-from ..execution.in_memory import plan_targets
 from ..formats import get_format
+from ..steps.calibrate import plan_targets
 from . import LEVELS, Session, parse_target, target_value
 from .probes import KLProbe, PerplexityProbe
 

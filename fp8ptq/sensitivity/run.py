@@ -14,11 +14,11 @@ from torch import nn
 from ..config.plan import SAMPLE_BATCHES, QuantPlan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
-from ..execution.in_memory import collect_stats, plan_targets
 from ..formats import get_format
 from ..io.data import build_calibration_set
 from ..model.gemm import kind, weight_2d
 from ..observe.hessian import HessianCollector
+from ..steps.calibrate import collect_stats, plan_targets
 from .probes import LogitsProbe, PerplexityProbe
 from .report import Measure, SensitivityResult, UnitResult
 from .statistics import FormatStats, ModuleStats, _db, _nsr, summarize_input, summarize_weight
