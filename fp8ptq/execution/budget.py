@@ -14,15 +14,24 @@ structure alone:
 
 * ``block``: the largest block's weights in ``--dtype``, plus its quantized codes (one byte a
   weight, the scales aside) while the two coexist;
+* ``kwargs``: every batch's recorded keyword arguments (rotary tables), moved there once;
 * ``activations``: every batch's inter-block hidden states (inputs and outputs) when they stay
-  on the GPU, else none (host memory, one batch at a time on the GPU, counted below);
-* then the larger of two phases that do not overlap: ``calibration``, one batch through the
-  block (GPTQ's Hessian forwards run whole batches: its intermediates in ``--dtype``, its input
-  and output hidden states) beside one group's Hessian sums (in-order GPTQ holds one group's at
-  a time: q/k/v share one, gate/up one; float32 on a GPU, ``Recipe.hessian_dtype_on``) and the
-  per-batch float32 product they are summed from; and ``sweep``, the widest GEMM's GPTQ beside
-  its group's sums: the scaled Hessian, its reordered copy and Cholesky factor (``in x in``
-  each, in the factor's dtype), the float32 transposed weight and the codes.
+  on the GPU, else none (host memory, one batch at a time on the GPU);
+* then the largest of three phases that do not overlap: ``calibration``, a group's Hessian
+  forward of one whole batch (its intermediates in ``--dtype`` and the simulated input rounding
+  of the groups already quantized) beside the group's Hessian sums (in-order GPTQ holds one
+  group's at a time: q/k/v share one, gate/up one; float32 on a GPU,
+  ``Recipe.hessian_dtype_on``) and the per-batch float32 product they are summed from;
+  ``sweep``, the widest GEMM's GPTQ: its group's sums, the scaled Hessian, its reordered copy
+  and Cholesky factor (``in x in`` each, in the factor's dtype), ``W*``, the float32 transposed
+  weight and the codes; ``forward``, the quantized block run in micro-batches for the next
+  block's inputs, every input rounded (``down_proj``'s the widest);
+* ``replay``: sequential GPTQ's kept partial-forward outputs (``fp8ptq.algorithms.gptq.replay``),
+  held beside the first two phases: what the GPU budget leaves, at most ``REPLAY_BYTES``.
+
+The figures were checked against a fake CUDA allocator (every storage of a ``device="cuda"``
+tensor counted from the op that makes it until it dies, ``tests/fake_cuda.py``) on small Llama
+shapes; attention is counted as a fused kernel's (its output only), as on a GPU.
 
 The host side (``host_need``) is the sequential path's fixed memory without the block and its
 GPU working memory, plus the CUDA runtime's own resident memory and the activations kept on the
@@ -36,10 +45,12 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import convert_file_size_to_int
 
+from ..algorithms.gptq.sequential import Aim
 from ..config.plan import QuantPlan, needs_full_hessian, reads_data
 from ..config.recipe import Recipe
 from ..errors import UsageError
 from ..model.blocks import find_blocks
+from ..model.forward import MICRO_TOKENS
 from ..model.gemm import weight_2d
 from ..nn.fused import fused_groups
 
@@ -49,6 +60,8 @@ CUDA_HOST_BYTES = 1 << 30
 # what the budget keeps free on the GPU beyond the prediction (the caching allocator's
 # rounding and fragmentation, kernels' workspaces)
 GPU_MARGIN = 0.9
+# the most of a block's partial-forward outputs sequential GPTQ keeps on the GPU for replay
+REPLAY_BYTES = 1 << 30
 
 
 def parse_size(text: str) -> int:
@@ -147,39 +160,79 @@ def hessian_elem(recipe: Recipe, device: str) -> int:
 
 
 def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
-             activations_on_gpu: bool, device: str = "cuda") -> dict:
-    """The one-block path's GPU peak, by part (bytes; ``total`` their sum), for ``model``
-    built on the meta device and planned (see the module docstring)."""
+             activations_on_gpu: bool, device: str = "cuda",
+             gpu_budget: int | None = None) -> dict:
+    """The one-block path's GPU peak, by part (bytes; ``total``), for ``model`` built on the
+    meta device and planned (see the module docstring). ``gpu_budget``: what is left of it
+    beyond the rest sizes ``replay`` (sequential GPTQ's kept partial-forward outputs, at most
+    ``REPLAY_BYTES``); None: the most they could take, capped so."""
     size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
     found = find_blocks(model)
     if found is None:
         raise UsageError("the one-block GPU path needs a model of repeated blocks")
-    _, blocks = found
-    block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    hidden = int(getattr(text, "hidden_size", 0) or 0)
-    inter = int(getattr(text, "intermediate_size", 0) or 4 * hidden)
-    tokens = recipe.batch_size * recipe.seq_len if plan.needs_calibration else 0
+    block_params = max(sum(p.numel() for p in b.parameters()) for b in found[1])
+    shape = _shape(model)
+    h, i, kv = shape["hidden"], shape["intermediate"], shape["kv"]
+    calib = plan.needs_calibration
+    tokens = recipe.batch_size * recipe.seq_len if calib else 0
+    batches = -(-recipe.num_samples // max(recipe.batch_size, 1)) if calib else 0
     elem = hessian_elem(recipe, device)
     factor = 4 if elem == 4 else 8  # the Cholesky's dtype follows the sums' on a GPU
-    sums, widest = group_hessians(plan, elem)
-    out, k = widest
-    sweep = (sums + 3 * factor * k * k + 5 * out * k) if sums else 0
-    forward = tokens * size * (4 * hidden + 2 * inter) + 2 * tokens * hidden * size
+    sums, (out, k) = group_hessians(plan, elem)
+    sink = Aim.of(plan.recipe, plan.facts.causal_lm) is not None
+    # one forward's intermediates (residual, q/k/v, attention, o, gate, up and their product)
+    forward = size * (4 * h + 2 * kv + 3 * i)
+    micro = min(tokens, max(1, MICRO_TOKENS // max(recipe.seq_len, 1)) * recipe.seq_len)
     parts = {
         "block": block_params * (size + 1),
-        "activations": (2 * recipe.num_samples * recipe.seq_len * hidden * size
-                        if activations_on_gpu and plan.needs_calibration else 0),
-        # a Hessian forward: the batch's intermediates, the group's sums and the per-batch
-        # float32 product they are summed from
-        "calibration": forward + sums + (4 * k * k if sums else 0),
-        # the widest GEMM's sweep beside its group's sums (the product is freed by then)
-        "sweep": sweep,
+        "kwargs": batches * 2 * tokens * shape["head_dim"] * size,
+        "activations": (2 * recipe.num_samples * recipe.seq_len * h * size
+                        if activations_on_gpu and calib else 0),
+        # a group's Hessian forward (a whole batch, stopped at the group: the quantized
+        # groups before it round their inputs, h wide), its sums and the per-batch float32
+        # product they are summed from
+        "calibration": (tokens * forward + activation_rounding(tokens * h) + sums
+                        + (0 if elem == 4 else 4 * k * k)) if sums else 0,
+        # the widest GEMM's sweep beside its group's sums: the reordered copy and the Cholesky
+        # factor (and plain GPTQ's scaled copy of the sums; sink-aware GPTQ adjusts them in
+        # place), then the inverse factor in float32 beside W* (float64), the float32
+        # transposed weight and the codes
+        "sweep": (sums + max(2 * factor * k * k + (0 if sink else elem * k * k),
+                             4 * k * k + 13 * out * k)) if sums else 0,
+        # the quantized block's forward for the next block's inputs: micro-batches, every
+        # GEMM's input rounded (down_proj's, intermediate wide, the largest), into the
+        # whole batch's output
+        "forward": (micro * size * (2 * h + i) + activation_rounding(micro * i)
+                    + 2 * tokens * h * size) if calib else 0,
     }
-    parts["total"] = (parts["block"] + parts["activations"]
-                      + max(parts["calibration"], parts["sweep"]))
+    records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
+        if sums else 0
+    steady = parts["block"] + parts["kwargs"] + parts["activations"]
+    working = max(parts["calibration"], parts["sweep"])  # replay records held beside these
+    room = REPLAY_BYTES if gpu_budget is None else max(0, gpu_budget - steady - working)
+    parts["replay"] = min(records, room, REPLAY_BYTES)
+    base = steady + max(working + parts["replay"], parts["forward"])
+    parts["total"] = base
     return parts
+
+
+def activation_rounding(elements: int) -> int:
+    """The simulated per-token rounding's float32 temporaries for ``elements`` values: about
+    five at once, measured, on a GPU in one piece up to 2^25 values and in 2^24-value chunks beyond
+    (``fp8ptq.formats.codec``)."""
+    return 21 * (elements if elements < 2 ** 25 else 2 ** 24)
+
+
+def _shape(model: torch.nn.Module) -> dict:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 1)
+    head_dim = int(getattr(text, "head_dim", 0) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", 0) or heads)
+    return {"hidden": hidden, "intermediate": int(getattr(text, "intermediate_size", 0)
+                                                  or 4 * hidden),
+            "kv": kv_heads * head_dim, "head_dim": head_dim}
 
 
 def group_hessians(plan: QuantPlan, elem: int) -> tuple[int, tuple[int, int]]:
@@ -217,10 +270,12 @@ def host_need(est, activations_on_gpu: bool, activation_budget: int) -> dict:
 
 def activations_fit(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
                     gpu_budget: int, device: str = "cuda") -> bool:
-    """Whether every batch's inter-block hidden states fit on the GPU beside the block."""
-    return gpu_need(model, recipe, plan, True, device)["total"] <= gpu_budget
+    """Whether every batch's inter-block hidden states fit on the GPU beside the block (and
+    its working memory, without replay records)."""
+    need = gpu_need(model, recipe, plan, True, device, gpu_budget=0)
+    return need["total"] <= gpu_budget
 
 
-__all__ = ["Budget", "CUDA_HOST_BYTES", "GPU_MARGIN", "activations_fit", "gb",
-           "gpu_free_bytes", "gpu_need", "group_hessians", "hessian_elem", "host_need",
-           "parse_budget", "parse_size", "process_budget"]
+__all__ = ["Budget", "CUDA_HOST_BYTES", "GPU_MARGIN", "REPLAY_BYTES", "activation_rounding",
+           "activations_fit", "gb", "gpu_free_bytes", "gpu_need", "group_hessians",
+           "hessian_elem", "host_need", "parse_budget", "parse_size", "process_budget"]

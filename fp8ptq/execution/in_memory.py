@@ -82,7 +82,8 @@ def calibration_passes(recipe: Recipe) -> int:
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
-                   progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
+                   progress=None, plan: QuantPlan | None = None,
+                   activation_budget: int = 1 << 30) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: the run's plan of
     ``model`` (``build_plan(model, recipe)``, made by the run's entry point and used as it is,
@@ -93,9 +94,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     a CPU and a GPU, and no compiling of the real FP8 kernel's activation quantizer, which is
     inference's (``torch.compile``, seconds per process) for forwards a GPU runs in
     milliseconds either way. The process's allocator is left as the caller set it (the
-    ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``)."""
+    ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``).
+    ``activation_budget``: bytes sequential GPTQ may keep of activations (the inter-block
+    store, the partial forwards' replayed outputs) where the model's tensors live; the
+    one-block GPU path sizes it from the GPU budget."""
     with float32_gemms(model=model), simulated_gemms():
-        return _quantize_model(model, recipe, batches, progress, plan)
+        return _quantize_model(model, recipe, batches, progress, plan, activation_budget)
 
 
 @dataclass
@@ -173,7 +177,8 @@ def run_stages(at: str, run: StageRun, times: dict[str, float]) -> None:
 
 
 def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
-                    progress, plan: QuantPlan | None) -> QuantizeResult:
+                    progress, plan: QuantPlan | None,
+                    activation_budget: int = 1 << 30) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     run = StageRun(model, recipe, plan, batches, progress, {})
@@ -251,7 +256,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, facts.causal_lm),
+            aim=Aim.of(recipe, facts.causal_lm), activation_budget=activation_budget,
             hessian_dtype=recipe.hessian_dtype_on(_device_of(model)))
     for t in targets:
         if t.name not in by_name:

@@ -244,6 +244,8 @@ class Selection:
         compute device with where the activations live."""
         out: dict = {} if self.device == "cpu" else {
             "device": self.device, "activations_on": self.activations_on}
+        if self.predicted_gpu is not None and "replay" in self.predicted_gpu:
+            out["replay_budget"] = self.predicted_gpu["replay"]
         if self.activation_budget is not None:
             out["activation_budget"] = self.activation_budget
         if self.budget is not None:
@@ -382,7 +384,7 @@ def by_gpu_budget(spec: str, recipe: Recipe, budget: Budget, device: str,
                          budget=budget.host, estimate=est, device=device,
                          gpu_budget=gpu_budget, predicted_gpu={"total": whole})
     on_gpu = gpu_budget is not None and activations_fit(meta, recipe, plan, gpu_budget, device)
-    gpu = gpu_need(meta, recipe, plan, on_gpu, device)
+    gpu = gpu_need(meta, recipe, plan, on_gpu, device, gpu_budget)
     left = est.activations if budget.host is None else max(
         0, budget.host - est.sequential_fixed)
     host = host_need(est, on_gpu, left)

@@ -84,7 +84,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
                         spill_dir: str | Path | None = None, progress=None, open_writer=None,
                         planner: Planner | None = None, device: str = "cpu",
-                        activations_on: str = "host"):
+                        activations_on: str = "host", replay_budget: int = 1 << 30):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
     ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
 
@@ -106,7 +106,9 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     the recorded keyword arguments move to the GPU once). ``activations_on``: ``"host"`` keeps
     the inter-block activations in host memory (moved to the GPU one batch at a time) up to
     ``activation_budget`` and on disk beyond; ``"device"`` keeps them on the GPU (the
-    budget's choice when every batch fits there, ``fp8ptq.execution.budget``)."""
+    budget's choice when every batch fits there, ``fp8ptq.execution.budget``);
+    ``replay_budget``: bytes of a block's partial-forward outputs sequential GPTQ may keep for
+    replay (``fp8ptq.algorithms.gptq.replay``), on the block's device."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
@@ -138,7 +140,7 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
     writer = open_writer(model, plan) if open_writer and distributed.is_main() else None
-    run = _Run(plan, progress)
+    run = _Run(plan, progress, replay_budget)
     t0 = time.perf_counter()
     home = device if activations_on == "device" else "cpu"
     store = ActivationStore(activation_budget, spill_dir, home=home, compute=device)
@@ -228,8 +230,8 @@ class _Run:
     results up: reports, statistics, warnings and extras under full module names, and the
     stage times."""
 
-    def __init__(self, plan: QuantPlan, progress):
-        self.plan, self.progress = plan, progress
+    def __init__(self, plan: QuantPlan, progress, replay_budget: int = 1 << 30):
+        self.plan, self.progress, self.replay_budget = plan, progress, replay_budget
         self.reports: list = []
         self.stats: dict = {}
         self.warnings: list[str] = []
@@ -246,7 +248,7 @@ class _Run:
         block_batches = [None if kw is None else BlockBatch(store, j, kw)
                          for j, kw in enumerate(kwargs_list)] or None
         result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
-                                plan=plan)
+                                plan=plan, activation_budget=self.replay_budget)
         self._add(result, prefix)
         self.extras["blocks"][prefix.rstrip(".")] = {
             k: v for k, v in result.extras.items()
@@ -385,7 +387,8 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
                     output=None, force: bool = False, close_kwargs=None,
                     max_shard_bytes: int | None = None, planner: Planner | None = None,
-                    device: str = "cpu", activations_on: str = "host"):
+                    device: str = "cpu", activations_on: str = "host",
+                    replay_budget: int = 1 << 30):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
@@ -394,7 +397,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
                    spill_dir=spill_dir, progress=progress, planner=planner, device=device,
-                   activations_on=activations_on)
+                   activations_on=activations_on, replay_budget=replay_budget)
     with simulated_gemms():  # quantized blocks feed the next one as ``quantize_model``'s do
         if output is None:
             (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
