@@ -350,7 +350,8 @@ CASES = {
     "unknown-model-type": (model_case(unknown_model_type), 2, "cannot load model"),
     "truncated-safetensors": (model_case(truncated_weights), 2, "corrupt or truncated"),
     "broken-tokenizer": (model_case(broken_tokenizer), 2, "tokenizer"),
-    "truncated-gguf": (model_case(truncated_gguf), 2, "not a valid GGUF file"),
+    "truncated-gguf": (model_case(truncated_gguf), 2, "t.gguf: it ends at byte 100,000, inside "
+                       "its header"),
     "text-gguf": (model_case(text_gguf), 2, "not a valid GGUF file"),
     "garbage-pt": (model_case(garbage_pt), 2, "cannot load model"),
     "hostile-pt": (model_case(hostile_pt), 2, "--trust-pickle"),
