@@ -91,7 +91,7 @@ def experiments(s: Setup) -> list[Experiment]:
         exps.append(Experiment(f"fig2_bias_sweep{'_residual' if residual else ''}", [
             "eval", s.smollm2, *s.wikitext(1), "--compare", biases, "--act-calib", "cast",
             "--weight-calib", "cast", *s.calib, *(["--quantize-residual"] if residual else [])]))
-    exps.append(Experiment("table1_digits_cnn", [str(ROOT / "benchmarks/digits_cnn.py")]))
+    exps.append(Experiment("table1_digits_cnn", [str(ROOT / "benchmarks/studies/digits_cnn.py")]))
     exps.append(Experiment("sensitivity", [
         "sensitivity", s.smollm2, "--format", "e4m3", "--granularity-level", "block",
         "--calib-data", str(s.assets / "calib/wiki-paragraphs.txt"), "--num-samples", "8",

@@ -199,7 +199,7 @@ class Recipe(BaseModel):
         "an image tensor file (.pt/.npz) or 'digits'.")
     text_field: str | None = flag(None, "Text field of .json/.jsonl/.parquet calibration data.")
     # 64 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
-    # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
+    # them; benchmarks/studies/calib_size_study.py measures the default recipe at other sizes and
     # seeds (docs/results.md, "Calibration size of the default recipe")
     num_samples: int = flag(64, "Calibration sequences [64].")
     seq_len: int = flag(512, "Calibration sequence length [512].", param="calib_seq_len")

@@ -1,6 +1,6 @@
 """The recipe study and the llm-compressor side by side, as the tables in docs/results.md.
 
-    python benchmarks/recipe_table.py [--out out/recipes] [--doc docs/results.md]
+    python benchmarks/studies/recipe_table.py [--out out/recipes] [--doc docs/results.md]
 
 Reads the rows ``recipe_study.py`` and ``compare_llmcompressor.py`` cached under
 ``--out/MODEL-N/`` (one JSON per recipe or checkpoint, with the per-document / per-question
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import recipe_study as study  # noqa: E402
@@ -269,9 +269,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "out/recipes"))
     ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
-    ap.add_argument("--intro", default=str(ROOT / "benchmarks/recipes_intro.md"),
+    ap.add_argument("--intro", default=str(ROOT / "benchmarks/studies/recipes_intro.md"),
                     help="the block's markdown ({smollm2} / {minilm}: the tables, {reading})")
-    ap.add_argument("--reading", default=str(ROOT / "benchmarks/recipes_reading.md"),
+    ap.add_argument("--reading", default=str(ROOT / "benchmarks/studies/recipes_reading.md"),
                     help="the conclusions drawn from the tables (written by hand)")
     args = ap.parse_args(argv)
     out = Path(args.out)
