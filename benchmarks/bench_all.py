@@ -278,7 +278,7 @@ def paired_evals(base_model, model, tokenizer, data: str, articles: int, repeat:
     previous bench divided the fastest of two variant timings by the fastest of up to 2 x
     (number of variants) baseline timings; under such heavy-tailed noise the minimum of more
     draws is lower, so every variant read far slower than its work per eval differed
-    (docs/results.md, "Benchmarks")."""
+    (docs/results/speed.md, "Benchmarks")."""
     bases, variants = abba(lambda: eval_timing(base_model, tokenizer, data, articles),
                            lambda: eval_timing(model, tokenizer, data, articles), repeat)
     base, variant = min(bases), min(variants)

@@ -9,7 +9,7 @@
 
 ``--study`` is the whole head-to-head against llm-compressor's best recipe (GPTQ with
 ``FP8_DYNAMIC``, and ``FP8_BLOCK`` where the widths allow) in one command, each step a run of
-the script that owns it (``STUDY``: the arguments ``docs/results.md``'s sections were generated
+the script that owns it (``STUDY``: the arguments ``docs/results/``'s sections were generated
 with; every row cached, so a stopped study resumes where it stopped):
 
 - ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 10 calibration seeds, the default

@@ -5,7 +5,8 @@ Same model, same tokens; paired differences per seed.
     python benchmarks/llmc_vs_default.py [smollm2|minilm] [--schemes FP8_DYNAMIC,FP8_BLOCK]
         [--seeds 0,1,2] [--num-samples 64] [--articles 5] [--questions 3335]
         [--threads 2] [--steps quantize,eval,report] [--tools fp8ptq,llmc]
-        [--variant NAME=FLAGS ...] [--out out/llmc-vs-default] [--doc docs/results.md]
+        [--variant NAME=FLAGS ...] [--out out/llmc-vs-default]
+        [--doc docs/results/llm-compressor.md]
         [--llmc-python ~/.cache/fp8ptq-bench/llmc-venv/bin/python] [--assets ../shared/assets]
 
 Installs nothing: llm-compressor is run with ``--llmc-python`` (by default the venv that

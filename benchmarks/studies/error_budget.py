@@ -3,7 +3,8 @@
 Weights or activations, which GEMMs, and the first token.
 
     python benchmarks/studies/error_budget.py CHECKPOINT [CHECKPOINT ...] [--source FLOAT_FOLDER]
-        [--windows 4] [--out out/error-budget] [--doc docs/results.md] [--assets ../shared/assets]
+        [--windows 4] [--out out/error-budget] [--doc docs/results/llm-compressor.md]
+        [--assets ../shared/assets]
 
 ``CHECKPOINT``: fp8ptq e4m3 checkpoints with channel weight scales and dynamic per-token
 activations (the default recipe; ``benchmarks/llmc_vs_default.py`` makes them), one column

@@ -4,7 +4,8 @@ On an extractive-QA encoder: weights or activations, which GEMMs, and how far ea
 sits from the float model.
 
     python benchmarks/studies/squad_budget.py CHECKPOINT [CHECKPOINT ...] [--source FLOAT_FOLDER]
-        [--questions 1000] [--threads 2] [--out out/squad-budget] [--doc docs/results.md]
+        [--questions 1000] [--threads 2] [--out out/squad-budget]
+        [--doc docs/results/llm-compressor.md]
         [--assets ../shared/assets]
 
 ``CHECKPOINT``: e4m3 checkpoints with channel weight scales (``weight`` codes and
