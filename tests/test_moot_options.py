@@ -116,7 +116,8 @@ def _sensitivity(model, calib, out):
 OTHER_COMMANDS = {"eval": _eval, "sensitivity": _sensitivity}
 
 
-@pytest.mark.parametrize("command", sorted(OTHER_COMMANDS))
+@pytest.mark.parametrize("command", [pytest.param("eval", marks=pytest.mark.slow),  # ~13 s
+                                     "sensitivity"])
 @pytest.mark.parametrize("flags,code,named", [CLI_TABLE[0], CLI_TABLE[1], CLI_TABLE[3]])
 def test_eval_and_sensitivity_name_moot_flags_as_quantize_does(src, tmp_path, command, flags,
                                                                code, named):
@@ -133,6 +134,7 @@ def test_eval_and_sensitivity_name_moot_flags_as_quantize_does(src, tmp_path, co
         assert warnings == [], res.stderr
 
 
+@pytest.mark.slow  # a quantize and two evaluations
 def test_eval_of_a_checkpoint_names_only_the_flags_given(src, tmp_path):
     """eval of an fp8ptq checkpoint quantizes --compare formats with the checkpoint's own
     recipe: its moot options were named when it was made; eval names the flags given."""
