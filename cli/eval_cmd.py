@@ -119,9 +119,10 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = checkpoint_meta(model)
-    if model_meta is not None and flags["recipe_path"] is None:
+    implied = model_meta is not None and flags["recipe_path"] is None
+    if implied:
         flags["recipe_path"] = model  # quantize --compare formats the way MODEL was made
-    recipe = build_recipe(flags)
+    recipe = build_recipe(flags, model=model, flags_only=implied)
     if update_card and model_meta is None:
         raise UsageError("--update-card needs MODEL to be an fp8ptq checkpoint folder")
     request = prepare(model, task_list, _split(compare), recipe=recipe, data=data, limit=limit,

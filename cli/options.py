@@ -207,10 +207,13 @@ def _value(param: str, value):
 
 
 def build_recipe(kwargs: dict, *, model: str | None = None,
-                 recipe_type: type[Recipe] = Recipe, **extra) -> Recipe:
+                 recipe_type: type[Recipe] = Recipe, flags_only: bool = False,
+                 **extra) -> Recipe:
     """Recipe file (if any) < flags given on the command line. Pops the recipe flags. With
     ``model``, the options the resolved recipe makes moot are named in one ``warning:`` line
-    (refused where the command line contradicts itself, ``check_moot``)."""
+    (refused where the command line contradicts itself, ``check_moot``); what every command
+    taking recipe flags (quantize, eval, sensitivity) passes. ``flags_only``: name only the
+    flags given, not what the recipe file says (eval's file is the checkpoint's own, unasked)."""
     path = kwargs.pop("recipe_path", None)
     base = recipe_type.load(path) if path else recipe_type()
     field_of = FIELD_OF if recipe_type is Recipe else _field_of(recipe_type)
@@ -219,15 +222,18 @@ def build_recipe(kwargs: dict, *, model: str | None = None,
     recipe = base.merged(**flags)
     if model is not None:
         check_moot(recipe, {k for k, v in flags.items() if v is not None},
-                   convolutions=is_torch_module_file(model))
+                   convolutions=is_torch_module_file(model), flags_only=flags_only)
     return recipe
 
 
-def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False):
-    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot; a
-    ``UsageError`` where the command line names both a moot option and what makes it moot
-    (``--act-granularity token --act-calib mse``): that can only be a mistake."""
-    moot = moot_options(recipe, convolutions=convolutions)
+def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False,
+               flags_only: bool = False):
+    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot (``flags_only``:
+    every one given on the command line); a ``UsageError`` where the command line names both a
+    moot option and what makes it moot (``--act-granularity token --act-calib mse``): that can
+    only be a mistake."""
+    moot = [m for m in moot_options(recipe, convolutions=convolutions)
+            if not flags_only or m.field in on_command_line]
     mistakes = [m for m in moot if m.field in on_command_line
                 and on_command_line.intersection(m.causes)]
     if mistakes:

@@ -104,7 +104,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     note_source(model)
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
-    recipe = build_recipe(flags, format=formats[0])
+    recipe = build_recipe(flags, model=model, format=formats[0])
     for name, value in (("--top", top), ("--eval-batch-size", eval_batch_size)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")

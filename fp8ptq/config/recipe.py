@@ -194,13 +194,13 @@ class Recipe(BaseModel):
         "an image tensor file (.pt/.npz) or 'digits'.")
     text_field: str | None = flag(None, "Text field of .json/.jsonl/.parquet calibration data.")
     # 64 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
-    # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
-    # seeds (docs/results.md, "Calibration size of the default recipe")
+    # them; benchmarks/studies/calib_size_study.py measures the default recipe at other sizes and
+    # seeds (docs/results/studies.md, "Calibration size of the default recipe")
     num_samples: int = flag(64, "Calibration sequences [64].")
     seq_len: int = flag(512, "Calibration sequence length [512].", param="calib_seq_len")
     # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
     # document after the BOS; the default: on SmolLM2 both the default GPTQ recipe and
-    # weight-only GPTQ lose less with them than with random windows, docs/results.md), or
+    # weight-only GPTQ lose less with them than with random windows, docs/results/studies.md), or
     # "random" offsets into the concatenated documents
     calib_windows: str = flag(
         "documents", "How calibration samples are cut: 'random' offsets into the concatenated "
@@ -245,8 +245,8 @@ class Recipe(BaseModel):
     def _default_weight_calib(self) -> None:
         """GPTQ (sequential, act-order) when calibration data is given and no weight
         calibrator was named (a scheme names one): on SmolLM2 it is the most accurate e4m3
-        recipe that vLLM serves at full speed (docs/results.md). Without calibration data the
-        default stays plain round-to-nearest (``max``), which needs no data at all. The field
+        recipe that vLLM serves at full speed (docs/results/studies.md). Without calibration data
+        the default stays plain round-to-nearest (``max``), which needs no data at all. The field
         stays "not given" (``model_fields_set``), so ``replace`` / ``merged`` re-decide it
         when calibration data arrives later."""
         if "weight_calib" not in self.model_fields_set and self.calib_data is not None:

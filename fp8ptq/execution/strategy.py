@@ -29,7 +29,7 @@ runtime (Python, torch, transformers and a tokenizer after imports, ``RUNTIME_BY
 The largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5
 bytes an element while quantized: a float32 copy some calibrators make, and its uint8 codes. The
 sequential path counts what it holds (checked against the 44-layer synthetic Llama's measured
-peak, docs/results.md): the modules outside
+peak, docs/results/memory.md): the modules outside
 the blocks, ONE block (the next is loaded after the last is written and freed), one micro-batch's
 block forward (logits only when a GEMM outside the blocks is quantized, since the head runs on the
 calibration batches only then), one group's Hessian (in-order GPTQ; a block's otherwise), and the

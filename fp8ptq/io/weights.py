@@ -14,7 +14,7 @@ for bit the one ``from_pretrained`` builds (tested).
 Why not ``from_pretrained`` on the CPU: it memory-maps every safetensors file and the pages it
 reads stay resident (and count in the process's RSS) until the whole model is loaded, on top
 of the parameters it converts from them, so reading each tensor on its own lowers the loading
-peak (docs/results.md, "Other figures behind code comments").
+peak (docs/results/speed.md, "Other figures behind code comments").
 """
 
 from __future__ import annotations

@@ -120,8 +120,8 @@ class HessianCollector:
         device. Why: on the CPU every fresh tensor of 1 MiB or more is a new mapping whose pages
         the kernel zeroes on first touch (``fp8ptq.runtime.usage.bound_heap``); a batch's
         ``in x in`` product and its float64 copy were two such tensors per GEMM input per batch.
-        (Small beside the forwards' own: no time change measurable on its own, docs/results.md,
-        "Sequential GPTQ's speed".)"""
+        (Small beside the forwards' own: no time change measurable on its own,
+        docs/results/speed.md, "Sequential GPTQ's speed".)"""
         key = (a.shape[1], b.shape[1], a.device, a.dtype)
         out = self._buffers.get(key)
         if out is None:

@@ -59,8 +59,8 @@ class _Stop(Exception):
 
 
 # sink-aware GPTQ's default weight for causal language models: the first tokens weighted as
-# much as all calibration tokens together (docs/results.md, "fp8ptq's default recipe against
-# llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
+# much as all calibration tokens together (docs/results/llm-compressor.md, "fp8ptq's default
+# recipe against llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
 SINK_WEIGHT = 1.0
 
 

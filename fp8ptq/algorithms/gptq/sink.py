@@ -124,7 +124,7 @@ class SinkCollector(HessianCollector):
         and ``A`` the dampened ``H~``: one Cholesky and a solve for n right-hand sides, where
         the dense form builds ``C``, ``C - H~`` and an ``in x in`` solve. Why: those
         ``in x in`` float64 temporaries, a few per GEMM, made the sink's share of a SmolLM2
-        quantize larger than the column sweeps' (docs/results.md, "Sequential GPTQ's
+        quantize larger than the column sweeps' (docs/results/speed.md, "Sequential GPTQ's
         speed")."""
         owner = self.alias.get(name, name)
         H = self.hessian(name)

@@ -43,7 +43,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, order: torch.Tensor | None =
     positive diagonal, so it IS the Cholesky factor (unique). One Cholesky and one triangular
     solve, against the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky:
     LAPACK's ``potri`` behind ``cholesky_inverse`` scales badly with threads on a loaded CPU,
-    and this path needs no inverse at all (docs/results.md, "GPTQ sweep").
+    and this path needs no inverse at all (docs/results/speed.md, "GPTQ sweep").
 
     Memory: at most two ``in x in`` float64 matrices at once besides ``H``: ``P A P`` is
     gathered in one step (order and reversal together), dampened on its diagonal in place and
