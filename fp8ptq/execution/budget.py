@@ -13,7 +13,7 @@ next block's inputs, written and dropped, while everything else stays on the hos
 structure alone:
 
 * ``block``: the largest block's weights in ``--dtype``, plus its quantized codes (one byte a
-  weight, the scales aside) while the two coexist;
+  weight, the scales aside) and dequantized copies the simulated forward reads;
 * ``kwargs``: every batch's recorded keyword arguments (rotary tables), moved there once;
 * ``activations``: every batch's inter-block hidden states (inputs and outputs) when they stay
   on the GPU, else none (host memory, one batch at a time on the GPU);
@@ -21,11 +21,13 @@ structure alone:
   forward of one whole batch (its intermediates in ``--dtype`` and the simulated input rounding
   of the groups already quantized) beside the group's Hessian sums (in-order GPTQ holds one
   group's at a time: q/k/v share one, gate/up one; float32 on a GPU,
-  ``Recipe.hessian_dtype_on``) and the per-batch float32 product they are summed from;
+  ``Recipe.hessian_dtype_on``, added into by the GEMM itself; float64 sums take a float32
+  product per batch);
   ``sweep``, the widest GEMM's GPTQ: its group's sums, the scaled Hessian, its reordered copy
-  and Cholesky factor (``in x in`` each, in the factor's dtype), ``W*``, the float32 transposed
-  weight and the codes; ``forward``, the quantized block run in micro-batches for the next
-  block's inputs, every input rounded (``down_proj``'s the widest);
+  and Cholesky factor (``in x in`` each, in the factor's dtype), then ``W*``, the float32
+  transposed weight, the codes, their dequantized values and the report's SQNR sums;
+  ``forward``, the quantized block run in micro-batches for the next block's inputs, every
+  input rounded (``down_proj``'s the widest);
 * ``replay``: sequential GPTQ's kept partial-forward outputs (``fp8ptq.algorithms.gptq.replay``),
   held beside the first two phases: what the GPU budget leaves, at most ``REPLAY_BYTES``.
 
@@ -49,6 +51,7 @@ from ..algorithms.gptq.sequential import Aim
 from ..config.plan import QuantPlan, needs_full_hessian, reads_data
 from ..config.recipe import Recipe
 from ..errors import UsageError
+from ..formats.scales import SQNR_ELEMENTS
 from ..model.blocks import find_blocks
 from ..model.forward import MICRO_TOKENS
 from ..model.gemm import weight_2d
@@ -171,6 +174,7 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     if found is None:
         raise UsageError("the one-block GPU path needs a model of repeated blocks")
     block_params = max(sum(p.numel() for p in b.parameters()) for b in found[1])
+    largest = max((weight_2d(m.module).numel() for m in plan.gemms), default=0)
     shape = _shape(model)
     h, i, kv = shape["hidden"], shape["intermediate"], shape["kv"]
     calib = plan.needs_calibration
@@ -184,7 +188,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     forward = size * (4 * h + 2 * kv + 3 * i)
     micro = min(tokens, max(1, MICRO_TOKENS // max(recipe.seq_len, 1)) * recipe.seq_len)
     parts = {
-        "block": block_params * (size + 1),
+        # the block's weights, the codes and dequantized copies its quantized GEMMs keep
+        # (the simulated forward reads the latter), the float weight of the one in hand
+        "block": block_params * (size + 1) + largest * size,
         "kwargs": batches * 2 * tokens * shape["head_dim"] * size,
         "activations": (2 * recipe.num_samples * recipe.seq_len * h * size
                         if activations_on_gpu and calib else 0),
@@ -198,7 +204,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
         # place), then the inverse factor in float32 beside W* (float64), the float32
         # transposed weight and the codes
         "sweep": (sums + max(2 * factor * k * k + (0 if sink else elem * k * k),
-                             4 * k * k + 13 * out * k)) if sums else 0,
+                             4 * k * k + 17 * out * k,
+                             17 * out * k + 24 * min(out * k, SQNR_ELEMENTS)))
+                  if sums else 0,
         # the quantized block's forward for the next block's inputs: micro-batches, every
         # GEMM's input rounded (down_proj's, intermediate wide, the largest), into the
         # whole batch's output

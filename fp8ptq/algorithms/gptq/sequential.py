@@ -265,6 +265,7 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
                 aim = hessians.aim(t.name, w0, floats.aim.damp)
                 facts["aim_correction"].append(
                     float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
+                del w0  # a float64 copy of the weight: not kept through the sweep
             quantize(t, h, aim)
     return partial
 

@@ -1,0 +1,266 @@
+"""The one-block GPU path, checked without a GPU: ``quantize_sequential(device="cuda")`` runs on
+fake CUDA tensors (``tests/fake_cuda.py``), whose allocator count stands in for
+``torch.cuda.memory_allocated``. The safetensors reads and the meta-device model are made
+outside the fake mode (real host tensors, as on a GPU machine); everything the path moves to
+"cuda" is fake there, so a block that stayed behind, a tensor made on the wrong device or a peak
+beyond the prediction shows up as it would on a GPU."""
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from fake_cuda import fake_cuda
+from fp8ptq.config.plan import build_plan
+from fp8ptq.config.recipe import Recipe
+from fp8ptq.errors import UsageError
+from fp8ptq.execution import strategy, streaming
+from fp8ptq.execution.budget import Budget, gpu_need, parse_budget
+from fp8ptq.formats import get_format
+from fp8ptq.formats.weight_quant import half_layout
+from fp8ptq.io import weight_map
+from fp8ptq.io.weights import build_empty
+from fp8ptq.model.blocks import find_blocks
+from fp8ptq.model.forward import token_batches
+from fp8ptq.nn.quant_experts import QuantExperts
+from fp8ptq.nn.quant_gemm import simulated_gemms
+from tiny_models import IDS, invoke, tiny
+
+GPTQ = dict(format="e4m3", weight_calib="gptq", act_granularity="token")
+# the calibration the runs below feed (``IDS[:4, :16]`` in batches of 2), which the
+# prediction is sized by
+TOKENS = dict(num_samples=4, seq_len=16, batch_size=2, **GPTQ)
+
+
+class BlockWriter:
+    """A checkpoint writer that keeps nothing: at each ``add_block`` it records which
+    parameters of the model are on the GPU, and its ``watch`` hooks record the same at every
+    block's forward (the model is the one the path built, handed to ``open_writer``)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.blocks: list[str] = []
+        self.strays: list[str] = []  # "while block X: parameter Y was on the GPU"
+        self.model = None
+
+    def open(self, model, _plan):
+        self.model = model
+        _, blocks = find_blocks(model)
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, a, k, i=i: self._check(i), with_kwargs=True)
+        return self
+
+    def _check(self, index: int) -> None:
+        prefix = f"{find_blocks(self.model)[0]}.{index}."
+        self.strays += [f"block {index}: {n}" for n, p in self.model.named_parameters()
+                        if p.device.type == "cuda" and not n.startswith(prefix)]
+
+    def add_block(self, block, prefix, reports) -> None:
+        self.blocks.append(prefix)
+        self._check(int(prefix.rstrip(".").rpartition(".")[2]))
+
+    def add_modules(self, *args, **kwargs) -> None:
+        pass
+
+    def add_tensors(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Checkpoint reads and meta builds as real host work inside the fake mode; the format's
+    tables built before it (as a process's first quantize builds them); a GPU's capability
+    for transformers' grouped expert GEMM."""
+    for owner, name in ((weight_map.SourceMap, "realize"), (streaming, "build_empty")):
+        real = getattr(owner, name)
+
+        def outside(*args, _real=real, **kwargs):
+            with unset_fake_temporarily():
+                return _real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, outside)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    half_layout(get_format("e4m3"))
+
+
+def saved(tmp_path: Path, arch: str, **config) -> Path:
+    folder = tmp_path / arch
+    tiny(arch, **config).save_pretrained(folder)
+    return folder
+
+
+def run_on_gpu(folder, recipe, activations_on="host"):
+    """The path on fake CUDA: (result, loader, writer, mode, prediction)."""
+    meta = build_empty(folder, getattr(torch, recipe.dtype))
+    need = gpu_need(meta, recipe, build_plan(meta, recipe), activations_on == "device")
+    batches = list(token_batches(IDS[:4, :16], 2))
+    with fake_cuda() as mode:
+        writer = BlockWriter(mode)
+        with simulated_gemms():
+            result, loader = streaming.quantize_sequential(
+                folder, recipe, batches, device="cuda", open_writer=writer.open,
+                activations_on=activations_on, replay_budget=need["replay"])
+        del batches
+        gc.collect()
+    return result, loader, writer, mode, need
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations_on", ["host", "device"])
+def test_one_llama_block_at_a_time_on_the_gpu(tmp_path, host_reads, activations_on):
+    """Four blocks, the default recipe (sequential sink-aware GPTQ, dynamic inputs): while a
+    block runs and when it is written, every parameter on the GPU is its own; the modules
+    outside the blocks stay on the host; nothing is left on the GPU at the end; the peak is
+    within the prediction."""
+    folder = saved(tmp_path, "llama", num_hidden_layers=4)
+    result, loader, writer, mode, need = run_on_gpu(folder, Recipe(dtype="float32", **TOKENS),
+                                                    activations_on)
+    assert writer.blocks == [f"model.layers.{i}." for i in range(4)]
+    assert writer.strays == []
+    assert loader.max_resident == 1
+    assert all(p.device.type != "cuda" for p in writer.model.parameters())
+    assert mode.gpu.bytes == 0  # every block freed, the activations dropped
+    assert len(result.modules) == 4 * 7
+    assert 0.5 * need["total"] <= mode.gpu.peak <= need["total"]
+    assert result.extras["sequential"]["device"] == "cuda:0"
+
+
+@pytest.mark.slow
+def test_activations_on_the_gpu_cost_what_the_prediction_says(tmp_path, host_reads):
+    """Kept on the GPU, every batch's hidden states (inputs and outputs) add to the peak
+    about what ``gpu_need`` counts for them."""
+    folder = saved(tmp_path, "llama", num_hidden_layers=2)
+    recipe = Recipe(dtype="float32", **TOKENS)
+    peaks = {on: run_on_gpu(folder, recipe, on)[3].gpu.peak for on in ("host", "device")}
+    meta = build_empty(folder, torch.float32)
+    counted = gpu_need(meta, recipe, build_plan(meta, recipe), True)["activations"]
+    assert counted > 0
+    assert 0.5 * counted <= peaks["device"] - peaks["host"] <= 1.5 * counted
+
+
+@pytest.mark.slow
+def test_moe_experts_one_block_at_a_time_on_the_gpu(tmp_path, host_reads, monkeypatch):
+    """A Qwen3-MoE-shaped model (eight fused experts a layer): every expert quantized, one
+    block on the GPU at a time. (The quantized experts' own forward reads its routing back to
+    the host, which fake tensors cannot: it stands in with an output of the right shape.)"""
+    monkeypatch.setattr(QuantExperts, "forward",
+                        lambda self, hidden, *a, **k: torch.zeros_like(hidden))
+    folder = saved(tmp_path, "qwen3_moe", num_hidden_layers=3)
+    result, loader, writer, mode, need = run_on_gpu(folder, Recipe(dtype="bfloat16", **TOKENS))
+    assert writer.strays == [] and loader.max_resident == 1
+    assert len(writer.blocks) == 3 and mode.gpu.bytes == 0
+    assert sorted(result.extras["experts"]) == [f"model.layers.{i}.mlp.experts"
+                                               for i in range(3)]
+    assert mode.gpu.peak <= need["total"]
+
+
+def test_hessians_and_their_factor_are_float32_on_a_gpu():
+    """``auto``: the sums in float32 on a GPU (the factor follows), float64 on the CPU."""
+    from fp8ptq.algorithms.gptq.sweep import factor_dtype
+    recipe = Recipe()
+    assert recipe.gptq_hessian_dtype == "auto"
+    assert recipe.hessian_dtype_on("cuda") == torch.float32
+    assert recipe.hessian_dtype_on("cpu") == torch.float64
+    assert Recipe(gptq_hessian_dtype="float64").hessian_dtype_on("cuda") == torch.float64
+    h32 = torch.eye(3)
+    assert factor_dtype(h32, torch.device("cuda")) == torch.float32
+    assert factor_dtype(h32, torch.device("cpu")) == torch.float64
+    assert factor_dtype(h32.double(), torch.device("cuda")) == torch.float64
+
+
+def test_float32_factor_matches_float64_and_falls_back():
+    """The float32 inverse factor agrees with the float64 one to float32 precision; a matrix
+    float32 cannot factor at any dampening is factored in float64 instead of failing."""
+    from fp8ptq.algorithms.gptq.sweep import _inverse_cholesky
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    H = x.T @ x
+    u32 = _inverse_cholesky(H, 0.01, dtype=torch.float32)
+    u64 = _inverse_cholesky(H.double(), 0.01)
+    assert u32.dtype == torch.float32
+    assert torch.allclose(u32.double(), u64, rtol=1e-3, atol=1e-5 * float(u64.abs().max()))
+    bad = torch.full((4, 4), float("nan"))
+    with pytest.raises(ValueError, match="not positive definite"):
+        _inverse_cholesky(bad, 0.01, dtype=torch.float32)
+
+
+def test_float32_sums_on_the_device_are_added_in_place():
+    """On the inputs' device with float32 sums, each batch's ``x^T x`` is added by the GEMM
+    itself: no ``in x in`` product buffer is kept beside the sums."""
+    from fp8ptq.observe.hessian import HessianCollector
+    layer = torch.nn.Linear(16, 4)
+    c = HessianCollector({"l": layer}, on_device=True, dtype=torch.float32)
+    xs = [torch.randn(5, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with c.observing():
+        for x in xs:
+            layer(x)
+        assert len(c._buffers) <= 1  # the first batch's product only (the sums' start)
+    want = sum(x.T @ x for x in xs)
+    assert torch.allclose(c.sums["l"], want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- budgets and the strategy
+
+
+def test_parse_budget_forms():
+    assert parse_budget(None, "cuda") == Budget()
+    assert parse_budget("4GB", "cpu") == Budget(host=4 * 10**9)
+    assert parse_budget("0=20GiB,cpu=64GiB", "cuda") == Budget(host=64 * 2**30, gpu=20 * 2**30)
+    assert parse_budget("cuda:1=2GiB", "cuda:1") == Budget(gpu=2 * 2**30)
+    with pytest.raises(UsageError, match="on the CPU"):
+        parse_budget("0=20GiB", "cpu")
+    with pytest.raises(UsageError, match="GPU 1"):
+        parse_budget("0=20GiB", "cuda:1")
+    with pytest.raises(UsageError, match="unknown device"):
+        parse_budget("tpu=1GB", "cuda")
+
+
+def test_the_gpu_budget_chooses_the_path(tmp_path):
+    """A model whose in-memory estimate exceeds the GPU budget goes one block at a time on
+    the GPU, with both peaks predicted; one that fits is loaded whole; ``--sequential`` forces
+    the one-block path."""
+    folder = saved(tmp_path, "llama", num_hidden_layers=4)
+    recipe = Recipe(calib_data="x.txt", **GPTQ)
+    small = strategy.choose(str(folder), recipe, device="cuda", gpu_budget=2 * 2**20)
+    assert small.path == "sequential" and small.device == "cuda"
+    assert "one block at a time on cuda" in small.reason
+    facts = small.facts()
+    assert facts["predicted_gpu_mb"] > 0 and facts["predicted_rss_mb"] > 0
+    assert facts["compute_device"] == "cuda" and facts["activations_on"] in ("host", "device")
+    assert small.sequential_options()["device"] == "cuda"
+    roomy = strategy.choose(str(folder), recipe, device="cuda", gpu_budget=80 * 2**30)
+    assert roomy.path == "in-memory" and "fit the GPU budget" in roomy.reason
+    forced = strategy.choose(str(folder), recipe, device="cuda", gpu_budget=80 * 2**30,
+                             sequential=True)
+    assert forced.path == "sequential" and forced.reason.startswith("--sequential")
+    # every batch's hidden states fit beside the block in a roomy budget: kept on the GPU
+    assert forced.activations_on == "device"
+    assert small.activations_on == "host"
+
+
+def test_gpu_prediction_grows_with_the_widest_gemm(tmp_path):
+    """The down_proj sweep dominates an 8B-like block: doubling the intermediate width adds
+    at least its Hessian's growth (float32, ``in^2``) to the prediction."""
+    recipe = Recipe(calib_data="x.txt", dtype="bfloat16", **GPTQ)
+    totals = []
+    for inter in (256, 512):
+        folder = saved(tmp_path / str(inter), "llama", intermediate_size=inter)
+        meta = build_empty(folder, torch.bfloat16)
+        totals.append(gpu_need(meta, recipe, build_plan(meta, recipe), False)["total"])
+    assert totals[1] - totals[0] >= 4 * (512 ** 2 - 256 ** 2)
+
+
+def test_out_of_memory_on_the_gpu_is_one_error_line(tmp_path, word_tokenizer, monkeypatch):
+    """A CUDA out-of-memory error says what to do in one line, no traceback."""
+    import fp8ptq.cli.quantize_cmd as cmd
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(cmd, "quantize", oom)
+    src = saved(tmp_path, "llama")
+    word_tokenizer.save_pretrained(src)
+    res = invoke(["quantize", src, "-o", tmp_path / "out", "--act-format", "none"])
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+    assert res.exit_code == 1 and len(errors) == 1
+    assert "GPU ran out of memory" in errors[0] and "--max-memory 0=" in errors[0]
+    assert "Traceback" not in res.output
