@@ -156,17 +156,17 @@ def test_moe_experts_one_block_at_a_time_on_the_gpu(tmp_path, host_reads, monkey
 
 
 def test_hessians_and_their_factor_are_float32_on_a_gpu():
-    """``auto``: the sums in float32 on a GPU (the factor follows), float64 on the CPU."""
+    """``auto``: the sums in float32 on a GPU (the factor follows the sums), float64 on the
+    CPU."""
     from fp8ptq.algorithms.gptq.sweep import factor_dtype
     recipe = Recipe()
     assert recipe.gptq_hessian_dtype == "auto"
     assert recipe.hessian_dtype_on("cuda") == torch.float32
     assert recipe.hessian_dtype_on("cpu") == torch.float64
     assert Recipe(gptq_hessian_dtype="float64").hessian_dtype_on("cuda") == torch.float64
-    h32 = torch.eye(3)
-    assert factor_dtype(h32, torch.device("cuda")) == torch.float32
-    assert factor_dtype(h32, torch.device("cpu")) == torch.float64
-    assert factor_dtype(h32.double(), torch.device("cuda")) == torch.float64
+    assert factor_dtype(torch.eye(3)) == torch.float32
+    assert factor_dtype(torch.eye(3, dtype=torch.float64)) == torch.float64
+    assert factor_dtype(torch.eye(3, dtype=torch.bfloat16)) == torch.float64
 
 
 def test_float32_factor_matches_float64_and_falls_back():

@@ -111,8 +111,8 @@ class Recipe(BaseModel):
     # auto: float32 on a GPU (there the Cholesky factor follows: memory is the GPU's scarcest
     # resource), float64 on the CPU (``hessian_dtype_on``)
     gptq_hessian_dtype: str = flag(
-        "auto", "GPTQ: accumulate the Hessian sums in this dtype [auto: float32 on a GPU, "
-        "float64 on the CPU].", choices=("auto", "float64", "float32"))
+        "auto", "GPTQ: accumulate the Hessian sums (and factor them) in this dtype [auto: "
+        "float32 on a GPU, float64 on the CPU].", choices=("auto", "float64", "float32"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(

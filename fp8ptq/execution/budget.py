@@ -164,11 +164,13 @@ def hessian_elem(recipe: Recipe, device: str) -> int:
 
 def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
              activations_on_gpu: bool, device: str = "cuda",
-             gpu_budget: int | None = None) -> dict:
+             gpu_budget: int | None = None, factor_limit: int | None = None) -> dict:
     """The one-block path's GPU peak, by part (bytes; ``total``), for ``model`` built on the
     meta device and planned (see the module docstring). ``gpu_budget``: what is left of it
     beyond the rest sizes ``replay`` (sequential GPTQ's kept partial-forward outputs, at most
-    ``REPLAY_BYTES``); None: the most they could take, capped so."""
+    ``REPLAY_BYTES``); None: the most they could take, capped so. ``factor_limit``: Hessians
+    of more inputs are factored on the host (``fp8ptq.algorithms.gptq.sweep.host_factoring``):
+    only their float32 inverse factor comes to the GPU for the sweep."""
     size = torch.empty(0, dtype=getattr(torch, recipe.dtype)).element_size()
     found = find_blocks(model)
     if found is None:
@@ -203,16 +205,16 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
         # factor (and plain GPTQ's scaled copy of the sums; sink-aware GPTQ adjusts them in
         # place), then the inverse factor in float32 beside W* (float64), the float32
         # transposed weight and the codes
-        "sweep": (sums + max(2 * factor * k * k + (0 if sink else elem * k * k),
-                             4 * k * k + 17 * out * k,
-                             17 * out * k + 24 * min(out * k, SQNR_ELEMENTS)))
-                  if sums else 0,
+        "sweep": sweep_bytes(out, k, elem, factor, sink) if sums else 0,
         # the quantized block's forward for the next block's inputs: micro-batches, every
         # GEMM's input rounded (down_proj's, intermediate wide, the largest), into the
         # whole batch's output
         "forward": (micro * size * (2 * h + i) + activation_rounding(micro * i)
                     + 2 * tokens * h * size) if calib else 0,
     }
+    if sums and factor_limit is not None:  # the GEMMs wider than the limit: on the host
+        parts["sweep"] = max(sweep_bytes(o, n, elem, factor, sink, n > factor_limit)
+                             for o, n in gemm_shapes(plan))
     records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
         if sums else 0
     steady = parts["block"] + parts["kwargs"] + parts["activations"]
@@ -222,6 +224,40 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     base = steady + max(working + parts["replay"], parts["forward"])
     parts["total"] = base
     return parts
+
+
+def sweep_bytes(out: int, k: int, elem: int, factor: int, sink: bool,
+                on_host: bool = False) -> int:
+    """GPU bytes of one ``out x k`` GEMM's sweep: its group's sums (``elem`` bytes each), the
+    reordered copy and the Cholesky factor (``factor`` bytes; plain GPTQ also a scaled copy
+    of the sums; sink-aware GPTQ adjusts them in place); then the float32 inverse factor
+    beside ``W*``, the float32 transposed weight, the codes and their dequantized values; then
+    the report's SQNR sums. ``on_host``: factored on the host, only the inverse factor here."""
+    weights = 17 * out * k
+    if on_host:
+        return max(4 * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
+    return elem * k * k + max(2 * factor * k * k + (0 if sink else elem * k * k),
+                              4 * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
+
+
+def gemm_shapes(plan: QuantPlan) -> set[tuple[int, int]]:
+    """``(out, in)`` of every GEMM that GPTQ sweeps with a full Hessian."""
+    return {tuple(weight_2d(m.module).shape) for m in plan.gemms
+            if reads_data(m) and needs_full_hessian(m)}
+
+
+def factor_limit_for(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan, on_gpu: bool,
+                     gpu_budget: int, device: str = "cuda") -> int | None:
+    """The widest Hessian (inputs) the GPU can factor itself within ``gpu_budget``, when the
+    widest GEMM's would not fit: those wider are factored on the host. None: all fit."""
+    need = gpu_need(model, recipe, plan, on_gpu, device, gpu_budget=0)
+    if need["total"] <= gpu_budget:
+        return None
+    widths = sorted({k for _, k in gemm_shapes(plan)})
+    for limit in reversed(widths[:-1]):
+        if gpu_need(model, recipe, plan, on_gpu, device, 0, limit)["total"] <= gpu_budget:
+            return limit
+    return 0 if widths else None
 
 
 def activation_rounding(elements: int) -> int:
@@ -247,11 +283,13 @@ def group_hessians(plan: QuantPlan, elem: int) -> tuple[int, tuple[int, int]]:
     """(bytes of the largest one group's Hessian sums, ``(out, in)`` of the widest GEMM that
     GPTQ sweeps); (0, (0, 0)) where no GEMM reads a full Hessian."""
     reading = {m.name: m for m in plan.gemms if reads_data(m) and needs_full_hessian(m)}
+    fused = {n for g in fused_groups(list(reading)) for n in g[1:]}  # share the first's sums
     largest, widest = 0, (0, 0)
-    for group in fused_groups(list(reading)):
-        out, k = weight_2d(reading[group[0]].module).shape
-        largest = max(largest, elem * k * k)
+    for name, m in reading.items():
+        out, k = weight_2d(m.module).shape
         widest = max(widest, (out, k), key=lambda s: (s[1], s[0]))
+        if name not in fused:
+            largest = max(largest, elem * k * k)
     return largest, widest
 
 
@@ -285,5 +323,6 @@ def activations_fit(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
 
 
 __all__ = ["Budget", "CUDA_HOST_BYTES", "GPU_MARGIN", "REPLAY_BYTES", "activation_rounding",
-           "activations_fit", "gb", "gpu_free_bytes", "gpu_need", "group_hessians",
-           "hessian_elem", "host_need", "parse_budget", "parse_size", "process_budget"]
+           "activations_fit", "factor_limit_for", "gb", "gemm_shapes", "gpu_free_bytes",
+           "gpu_need", "group_hessians", "hessian_elem", "host_need", "parse_budget",
+           "parse_size", "process_budget", "sweep_bytes"]

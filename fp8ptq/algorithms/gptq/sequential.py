@@ -49,6 +49,7 @@ from ...observe.hessian import HessianCollector
 from .asym import AsymmetricCollector, input_quantizer
 from .replay import PartialForwards
 from .sink import SinkCollector
+from .sweep import factored_on_host
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
 Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
@@ -260,7 +261,9 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
             h = hessians.hessian(t.name) if hessians and t.name in gptq else None
             aim = None
             if h is not None and floats.aim is not None:
-                w0 = weight_2d(t.module).detach().double()
+                w0 = weight_2d(t.module).detach()
+                # float64 (float32 for sink-aware GPTQ on a GPU: its Hessians are float32)
+                w0 = w0.float() if w0.is_cuda and floats.aim.sink else w0.double()
                 # each collector computes its own ``W*`` (the sink's from its kept rows)
                 aim = hessians.aim(t.name, w0, floats.aim.damp)
                 facts["aim_correction"].append(
@@ -377,6 +380,10 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
         distributed.reduce_sums(collector.cross, {})
     if floats.sink:
         collector.first_rows = distributed.gather_samples(collector.first_rows)
+    for owner, h in list(collector.sums.items()):  # too wide for the GPU: factored on the host
+        if factored_on_host(h.shape[0], h.device):
+            collector.sums[owner] = h.cpu()
+            del h
     return collector
 
 

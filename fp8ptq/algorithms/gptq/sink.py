@@ -90,8 +90,8 @@ class SinkCollector(HessianCollector):
         owner = self.alias.get(name, name)
         if owner not in self._tilde:
             h = self.sums.pop(owner, None)
-            if h is not None:  # float32 sums stay float32 on a GPU (``factor_dtype``)
-                h = h.to(factor_dtype(h, h.device))
+            if h is not None:  # float32 sums stay float32 (``factor_dtype``)
+                h = h.to(factor_dtype(h))
                 with torch.inference_mode():  # the sums were made under it: in place needs it
                     h.mul_(2.0).div_(max(self.rows[owner], 1))  # as ``_scaled``, bit for bit
                     if self.first_rows.get(owner):
@@ -116,8 +116,9 @@ class SinkCollector(HessianCollector):
                                     for h in self._tilde.values() if h is not None)
 
     def aim(self, name: str, w0: torch.Tensor, damp: float) -> torch.Tensor:
-        """``W*`` of ``name`` (float64, [out, in]): ``asymmetric_target(w0, hessian(name),
-        cross_term(name), damp)``, computed from the kept rows instead of ``C``.
+        """``W*`` of ``name`` ([out, in], in the Hessian's dtype): ``asymmetric_target(w0,
+        hessian(name), cross_term(name), damp)``, computed from the kept rows instead of
+        ``C``.
 
         ``C - H~ = (2 weight / n) (X_B - Q_B)^T Q_B`` has the rank of the n first rows, so
         ``W0 (C - H~) A^-1 = (2 weight / n) (W0 R^T) (A^-1 Q_B^T)^T`` with ``R = X_B - Q_B``
@@ -129,16 +130,17 @@ class SinkCollector(HessianCollector):
         owner = self.alias.get(name, name)
         H = self.hessian(name)
         if H is None or not self.first_rows.get(owner):
-            return w0.double()
-        H = H.to(w0.device)
-        dt = H.dtype  # float64, or float32 on a GPU (``hessian``): the solve in the same
-        w = w0.to(dt)
-        rows = self._rows(owner, w0.device).to(dt)
+            return w0.to(factor_dtype(w0) if H is None else H.dtype)
+        # where H is (the host, for one too wide for the GPU: ``factored_on_host``), in its
+        # dtype (float64, or float32 sums: ``hessian``); W* back on the weight's device
+        dev, dt = H.device, H.dtype
+        w = w0.to(dev, dt)
+        rows = self._rows(owner, dev).to(dt)
         dead = torch.diagonal(H) == 0  # inputs always zero: W0's column is kept there
         Q = rows[1].masked_fill(dead.unsqueeze(0), 0.0)  # [n, in]
         low = (w @ (rows[0] - rows[1]).T).mul_(2.0 * self.weight / rows.shape[1])  # [out, n]
         L = damped_cholesky(H, damp, dt)
-        return torch.addmm(w, low, torch.cholesky_solve(Q.T.contiguous(), L).T).double()
+        return torch.addmm(w, low, torch.cholesky_solve(Q.T.contiguous(), L).T).to(w0.device)
 
 
 __all__ = ["SinkCollector"]

@@ -18,6 +18,7 @@ so the codes and scales are exactly what the checkpoint layouts store.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from contextlib import contextmanager
 
@@ -88,19 +89,23 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
     modified). Everything runs on ``W``'s device: the Hessian (kept on the CPU by the collector,
     where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
-    GPU. The Cholesky factor is float64 (float32 for float32 sums on a GPU: ``factor_dtype``); the
+    GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``); the
     sweep is float32, so a GPU and a CPU
     agree on the codes except where a value sits within float32 rounding of a code boundary and
     the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
-    H = H.detach().to(dev)
+    # a Hessian too large for the GPU's budget (``host_factoring``) is factored where it is,
+    # on the host; the inverse factor alone comes to the GPU
+    H = H.detach() if factored_on_host(H.shape[0], dev) else H.detach().to(dev)
     hdiag = torch.diagonal(H).double()
     perm = torch.argsort(hdiag, descending=True) if act_order else None
     # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
-    # float32 where the sums were float32 on a GPU (``gptq_hessian_dtype`` auto there: GPU
-    # memory first); the sweep in float32 like the reference code: its error terms are far
+    # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
+    # first); the sweep in float32 like the reference code: its error terms are far
     # below a code's step, and float32 halves the sweep's memory traffic
-    U = _inverse_cholesky(H, damp, perm, factor_dtype(H, dev)).float()
+    U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).float().to(dev)
+    hdiag = hdiag.to(dev)
+    perm = None if perm is None else perm.to(dev)
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
@@ -123,10 +128,37 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     return codes.contiguous()
 
 
-def factor_dtype(H: torch.Tensor, device: torch.device) -> torch.dtype:
-    """The Cholesky factor's dtype: float32 for float32 sums swept on a GPU, else float64."""
-    return torch.float32 if H.dtype == torch.float32 and device.type != "cpu" \
-        else torch.float64
+# inputs of the widest Hessian a GPU factors itself (None: every one); wider ones are factored
+# on the host (``host_factoring``)
+_GPU_FACTOR_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "gptq_gpu_factor_limit", default=None)
+
+
+@contextmanager
+def host_factoring(limit: int | None):
+    """Within: a GPU sweep whose Hessian has more than ``limit`` inputs factors it on the host
+    (the collector hands it over there, ``factored_on_host``) and moves only the float32
+    inverse factor to the GPU: what the one-block GPU path does for a GEMM whose Hessian,
+    its copy and its factor together do not fit the GPU budget (a 405B ``down_proj``'s 53,248
+    inputs: 10.6 GB for one float32 matrix). None: every Hessian on the GPU."""
+    token = _GPU_FACTOR_LIMIT.set(limit)
+    try:
+        yield
+    finally:
+        _GPU_FACTOR_LIMIT.reset(token)
+
+
+def factored_on_host(inputs: int, device: torch.device | str) -> bool:
+    """Whether a Hessian of ``inputs`` inputs for a sweep on ``device`` is factored on the
+    host (``host_factoring``)."""
+    limit = _GPU_FACTOR_LIMIT.get()
+    return limit is not None and inputs > limit and torch.device(device).type != "cpu"
+
+
+def factor_dtype(H: torch.Tensor) -> torch.dtype:
+    """The Cholesky factor's dtype: the sums' where they are float32 (``gptq_hessian_dtype``
+    float32, or auto on a GPU: llm-compressor's arithmetic, half the memory), else float64."""
+    return torch.float32 if H.dtype == torch.float32 else torch.float64
 
 
 @contextmanager
