@@ -48,18 +48,14 @@ from ..nn.fused import (
     unify_fused,
     unify_input_scales,
 )
-from ..nn.quant_experts import (
-    ExpertObserver,
-    QuantExperts,
-    quantize_experts,
-    unify_expert_input_scales,
-)
+from ..nn.quant_experts import ExpertObserver, QuantExperts
 from ..nn.quant_gemm import QuantGemm, simulated_gemms
 from ..observe.hessian import HessianCollector
 from ..observe.observers import StatsCollector, TensorStats
 from ..observe.taps import ActivationTaps
 from ..runtime.usage import release_free_memory
 from . import distributed
+from .experts_quant import quantize_all_experts, quantize_experts_module, sweep_experts  # noqa: F401
 from .placement import materialize_offloaded
 
 # The plan's module entries (``fp8ptq.config.plan``) are what the pipeline quantizes; the old names
@@ -312,10 +308,15 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                                           chosen.get(t.name), weight_scale=unified.get(t.name),
                                           hessian=hessian, aim=aim)
 
+    swept: dict[str, dict] = {}  # experts swept by GPTQ in run order: their report entries
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
+        expert_stats = observer.stats if observer is not None else {}
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=recipe.hessian_dtype)
+            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=recipe.hessian_dtype,
+            experts=[e for e in experts if reads_data(e)],
+            quantize_experts=lambda e, feed: sweep_experts(
+                model, e, plan, gran, w_calib, expert_stats, feed, swept, all_warnings))
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
@@ -325,9 +326,9 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if groups:
         extras["fused_groups"] = unify_input_scales(model, groups, reports)
     if experts:
-        extras["experts"] = _quantize_all_experts(model, plan, gran, w_calib,
-                                                  observer.stats if batches is not None else {},
-                                                  all_warnings)
+        extras["experts"] = quantize_all_experts(model, plan, gran, w_calib,
+                                                 observer.stats if batches is not None else {},
+                                                 all_warnings, swept)
     if taps is not None:
         extras["taps"] = taps.freeze(plan)
     times["quantize"] = time.perf_counter() - t0
@@ -336,39 +337,6 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     extras["high_precision"] = high_precision_report(model)
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras,
                           recipe=recipe, plan=plan)
-
-
-def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,
-                          warnings: list[str]) -> dict:
-    """Quantize every fused-experts module. Layer-output-aware activation calibrators (best-of,
-    pow2-search) search with one layer's cached input rows and weight; experts have one of each
-    per expert, so they use the entry's statistics fallback here (recorded in the report)."""
-    a_calib = plan.act_calibrator()
-    unify = unify_fused(plan.recipe, plan.experts)
-    return {e.name: quantize_experts_module(model, e, plan.recipe, gran, w_calib, a_calib, stats,
-                                            unify, warnings) for e in plan.experts}
-
-
-def quantize_experts_module(model, e: ModulePlan, recipe: Recipe, gran, w_calib, a_calib,
-                            stats: dict, unify: bool, warnings: list[str]) -> dict:
-    """Replace the experts module ``e`` with its ``QuantExperts``; its report entry."""
-    q, rep = quantize_experts(
-        e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
-        act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
-        stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
-    if unify:
-        unify_expert_input_scales(q)
-        rep.projections = {p: {**f, "input_scales": None if q.input_scale(p) is None else
-                               [float(s) for s in q.input_scale(p)]}
-                           for p, f in rep.projections.items()}
-    set_submodule(model, e.name, q)
-    if weight_entry(e.weight.calibrator).rounding == "gptq":
-        rep.warnings.append("GPTQ does not apply to fused MoE experts: rounded to nearest")
-    warnings += [f"{e.name}: {w}" for w in rep.warnings]
-    return {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
-            "act_format": rep.act_format, "act_calib": a_calib.name,
-            "parameters": rep.parameters, "projections": rep.projections,
-            "warnings": rep.warnings}
 
 
 def high_precision_report(model: nn.Module, top: int = 8) -> dict:
