@@ -286,3 +286,20 @@ def _run_to_stop(unit: nn.Module, batch) -> None:
         run_batch(unit, batch, logits=False)
     except _Stop:
         pass
+
+
+def expert_output_errors(reference: nn.Module, q: nn.Module, x: torch.Tensor,
+                         idx: torch.Tensor) -> dict[int, float]:
+    """Per expert, the mean squared error of its own output (router weight 1) computed by
+    ``q`` against ``reference`` (the float experts module) on the rows of ``x`` [T, H] the
+    top-k indices ``idx`` [T, k] send to it: the experts' layer-output error, one expert at a
+    time (what GPTQ minimises; the benchmark and the tests read it on held-out tokens)."""
+    out = {}
+    with torch.no_grad():
+        for e, rows in _rows_by_expert(idx, q.num_experts, False):
+            xe = x[rows]
+            sel = torch.full((xe.shape[0], 1), e, dtype=idx.dtype, device=idx.device)
+            weight = torch.ones(xe.shape[0], 1, dtype=xe.dtype, device=xe.device)
+            diff = reference(xe, sel, weight).double() - q(xe, sel, weight).double()
+            out[e] = float(diff.square().mean())
+    return out
