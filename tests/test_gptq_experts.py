@@ -62,17 +62,19 @@ def quantized(model, **recipe):
     pytest.param("qwen3_moe", True, marks=pytest.mark.slow)])
 def test_gptq_lowers_every_experts_held_out_output_error(arch, all_tokens):
     """Against round to nearest with the same scales, on held-out tokens the float model
-    routes: every expert's own output error is lower. Weight-only, so that the error is the
-    weights' alone, what GPTQ minimises (the dynamic FP8 input rounding of the default recipe
-    adds the same noise to both, which on this tiny model can hide a 2% gain on one expert:
-    docs/results.md, "GPTQ for MoE experts")."""
+    routes: with routed Hessians (the default) every expert's own output error is lower; with
+    every token's (``gptq_all_experts``, another input distribution than the expert's own) the
+    layer's summed error is (one Qwen3-MoE expert here is 1.6% above round to nearest).
+    Weight-only, so that the error is the weights' alone, what GPTQ minimises (the default
+    recipe's dynamic input rounding adds noise to both: docs/results.md, "GPTQ for MoE
+    experts", has both)."""
     float_model = tiny(arch)
     held = experts_inputs(float_model, HELD_OUT)
     floats = {n: copy.deepcopy(m) for n, m, _ in find_experts(float_model)}
     rtn, _ = quantized(copy.deepcopy(float_model), **RTN, act_format="none",
-                       calibrate_all_experts=all_tokens)
+                       gptq_all_experts=all_tokens)
     gptq, result = quantized(copy.deepcopy(float_model), **GPTQ, act_format="none",
-                             calibrate_all_experts=all_tokens)
+                             gptq_all_experts=all_tokens)
     for name, (x, idx) in held.items():
         facts = result.extras["experts"][name]["gptq"]
         assert facts["swept"] == {p: E for p in experts_info(floats[name]).projections}
@@ -80,7 +82,9 @@ def test_gptq_lowers_every_experts_held_out_output_error(arch, all_tokens):
         mine = expert_output_errors(floats[name], gptq.get_submodule(name), x, idx)
         theirs = expert_output_errors(floats[name], rtn.get_submodule(name), x, idx)
         assert set(mine) == set(theirs) == set(range(E))
-        assert all(mine[e] < theirs[e] for e in mine), (name, mine, theirs)
+        assert sum(mine.values()) < 0.95 * sum(theirs.values())
+        if not all_tokens:
+            assert all(mine[e] < theirs[e] for e in mine), (name, mine, theirs)
 
 
 def test_hessians_per_expert_from_routed_rows_and_one_shared_for_every_token():
@@ -117,7 +121,7 @@ def test_sequential_expert_hessians_equal_what_the_quantized_model_feeds(monkeyp
         return real(w2d, hessian, r, what, warnings)
 
     monkeypatch.setattr(gptq_experts_mod, "round_expert", spy)
-    model, _ = quantized(tiny("qwen3_moe"), **GPTQ, calibrate_all_experts=False)
+    model, _ = quantized(tiny("qwen3_moe"), **GPTQ, gptq_all_experts=False)
     by_what = {}
     for (_, what), h in taken.items():
         by_what.setdefault(what, []).append(h)
@@ -148,8 +152,8 @@ def test_expert_without_tokens_keeps_round_to_nearest():
     rtn_model = copy.deepcopy(gptq_model)
     for m in (gptq_model, rtn_model):
         _force_router(m, [0, 1, 2])
-    _, result = quantized(gptq_model, **GPTQ, calibrate_all_experts=False)
-    quantized(rtn_model, **RTN, calibrate_all_experts=False)
+    _, result = quantized(gptq_model, **GPTQ, gptq_all_experts=False)
+    quantized(rtn_model, **RTN, gptq_all_experts=False)
     name = "model.layers.0.mlp.experts"
     facts = result.extras["experts"][name]["gptq"]
     assert facts["rounded_to_nearest"] == [3, 4, 5, 6, 7]
@@ -170,15 +174,20 @@ def test_one_pass_gptq_rounds_experts_to_nearest_and_says_so():
                for w in result.warnings)
 
 
-def test_expert_gptq_stays_on_the_weights_gpu():
-    """The sums, the sweeps and the fused codes of a CUDA experts module stay on its device
-    (every token calibrates every expert: the default, no data-dependent shapes)."""
+@pytest.mark.parametrize("all_tokens", [True, False])
+def test_expert_gptq_stays_on_the_weights_gpu(monkeypatch, all_tokens):
+    """The sums, the sweeps and the fused codes of a CUDA experts module stay on its device.
+    Routed rows are picked by a boolean mask (a host sync the fake device refuses), so there
+    every expert is handed all rows by index instead."""
+    if not all_tokens:
+        monkeypatch.setattr(gptq_experts_mod, "_rows_by_expert", lambda idx, num, _all: [
+            (e, torch.arange(idx.shape[0], device=idx.device)) for e in range(num)])
     module = tiny("qwen3_moe").get_submodule("model.layers.0.mlp.experts")
     info = experts_info(module)
     fmt = get_format("e4m3")
     half_layout(fmt)  # the format's tables built from real values, before the fake mode
     gran = weight_granularity("channel")
-    r = ExpertRounding(fmt, gran, weight_entry("gptq").build(), all_tokens=True)
+    r = ExpertRounding(fmt, gran, weight_entry("gptq").build(), all_tokens=all_tokens)
     made, devices = {}, set()
     real_add = ExpertHessians.add
 
@@ -233,7 +242,7 @@ def test_cli_default_recipe_checkpoint_validates_and_transformers_loads(tmp_path
     res = invoke(["validate", str(out)])
     assert res.exit_code == 0, res.output
     ours = fp8ptq.load(out).model
-    hf = AutoModelForCausalLM.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     q = ours.get_submodule("model.layers.1.mlp.experts")
     fused = hf.get_submodule("model.layers.1.mlp.experts")
     for proj in q.info.projections:

@@ -63,7 +63,7 @@ def sweep_experts(model, e: ModulePlan, plan: QuantPlan, gran, w_calib, stats: d
     rounding = ExpertRounding(
         e.weight_format, gran, w_calib, sweep=needs_full_hessian(e), damp=recipe.gptq_damp,
         act_order=recipe.gptq_act_order, block=recipe.gptq_block, rounding=recipe.rounding,
-        pow2=recipe.scale_pow2, all_tokens=recipe.calibrate_all_experts,
+        pow2=recipe.scale_pow2, all_tokens=recipe.gptq_all_experts,
         dtype=recipe.hessian_dtype)
 
     def build(round_first):

@@ -4,9 +4,11 @@
 Each expert is two GEMMs with its own inputs, so each gets its own Hessians: ``gate_up``'s from
 the hidden states the router sends that expert (gate and up read the same input: one Hessian
 for both), ``down``'s from that expert's intermediate ``act(gate) * up``. With
-``all_tokens`` (``--calibrate-all-experts``, llm-compressor's ``moe_calibrate_all_experts``)
-every calibration token counts for every expert instead: the ``gate_up`` Hessian is then the
-same for all experts and is held once.
+``all_tokens`` (``--gptq-all-experts``, llm-compressor's ``moe_calibrate_all_experts``) every
+calibration token counts for every expert instead: the ``gate_up`` Hessian is then the same for
+all experts and is held once. Routed tokens are the default: they are the inputs each expert
+multiplies at inference, and on held-out tokens they gave every expert a lower error than round
+to nearest, which every-token Hessians did not (docs/results.md, "GPTQ for MoE experts").
 
 In sequential GPTQ's order (``fp8ptq.algorithms.gptq.sequential``) an experts module is one
 step where the block runs it, in two halves: the forwards stop on entering the experts, each
