@@ -111,7 +111,9 @@ ids: an error ratio below 1 is GPTQ's gain on held-out tokens; whether it carrie
 trained model's perplexity is not measured here. `weights`: each expert's output with its
 dequantized weights and exact inputs (GPTQ's objective); `W8A8`: through the quantized module
 with the recipe's dynamic per-token input rounding. Every expert received calibration tokens.
-Routed Hessians are the default (`--gptq-all-experts`: every token).
+Routed Hessians are the default (`--gptq-all-experts`: every token). Seconds: fp8ptq's
+`quantize_model` (calibration and every GEMM's and expert's GPTQ) in the script's process,
+llm-compressor's `oneshot` in its child (its experts linearized first); one run each.
 """
 
 

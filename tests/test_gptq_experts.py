@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import fp8ptq
 from fake_cuda import CUDA, fake_cuda
@@ -21,6 +22,7 @@ from fp8ptq.algorithms.gptq.experts import (
 from fp8ptq.calibrators.registry import weight_entry
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.execution.in_memory import quantize_model, token_batches
+from fp8ptq.execution.streaming import quantize_sequential
 from fp8ptq.formats import get_format
 from fp8ptq.formats.granularity import weight_granularity
 from fp8ptq.formats.weight_quant import half_layout
@@ -225,8 +227,6 @@ def test_expert_gptq_stays_on_the_weights_gpu(monkeypatch, all_tokens):
 @pytest.mark.slow
 def test_cli_default_recipe_checkpoint_validates_and_transformers_loads(tmp_path,
                                                                        word_tokenizer):
-    from transformers import AutoModelForCausalLM
-
     model_dir = tmp_path / "qwen3moe"
     tiny("qwen3_moe").save_pretrained(model_dir)
     word_tokenizer.save_pretrained(model_dir)
@@ -248,3 +248,21 @@ def test_cli_default_recipe_checkpoint_validates_and_transformers_loads(tmp_path
     for proj in q.info.projections:
         mine = torch.stack([q.dequantized_weight(proj, e) for e in range(E)])
         assert torch.equal(getattr(fused, proj).detach().float(), mine)
+
+
+@pytest.mark.slow
+def test_block_by_block_run_sweeps_the_experts_as_in_memory(tmp_path):
+    """``--sequential`` (one block loaded at a time, the quantized block's outputs propagated)
+    sweeps each block's experts where the block runs them, as the in-memory run does."""
+    tiny("qwen3_moe").save_pretrained(tmp_path / "src")
+    recipe = Recipe(**GPTQ, dtype="float32")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    ref_result = quantize_model(ref, recipe, list(token_batches(CALIB, 4)))
+    result, _ = quantize_sequential(tmp_path / "src", recipe, list(token_batches(CALIB, 4)),
+                                    propagate="quantized")
+    for name, facts in ref_result.extras["experts"].items():
+        assert result.extras["experts"][name]["gptq"]["swept"] == facts["gptq"]["swept"]
+        mine, theirs = result.model.get_submodule(name), ref.get_submodule(name)
+        for proj in mine.info.projections:
+            same = (mine.codes(proj) == theirs.codes(proj)).float().mean()
+            assert same > 0.99, (name, proj, float(same))
