@@ -269,3 +269,23 @@ def test_block_by_block_run_sweeps_the_experts_as_in_memory(tmp_path):
         for proj in mine.info.projections:
             same = (mine.codes(proj) == theirs.codes(proj)).float().mean()
             assert same > 0.99, (name, proj, float(same))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [dict(weight_calib="hmse"), dict(weight_calib="gptq-hmse"),
+                                   dict(weight_calib="gptq-mse"), dict(gptq_asym=True),
+                                   dict(act_granularity="tensor")])
+def test_every_hessian_calibrator_sweeps_the_experts(extra):
+    """Hessian-weighted scales (rounded to nearest or swept), MSE scales, asymmetric GPTQ and
+    static inputs: every expert of Qwen2-MoE (shared expert beside the routed ones) is
+    quantized with its own Hessians, its codes differing from round to nearest's."""
+    model = tiny("qwen2_moe")
+    rtn = copy.deepcopy(model)
+    _, result = quantized(model, **{**GPTQ, **extra})
+    quantized(rtn, **{**RTN, **{k: v for k, v in extra.items() if k == "act_granularity"}})
+    for name, facts in result.extras["experts"].items():
+        assert facts["gptq"]["swept"] == {"gate_up_proj": E, "down_proj": E}
+        mine, theirs = model.get_submodule(name), rtn.get_submodule(name)
+        for proj in mine.info.projections:
+            assert bool(torch.isfinite(mine.weight_scale(proj)).all())
+            assert not torch.equal(mine.codes(proj), theirs.codes(proj))
