@@ -104,6 +104,10 @@ def test_hessians_per_expert_from_routed_rows_and_one_shared_for_every_token():
     gptq_experts_mod.observe_inputs(shared, (x, idx), {})
     assert shared.experts() == [0, 1, 2, 3] and shared.nbytes == 6 * 6 * 4
     assert torch.allclose(shared.take(1), shared.take(3))
+    diagonal = ExpertHessians(4, diagonal=True)  # hmse's: the input energies alone
+    gptq_experts_mod.observe_inputs(diagonal, (x, idx), {})
+    assert torch.allclose(diagonal.take(2), torch.diagonal(h2))
+    assert diagonal.nbytes == 2 * 6 * 8
 
 
 def _close(h: torch.Tensor, want: torch.Tensor) -> bool:

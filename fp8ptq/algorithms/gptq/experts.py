@@ -62,11 +62,14 @@ SHARED = -1  # the key of the one sum every expert shares (``all_tokens``)
 class ExpertHessians:
     """Sums of ``x x^T`` of one projection's input, per expert, allocated when the expert
     first receives a row (``shared``: one sum for every expert, whose rows are the same) and
-    given back, scaled as ``2 X^T X / rows``, by ``take`` (which frees a per-expert sum)."""
+    given back, scaled as ``2 X^T X / rows``, by ``take`` (which frees a per-expert sum).
+    ``diagonal``: only ``diag(X^T X)``, all that Hessian-weighted scales rounded to nearest
+    (``hmse``) read."""
 
     def __init__(self, num_experts: int, shared: bool = False,
-                 dtype: torch.dtype = torch.float64):
+                 dtype: torch.dtype = torch.float64, diagonal: bool = False):
         self.num_experts, self.shared, self.dtype = num_experts, shared, dtype
+        self.diagonal = diagonal
         self.sums: dict[int, torch.Tensor] = {}
         self.rows: dict[int, int] = {}
         self.peak_bytes = 0
@@ -78,7 +81,7 @@ class ExpertHessians:
             return
         key = SHARED if self.shared else expert
         x = x.detach().float()
-        product = x.T @ x
+        product = x.square().sum(dim=0) if self.diagonal else x.T @ x
         if key in self.sums:
             self.sums[key].add_(product)
         else:
@@ -114,8 +117,9 @@ class ExpertHessians:
                                      dtype=torch.float64, device=device)}
         distributed.reduce_sums(rows, {})
         total = {k: int(r) for k, r in zip(keys, rows["rows"].tolist()) if r > 0}
+        shape = (features,) if self.diagonal else (features, features)
         sums = {str(k): self.sums.get(k) if k in self.sums else
-                torch.zeros(features, features, dtype=self.dtype, device=device) for k in total}
+                torch.zeros(shape, dtype=self.dtype, device=device) for k in total}
         distributed.reduce_sums(sums, {})
         self.sums = {int(k): s for k, s in sums.items()}
         self.rows = total
@@ -202,7 +206,8 @@ def gptq_experts(module: nn.Module, info: ExpertsInfo, feed: Feed,
     # a view of the float down weights, kept while the QuantExperts holds codes only
     down_weight = expert_weight(module, info, down).detach()
     device = down_weight.device
-    inputs = ExpertHessians(info.num_experts, shared=r.all_tokens, dtype=r.dtype)
+    inputs = ExpertHessians(info.num_experts, shared=r.all_tokens, dtype=r.dtype,
+                            diagonal=not r.sweep)
     feed(module, lambda args, kwargs: observe_inputs(inputs, args, kwargs))
     inputs.reduce(dict(info.shapes)[first][2], device)
     swept = {first: inputs.experts(), down: []}
@@ -215,7 +220,7 @@ def gptq_experts(module: nn.Module, info: ExpertsInfo, feed: Feed,
 
     q = build(round_first)
     inputs.sums.clear()
-    mids = ExpertHessians(info.num_experts, dtype=r.dtype)
+    mids = ExpertHessians(info.num_experts, dtype=r.dtype, diagonal=not r.sweep)
     feed(q, lambda args, kwargs: observe_intermediate(mids, q, r.all_tokens, args, kwargs))
     mids.reduce(dict(info.shapes)[down][2], device)
     peak = max(peak, mids.peak_bytes)
