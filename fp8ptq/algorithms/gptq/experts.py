@@ -249,7 +249,11 @@ class ExpertSteps:
 
     def run(self, unit: nn.Module, entry, batches: list, partial: PartialForwards | None,
             facts: dict, record: bool) -> None:
+        calls = []  # the first forward is followed by the second: it always records
+
         def feed(module: nn.Module, observe) -> None:
+            keep = record or not calls
+            calls.append(module)
             handles = [module.register_forward_pre_hook(
                 lambda _m, args, kwargs: observe(args, kwargs), with_kwargs=True),
                 module.register_forward_pre_hook(_stop)]
@@ -263,7 +267,7 @@ class ExpertSteps:
                             _run_to_stop(unit, batch)
                         else:
                             partial.run(j, [module], lambda b=batch: _run_to_stop(unit, b),
-                                        record)
+                                        keep)
                 except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
                     error = e
                 finally:
