@@ -1,5 +1,6 @@
-"""Data-parallel calibration: ``fp8ptq quantize`` in 1 process vs N torchrun ranks (gloo on CPU),
-same model and calibration windows; wall time, the calibrate step, and whether the checkpoint
+"""Data-parallel calibration of SmolLM2-135M: 1 process vs N torchrun ranks (gloo on CPU).
+
+Same model and calibration windows; wall time, the calibrate step, and whether the checkpoint
 tensors are identical bit for bit.
 
     python benchmarks/bench_distributed.py [--model GGUF|DIR] [--nproc 2] [--num-samples 32]

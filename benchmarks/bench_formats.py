@@ -1,4 +1,4 @@
-"""Encode / decode / fake-quantize throughput of every preset format (GB/s of float32 input).
+"""Encode / decode / fake-quantize GB/s of every preset format on a 4096 x 4096 float32 tensor.
 
     python benchmarks/bench_formats.py [--size 4096] [--repeat 3] [--compile] [--json PATH]
 

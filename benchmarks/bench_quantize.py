@@ -1,5 +1,6 @@
-"""Wall time and peak RSS of ``quantize`` split into load / calibrate / write, and the cost of the
-statistics pass against one plain forward pass over the same tokens.
+"""Wall time and peak RSS of ``quantize`` on SmolLM2-135M, by step (load / calibrate / write).
+
+Also the cost of the statistics pass against one plain forward pass over the same tokens.
 
     python benchmarks/bench_quantize.py [--model GGUF|DIR] [--num-samples 128] [--seq-len 512]
         [--format e4m3] [--act-calib max] [--json PATH]

@@ -1,4 +1,4 @@
-"""fp8ptq against llm-compressor: same model, same calibration windows, one evaluation harness.
+"""fp8ptq vs llm-compressor on SmolLM2-135M WikiText-2 / MiniLM SQuAD: one harness, same windows.
 
     python benchmarks/compare_llmcompressor.py smollm2|minilm [--assets ../shared/assets]
         [--out out/recipes] [--schemes FP8,FP8_DYNAMIC,FP8_BLOCK,GPTQ-FP8,GPTQ-FP8_DYNAMIC]
@@ -9,7 +9,7 @@
 
 ``--study`` is the whole head-to-head against llm-compressor's best recipe (GPTQ with
 ``FP8_DYNAMIC``, and ``FP8_BLOCK`` where the widths allow) in one command, each step a run of
-the script that owns it (``STUDY``: the arguments ``docs/results.md``'s sections were generated
+the script that owns it (``STUDY``: the arguments ``docs/results/``'s sections were generated
 with; every row cached, so a stopped study resumes where it stopped):
 
 - ``accuracy``: ``llmc_vs_default.py``, SmolLM2 WikiText, 10 calibration seeds, the default
@@ -54,7 +54,7 @@ Steps:
    process. Wall time is the parent's clock around the child, peak RSS the child's own
    ``ru_maxrss``. ``--prefix /work/bin/cpu-quiet`` runs every quantize child through that
    command (timings taken on a quiet machine).
-3. Evaluation (``benchmarks/recipe_study.py``'s cached rows, one baseline): llm-compressor's
+3. Evaluation (``benchmarks/studies/recipe_study.py``'s cached rows, one baseline): llm-compressor's
    folders are ``fp8ptq eval --compare DIR`` checkpoint variants (transformers loads them with
    their quantization applied: FP8 weights, activations quantized in forward); fp8ptq's rows are
    the same recipes quantized in memory (bit-identical to their written checkpoints, tested).
@@ -78,6 +78,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks/studies"))  # recipe_study's harness, the budgets
 
 import recipe_study as study  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
@@ -197,8 +198,9 @@ def run_study(steps: list[str], assets: str) -> None:
                          + ", ".join(name for name, *_ in STUDY))
     for name, what, script, argv in STUDY:
         if name in steps:
-            print(f"== {name}: {what} (benchmarks/{script}.py)", flush=True)
-            importlib.import_module(script).main([*argv, "--assets", assets])
+            module = importlib.import_module(script)
+            print(f"== {name}: {what} ({Path(module.__file__).relative_to(ROOT)})", flush=True)
+            module.main([*argv, "--assets", assets])
 
 
 def build_venv() -> Path:

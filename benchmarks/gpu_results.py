@@ -1,6 +1,8 @@
-"""Renders the GPU section of docs/results.md from the JSON that ``bench_gpu.py --json`` wrote
-on a CUDA machine and the GPU checks recorded beside it (``benchmarks/data/gpu/``): no model
-runs here. ``python benchmarks/gpu_results.py [--doc docs/results.md]``."""
+"""Renders docs/results/gpu.md's ``gpu`` block from the GPU runs recorded in benchmarks/data/gpu/.
+
+Those are the JSON files ``bench_gpu.py --json`` wrote on a CUDA machine and the GPU checks
+recorded beside them: no model runs here. ``python benchmarks/gpu_results.py [--doc PAGE]``;
+``tests/test_results_page.py`` fails while the page's block differs from what this renders."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
-from results_page import md_table, splice
+from results_page import md_table, page_of, splice
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+DOC = page_of("gpu")
 
 
 def _f(v, fmt: str = ".2f") -> str:

@@ -1,5 +1,6 @@
-"""``fp8ptq quantize`` against llm-compressor's ``oneshot`` on the same job, as wall time of two
-fresh processes (the speed row of ``bench_all.py``).
+"""Wall time of ``fp8ptq quantize`` vs llm-compressor's ``oneshot``, SmolLM2-135M, same job.
+
+Two fresh processes (the speed row of ``bench_all.py``).
 
 The job: SmolLM2-135M as a Hugging Face folder, e4m3 per-channel weights rounded to
 nearest (``--weight-calib max``: llm-compressor's ``QuantizationModifier`` runs no GPTQ), static

@@ -1,9 +1,12 @@
-"""fp8ptq's default recipe against llm-compressor's GPTQ ``FP8_DYNAMIC``: same model, same tokens.
+"""fp8ptq's default vs llm-compressor's GPTQ FP8_DYNAMIC, SmolLM2 / MiniLM, over seeds.
+
+Same model, same tokens; paired differences per seed.
 
     python benchmarks/llmc_vs_default.py [smollm2|minilm] [--schemes FP8_DYNAMIC,FP8_BLOCK]
         [--seeds 0,1,2] [--num-samples 64] [--articles 5] [--questions 3335]
         [--threads 2] [--steps quantize,eval,report] [--tools fp8ptq,llmc]
-        [--variant NAME=FLAGS ...] [--out out/llmc-vs-default] [--doc docs/results.md]
+        [--variant NAME=FLAGS ...] [--out out/llmc-vs-default]
+        [--doc docs/results/llm-compressor.md]
         [--llmc-python ~/.cache/fp8ptq-bench/llmc-venv/bin/python] [--assets ../shared/assets]
 
 Installs nothing: llm-compressor is run with ``--llmc-python`` (by default the venv that
@@ -31,7 +34,7 @@ Per calibration seed:
    ``--variant NAME=FLAGS`` adds fp8ptq rows with extra quantize flags (one factor at a time)
    at the first seed, ``--variant NAME@0,1,2=FLAGS`` at those seeds (then also pooled).
 3. Evaluation: one harness for every folder, ``fp8ptq eval --compare DIR``'s
-   (``benchmarks/recipe_study.py``'s cached rows): WikiText-2 test, first ``--articles``
+   (``benchmarks/studies/recipe_study.py``'s cached rows): WikiText-2 test, first ``--articles``
    articles, context 2048, word perplexity (MiniLM: the held-out SQuAD v1.1 split, first
    ``--questions`` questions, F1), both checkpoints loaded as checkpoints (fp8ptq's
    through its fp8ptq.json, llm-compressor's as transformers serves it, activation
@@ -62,6 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks/studies"))  # recipe_study's harness
 
 import compare_llmcompressor as cl  # noqa: E402
 from recipe_study import MODELS, records_from_json, records_to_json, run_one  # noqa: E402

@@ -1,7 +1,7 @@
 """GPTQ for fused MoE experts against round to nearest (and llm-compressor's GPTQ).
 
     python benchmarks/moe_gptq.py [--archs mixtral,qwen3_moe] [--llmc] [--out out/moe-gptq]
-        [--doc docs/results.md]
+        [--doc docs/results/llm-compressor.md]
 
 Models: transformers' ``MixtralConfig`` / ``Qwen3MoeConfig`` made small (2 layers, hidden 128, 8
 experts of width 64, top-2, vocabulary 512), random weights (seed 0). Tokens: random ids, 32
@@ -51,7 +51,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_llmcompressor import VENV, llmc_version  # noqa: E402
-from results_page import md_table, splice  # noqa: E402
+from results_page import md_table, page_of, splice  # noqa: E402
 
 from fp8ptq.algorithms.gptq.experts import expert_output_errors  # noqa: E402
 from fp8ptq.config.recipe import Recipe  # noqa: E402
@@ -104,8 +104,9 @@ GATE, UP, DOWN = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 INTRO = """## GPTQ for MoE experts
 
 Fused 3-D experts swept by GPTQ expert by expert in sequential GPTQ's order
-([recipes](recipes.md#gptq-for-moe-experts)), against round to nearest (RTN) with the same scales,
-and llm-compressor's GPTQ (its linearized experts) on the same model and calibration windows.
+([recipes](../recipes.md#gptq-for-moe-experts)), against round to nearest (RTN) with the same
+scales, and llm-compressor's GPTQ (its linearized experts) on the same model and calibration
+windows.
 Transformers' Mixtral and Qwen3-MoE configurations made small, random weights, random token
 ids: an error ratio below 1 is GPTQ's gain on held-out tokens; whether it carries over to a
 trained model's perplexity is not measured here. `weights`: each expert's output with its
@@ -251,7 +252,7 @@ def main(argv=None) -> None:
     ap.add_argument("--archs", default="mixtral,qwen3_moe")
     ap.add_argument("--llmc", action="store_true", help="llm-compressor's GPTQ side by side")
     ap.add_argument("--out", default=str(ROOT / "out/moe-gptq"))
-    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
+    ap.add_argument("--doc", default=str(page_of("moe-gptq")))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -1,4 +1,6 @@
-"""Regenerate docs/results.md: every number comes from the fp8ptq CLI on the offline assets.
+"""Reruns the paper analogues (SmolLM2-135M, MiniLM, digits CNN) into docs/results/accuracy.md.
+
+Every number comes from the fp8ptq CLI on the offline assets; the page's marked blocks are kept.
 
     python benchmarks/reproduce.py [--assets ../shared/assets] [--out out/results]
         [--only NAME[,NAME]] [--quick]
@@ -91,7 +93,7 @@ def experiments(s: Setup) -> list[Experiment]:
         exps.append(Experiment(f"fig2_bias_sweep{'_residual' if residual else ''}", [
             "eval", s.smollm2, *s.wikitext(1), "--compare", biases, "--act-calib", "cast",
             "--weight-calib", "cast", *s.calib, *(["--quantize-residual"] if residual else [])]))
-    exps.append(Experiment("table1_digits_cnn", [str(ROOT / "benchmarks/digits_cnn.py")]))
+    exps.append(Experiment("table1_digits_cnn", [str(ROOT / "benchmarks/studies/digits_cnn.py")]))
     exps.append(Experiment("sensitivity", [
         "sensitivity", s.smollm2, "--format", "e4m3", "--granularity-level", "block",
         "--calib-data", str(s.assets / "calib/wiki-paragraphs.txt"), "--num-samples", "8",
@@ -129,7 +131,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated experiment names")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rerun", action="store_true")
-    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
+    ap.add_argument("--doc", default=str(ROOT / "docs/results/accuracy.md"))
     args = ap.parse_args()
     s = Setup(Path(args.assets).resolve(), Path(args.out).resolve(), args.quick)
     s.out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +151,7 @@ def main() -> None:
     doc = Path(args.doc)
     old = doc.read_text() if doc.exists() else ""
     page = render({e.name: e for e in every}, s, plt)
-    for name, block in kept_blocks(old).items():  # recipe_table.py's, calib_size_study.py's
+    for name, block in kept_blocks(old).items():  # written by hand or by other scripts
         page = splice(page, block, name)
     doc.write_text(page)
     print(f"wrote {args.doc}")

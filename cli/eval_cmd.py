@@ -43,7 +43,7 @@ from fp8ptq.evals.compare import (  # noqa: F401
 from fp8ptq.evals.evaluate import prepare
 from fp8ptq.evals.report import check_gates, parse_gate, render_table, to_markdown
 from fp8ptq.execution.quantize import calib_facts
-from fp8ptq.io.atomic import check_writable, write_file
+from fp8ptq.files.atomic import check_writable, write_file
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.runtime.usage import time_line, usage
 
@@ -119,9 +119,10 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     task_list = _split(tasks)
     data = _parse_data(data_items)
     model_meta = checkpoint_meta(model)
-    if model_meta is not None and flags["recipe_path"] is None:
+    implied = model_meta is not None and flags["recipe_path"] is None
+    if implied:
         flags["recipe_path"] = model  # quantize --compare formats the way MODEL was made
-    recipe = build_recipe(flags)
+    recipe = build_recipe(flags, model=model, flags_only=implied)
     if update_card and model_meta is None:
         raise UsageError("--update-card needs MODEL to be an fp8ptq checkpoint folder")
     request = prepare(model, task_list, _split(compare), recipe=recipe, data=data, limit=limit,

@@ -20,7 +20,7 @@ import click
 
 from fp8ptq import __version__
 from fp8ptq.errors import Fp8ptqError, first_line
-from fp8ptq.execution import distributed
+from fp8ptq.observe import distributed
 from fp8ptq.runtime.usage import bound_heap
 
 from .help_format import EXAMPLE_MODEL, SCREEN_COLUMNS, example
@@ -136,11 +136,21 @@ class Fp8ptqGroup(click.Group):
         except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback with --debug
             if debug:
                 raise
+            if type(e).__name__ == "OutOfMemoryError":  # torch's (not imported here: --help)
+                _fail(out_of_memory_line(e), 1)
             _fail(f"internal error: {type(e).__name__}: {first_line(e)} (run with --debug "
                   "for the traceback and please report it)", 1)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def out_of_memory_line(e: Exception) -> str:
+    """A CUDA out-of-memory error as one line: what ran out and how to give the run a GPU
+    budget it can keep (quantize then works one block at a time on the GPU)."""
+    return (f"the GPU ran out of memory ({first_line(e)[:160]}); give the run a GPU budget "
+            "below what is free, e.g. --max-memory 0=20GiB (quantize then works one block at "
+            "a time on the GPU), or a smaller --batch-size")
 
 
 def _os_error_line(e: OSError) -> str:

@@ -7,10 +7,11 @@ import typing
 
 import click
 
-from fp8ptq.config.recipe import Recipe, flag_spec, moot_options
+from fp8ptq.config.moot import moot_options
+from fp8ptq.config.recipe import Recipe, flag_spec
 from fp8ptq.errors import UsageError
-from fp8ptq.execution.placement import parse_placement
 from fp8ptq.io.loading import is_torch_module_file, source_note
+from fp8ptq.io.placement import parse_placement
 
 
 def _opt(*decls: str, **attrs):
@@ -111,7 +112,7 @@ def recipe_options(f=None, *, flag_names: dict[str, str] | None = None,
 
 def loading_options(f):
     """How a model is loaded: ``--device-map``, ``--max-memory``, ``--offload-folder`` (handed to
-    accelerate, see ``fp8ptq.execution.placement``), ``--trust-pickle`` and
+    accelerate, see ``fp8ptq.io.placement``), ``--trust-pickle`` and
     ``--trust-remote-code``; the
     command reads them with ``loading_from``."""
     options = [
@@ -126,8 +127,9 @@ def loading_options(f):
                      help="accelerate device map: auto|balanced|balanced_low_0|sequential, a "
                           "JSON object {module: device} ('disk' offloads) or a .json file."),
         click.option("--max-memory", default=None,
-                     help="Memory per device for the device map: SIZE (CPU) or "
-                          "DEVICE=SIZE[,...], e.g. 0=20GiB,cpu=64GiB (needs --device-map)."),
+                     help="Memory budget: SIZE (the host) or DEVICE=SIZE[,...], e.g. "
+                          "0=20GiB,cpu=64GiB (GPU 0 and the host); with --device-map, "
+                          "accelerate's limits per device."),
         click.option("--offload-folder", type=click.Path(), default=None,
                      help="Where disk-offloaded weights go [a temporary folder]."),
     ]
@@ -205,10 +207,13 @@ def _value(param: str, value):
 
 
 def build_recipe(kwargs: dict, *, model: str | None = None,
-                 recipe_type: type[Recipe] = Recipe, **extra) -> Recipe:
+                 recipe_type: type[Recipe] = Recipe, flags_only: bool = False,
+                 **extra) -> Recipe:
     """Recipe file (if any) < flags given on the command line. Pops the recipe flags. With
     ``model``, the options the resolved recipe makes moot are named in one ``warning:`` line
-    (refused where the command line contradicts itself, ``check_moot``)."""
+    (refused where the command line contradicts itself, ``check_moot``); what every command
+    taking recipe flags (quantize, eval, sensitivity) passes. ``flags_only``: name only the
+    flags given, not what the recipe file says (eval's file is the checkpoint's own, unasked)."""
     path = kwargs.pop("recipe_path", None)
     base = recipe_type.load(path) if path else recipe_type()
     field_of = FIELD_OF if recipe_type is Recipe else _field_of(recipe_type)
@@ -217,15 +222,18 @@ def build_recipe(kwargs: dict, *, model: str | None = None,
     recipe = base.merged(**flags)
     if model is not None:
         check_moot(recipe, {k for k, v in flags.items() if v is not None},
-                   convolutions=is_torch_module_file(model))
+                   convolutions=is_torch_module_file(model), flags_only=flags_only)
     return recipe
 
 
-def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False):
-    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot; a
-    ``UsageError`` where the command line names both a moot option and what makes it moot
-    (``--act-granularity token --act-calib mse``): that can only be a mistake."""
-    moot = moot_options(recipe, convolutions=convolutions)
+def check_moot(recipe: Recipe, on_command_line: set[str], *, convolutions: bool = False,
+               flags_only: bool = False):
+    """One ``warning:`` line (stderr) naming every option ``recipe`` makes moot (``flags_only``:
+    every one given on the command line); a ``UsageError`` where the command line names both a
+    moot option and what makes it moot (``--act-granularity token --act-calib mse``): that can
+    only be a mistake."""
+    moot = [m for m in moot_options(recipe, convolutions=convolutions)
+            if not flags_only or m.field in on_command_line]
     mistakes = [m for m in moot if m.field in on_command_line
                 and on_command_line.intersection(m.causes)]
     if mistakes:

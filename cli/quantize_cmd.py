@@ -6,10 +6,11 @@ import json
 
 import click
 
-from fp8ptq.execution import distributed, strategy
+from fp8ptq.execution.budget import parse_budget
 from fp8ptq.execution.quantize import quantize, target_request
 from fp8ptq.formats import get_format
 from fp8ptq.io.loading import check_model_spec
+from fp8ptq.observe import distributed
 
 from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
@@ -72,11 +73,10 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
             target_verify_tokens, target_metric, **flags):
     """Calibrate MODEL (hub id, local folder, .gguf, or a torch-saved .pt CNN) and write an FP8
     checkpoint to OUTPUT. Under torchrun, calibration is data-parallel and rank 0 writes."""
-    budget = None  # a plain --max-memory SIZE: the process's budget (accelerate's CPU budget
-    if flags.get("device_map") is None:  # with --device-map, as on eval and sensitivity)
-        budget = strategy.process_budget(flags.get("max_memory"))
-        if budget is not None:
-            flags["max_memory"] = None
+    budget = None  # --max-memory without --device-map: the run's budget, host and GPU
+    if flags.get("device_map") is None:  # (with it: accelerate's, as on eval and sensitivity)
+        budget = parse_budget(flags.get("max_memory"), device)
+        flags["max_memory"] = None
     load_options = loading_from(flags)
     recipe = build_recipe(flags, model=model, format=get_format(fmt).name if fmt else None)
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,

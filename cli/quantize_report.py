@@ -62,9 +62,25 @@ def print_report(report: dict, console: Console | None = None) -> None:
                       f"({s['checkpoint_bytes'] / s['original_bytes']:.2f}x)")
     if report.get("path"):
         console.print(f"path: {report['path']} ({report['path_reason']})", highlight=False)
+    if report.get("predicted_gpu_mb") is not None or report.get("predicted_rss_mb") is not None:
+        console.print(memory_line(report), highlight=False)
     # calibrate+quantize is the sum of the pipeline stages listed beside it
     stages = {k: v for k, v in report["seconds"].items() if k != "calibrate+quantize"}
     console.print(f"{time_line(stages, always=('load', 'write'))} -> {report['output']}")
+
+
+def memory_line(report: dict) -> str:
+    """``memory: GPU 5210 MiB measured / 5480 predicted, host ...``: the chosen path's
+    predicted peaks beside the measured ones (budgets sized from the prediction)."""
+    out = []
+    for name, key in (("GPU", "gpu"), ("host", "rss")):
+        predicted = report.get(f"predicted_{key}_mb")
+        if predicted is None:
+            continue
+        measured = report.get(f"peak_{key}_mb")
+        got = "-" if measured is None else f"{measured:.0f}"
+        out.append(f"{name} {got} MiB measured / {predicted:.0f} predicted")
+    return "memory: " + ", ".join(out)
 
 
 def smoothquant_line(sq: dict) -> str:

@@ -16,12 +16,12 @@ from fp8ptq import sensitivity as sens
 from fp8ptq.errors import UsageError
 from fp8ptq.execution import strategy
 from fp8ptq.execution.quantize import calib_facts
+from fp8ptq.execution.sensitivity_job import run_sensitivity
+from fp8ptq.files.atomic import check_writable, write_text
 from fp8ptq.formats import get_format
-from fp8ptq.io.atomic import check_writable, write_text
 from fp8ptq.io.loading import check_model_spec
 from fp8ptq.numbers import fmt_num
 from fp8ptq.runtime.usage import time_line, usage
-from fp8ptq.sensitivity.job import run_sensitivity
 
 from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
@@ -104,7 +104,7 @@ def command(model, fmt, stat_formats, level, metric, eval_data, eval_tokens, eva
     note_source(model)
     formats = _format_list(fmt, "--format")
     stat_formats = _format_list(stat_formats, "--formats")
-    recipe = build_recipe(flags, format=formats[0])
+    recipe = build_recipe(flags, model=model, format=formats[0])
     for name, value in (("--top", top), ("--eval-batch-size", eval_batch_size)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")

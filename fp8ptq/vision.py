@@ -8,7 +8,6 @@ seconds on a CPU.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch
 from torch import nn
 
 from .errors import DataError, UsageError
-from .execution.in_memory import quantize_model
 
 TEST_FRACTION = 0.2
 BUILTIN_ARCHITECTURE = "digits-cnn"  # TinyMobileNet
@@ -251,13 +249,3 @@ def relative_output_error(logits: torch.Tensor, reference: torch.Tensor) -> floa
     """E||Z - Z_ref||^2 / E||Z_ref||^2: the quantization error at the model output."""
     return float((logits - reference).pow(2).mean() / reference.pow(2).mean())
 
-
-def quantize_and_score(model: nn.Module, recipe, batches, images: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[float, float, object]:
-    """Quantize a copy of ``model`` per ``recipe`` (calibrating on ``batches``) and score it on
-    ``images``: (top-1 accuracy, ``relative_output_error`` against ``model``, QuantizeResult)."""
-    quantized = copy.deepcopy(model)
-    result = quantize_model(quantized, recipe, batches)
-    logits = predict(quantized, images)
-    return (float((logits.argmax(-1) == labels).float().mean()),
-            relative_output_error(logits, predict(model, images)), result)

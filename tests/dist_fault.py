@@ -14,8 +14,9 @@ import os
 from fp8ptq.checkpoint.writer import CheckpointWriter
 from fp8ptq.cli.main import main
 from fp8ptq.errors import NumericsError
-from fp8ptq.execution import in_memory, streaming
-from fp8ptq.io import atomic
+from fp8ptq.execution import streaming
+from fp8ptq.files import atomic
+from fp8ptq.steps import calibrate
 
 FAULT = os.environ.get("FP8PTQ_TEST_FAULT", "calibrate")
 RANK = os.environ.get("RANK")
@@ -41,7 +42,7 @@ def _forbidden(what: str):
 
 
 if FAULT == "calibrate" and RANK == "1":
-    in_memory.run_batch = _nth_call_fails(in_memory.run_batch, 1, "injected failure on this rank")
+    calibrate.run_batch = _nth_call_fails(calibrate.run_batch, 1, "injected failure on this rank")
 elif FAULT == "propagate" and RANK == "1":
     streaming.run_block = _nth_call_fails(streaming.run_block, 2,
                                            "injected failure on this rank")

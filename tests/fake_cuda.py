@@ -15,14 +15,50 @@ assert that no sync happens per column or per token.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 from fp8ptq.runtime import native
 
 CUDA = torch.device("cuda", 0)
+
+
+class FakeGpuMemory:
+    """What a CUDA allocator would hold in the fake mode: the bytes of every live storage of a
+    fake ``cuda`` tensor (views and parameters share their storage's count), and their peak
+    since ``reset_peak``. A storage is counted from the op that made it until its last
+    reference dies (torch keeps one Python object per storage, so a weak reference to it
+    lives exactly as long as the storage), as ``torch.cuda.memory_allocated`` counts it
+    without the caching allocator's rounding."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.peak = 0
+        self._live: set[int] = set()
+
+    def track(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return
+        n = storage.nbytes()
+        self._live.add(key)
+        self.bytes += n
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(storage, self._drop, key, n)
+
+    def _drop(self, key: int, n: int) -> None:
+        self._live.discard(key)
+        self.bytes -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.bytes
 
 
 class CountingFakeMode(FakeTensorMode):
@@ -35,13 +71,17 @@ class CountingFakeMode(FakeTensorMode):
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
         self.syncs = 0
+        self.gpu = FakeGpuMemory()
         self._saved: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.equal.default:  # torch.equal: a bool read back to the host
             self.syncs += 1
             return True
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in tree_leaves(out):
+            self.gpu.track(t)
+        return out
 
     @staticmethod
     def _neutral(t: torch.Tensor):

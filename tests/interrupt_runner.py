@@ -10,7 +10,8 @@ import sys
 import safetensors.torch
 
 from fp8ptq.cli.main import main
-from fp8ptq.execution import in_memory, job
+from fp8ptq.execution import job
+from fp8ptq.steps import calibrate
 
 PHASE, SIGNUM = sys.argv[1], int(sys.argv[2])
 
@@ -28,13 +29,13 @@ if PHASE == "load":
 
     job.load = load
 elif PHASE == "calibrate":
-    _run = in_memory.run_batch
+    _run = calibrate.run_batch
 
     def run_batch(model, batch, **kwargs):
         _signal()
         return _run(model, batch, **kwargs)
 
-    in_memory.run_batch = run_batch
+    calibrate.run_batch = run_batch
 else:  # write: the temporary output folder exists by now
     _save = safetensors.torch.save_file
 

@@ -1,4 +1,5 @@
-"""fp8ptq.io.atomic: every output appears complete or not at all (one mechanism for all writers)."""
+"""fp8ptq.files.atomic: every output appears complete or not at all (one mechanism for all
+writers)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from fp8ptq.errors import Fp8ptqError, UsageError
-from fp8ptq.io.atomic import (
+from fp8ptq.files.atomic import (
     atomic_dir,
     atomic_file,
     check_writable,
@@ -157,7 +158,7 @@ def test_stale_temporaries_of_dead_runs_are_removed(tmp_path):
 # runners, `cmd &`) inherits SIGINT as ignored, and then Python installs no KeyboardInterrupt.
 WRITER = """
 import signal, sys, time
-from fp8ptq.io.atomic import atomic_dir
+from fp8ptq.files.atomic import atomic_dir
 signal.signal(signal.SIGINT, signal.default_int_handler)
 with atomic_dir(sys.argv[1]) as tmp:
     (tmp / "half.bin").write_bytes(b"x" * 1000)

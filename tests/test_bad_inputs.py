@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import fp8ptq
@@ -349,7 +350,8 @@ CASES = {
     "unknown-model-type": (model_case(unknown_model_type), 2, "cannot load model"),
     "truncated-safetensors": (model_case(truncated_weights), 2, "corrupt or truncated"),
     "broken-tokenizer": (model_case(broken_tokenizer), 2, "tokenizer"),
-    "truncated-gguf": (model_case(truncated_gguf), 2, "not a valid GGUF file"),
+    "truncated-gguf": (model_case(truncated_gguf), 2, "t.gguf: it ends at byte 100,000, inside "
+                       "its header"),
     "text-gguf": (model_case(text_gguf), 2, "not a valid GGUF file"),
     "garbage-pt": (model_case(garbage_pt), 2, "cannot load model"),
     "hostile-pt": (model_case(hostile_pt), 2, "--trust-pickle"),
@@ -381,8 +383,10 @@ CASES = {
     "bad-device-map": (flags_case("--device-map", "everywhere"), 2, "--device-map"),
     "bad-max-memory": (flags_case("--device-map", "auto", "--max-memory", "lots"), 2,
                        "--max-memory"),
-    "max-memory-devices-alone": (flags_case("--max-memory", "0=20GiB,cpu=64GiB"), 2,
-                                 "needs --device-map"),
+    "max-memory-gpu-on-cpu": (flags_case("--max-memory", "0=20GiB,cpu=64GiB"), 2,
+                              "GPU budget but the run is on the CPU"),
+    "max-memory-other-gpu": (flags_case("--max-memory", "1=20GiB", "--device", "cuda"), 2,
+                             "--device cuda requested"),
     "max-memory-bad-size": (flags_case("--max-memory", "4 bananas"), 2, "--max-memory"),
     "eval-max-memory-alone": (flags_case("--max-memory", "4GB", command="eval"), 2,
                               "needs --device-map"),
@@ -573,11 +577,19 @@ def test_python_load_validates_before_building(A, tmp_path):
         fp8ptq.load(ck)
 
 
-def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch):
+# what a full disk raises: an OSError from Python's own writes; safetensors' save_file raises
+# its SafetensorError with this message (seen writing to a full 64 KiB tmpfs, safetensors 0.8)
+DISK_FULL = {"oserror": lambda: OSError(errno.ENOSPC, "No space left on device"),
+             "safetensors": lambda: SafetensorError(
+                 "Error while serializing: I/O error: No space left on device (os error 28)")}
+
+
+@pytest.mark.parametrize("raised", DISK_FULL)
+def test_disk_full_is_one_line_and_leaves_nothing(A, tmp_path, monkeypatch, raised):
     import safetensors.torch
 
     def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise DISK_FULL[raised]()
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     res = invoke(["quantize", str(A / "llama"), "-o", str(tmp_path / "out"),
@@ -625,7 +637,7 @@ def test_quiet_by_default(A, tmp_path):
 
 
 def test_stale_temporary_of_a_killed_run_is_removed(A, tmp_path):
-    from fp8ptq.io.atomic import remove_stale_temporaries
+    from fp8ptq.files.atomic import remove_stale_temporaries
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
@@ -695,7 +707,7 @@ def test_recipe_files_never_traceback(text):
 def test_gate_override_and_placement_parsers_never_traceback(text):
     from fp8ptq.cli.options import parse_overrides
     from fp8ptq.evals.report import parse_gate
-    from fp8ptq.execution.placement import parse_device_map, parse_max_memory
+    from fp8ptq.io.placement import parse_device_map, parse_max_memory
 
     for parse in (lambda: parse_gate(text, ["wikitext.word_perplexity", "squad.f1"]),
                   lambda: parse_overrides([text]), lambda: parse_max_memory(text),

@@ -9,7 +9,8 @@ accuracy margins loose. Measured with e4m0fn (1-4-0, scale 1) over training seed
 machine: the direct cast lost 0.10-0.21 accuracy; BN re-tuning won back 0.025-0.19 and cut the
 output error to 0.51-0.65x; keeping depthwise convolutions won back 0.04-0.15; both together
 0.06-0.21 with the lowest output error. With e5m2 the accuracy stayed within 0.011 of fp32 while
-re-tuning cut the output error to 0.53-0.76x (benchmarks/digits_cnn.py gives the full table).
+re-tuning cut the output error to 0.53-0.76x (benchmarks/studies/digits_cnn.py gives the full
+table).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fp8ptq.checkpoint import save_quantized
 from fp8ptq.checkpoint.skeleton import SKELETON_NAME
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.evals.vision import quantize_and_score
 from fp8ptq.execution import job
 from fp8ptq.execution.in_memory import plan_targets, quantize_model
 from fp8ptq.vision import (
@@ -37,7 +39,6 @@ from fp8ptq.vision import (
     image_batches,
     load_digits_data,
     predict,
-    quantize_and_score,
     train_digits_cnn,
 )
 from tiny_models import invoke

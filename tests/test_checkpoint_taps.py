@@ -20,7 +20,7 @@ from fp8ptq.checkpoint.layouts.compressed_tensors import _cached_attention
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import Fp8ptqError, NumericsError
 from fp8ptq.execution.in_memory import quantize_model, token_batches
-from fp8ptq.observe.taps import ATTN_IMPLEMENTATION, kv_scales_from_report
+from fp8ptq.taps.taps import ATTN_IMPLEMENTATION, kv_scales_from_report
 from tiny_models import IDS, run, tiny
 
 transformers = pytest.importorskip("transformers")

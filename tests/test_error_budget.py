@@ -1,6 +1,6 @@
-"""``benchmarks/error_budget.py``'s switches on a tiny Llama: each setting changes exactly what
-it names (the weights, the inputs' per-token e4m3 rounding, the first position), and removing
-them leaves the float model."""
+"""``benchmarks/studies/error_budget.py``'s switches on a tiny Llama: each setting changes
+exactly what it names (the weights, the inputs' per-token e4m3 rounding, the first position),
+and removing them leaves the float model."""
 
 import sys
 from pathlib import Path
@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks/studies"))
 import error_budget as eb  # noqa: E402
 
 from tiny_models import IDS, tiny  # noqa: E402

@@ -88,6 +88,26 @@ def test_incomplete_gguf_is_refused(gguf_file, tmp_path, monkeypatch):
     assert not (tmp_path / "conv").exists() and list(tmp_path.iterdir()) == [tmp_path / "src"]
 
 
+@pytest.mark.parametrize("inside", ["header", "tensor"])
+def test_truncated_gguf_is_one_line_naming_what_is_missing(gguf_file, tmp_path, inside):
+    """A GGUF cut short (an interrupted download): one ``error:`` line naming the file, where it
+    ends and what it ends inside (the header, or the tensor whose data is cut), not numpy's
+    wording of a short read; exit 2."""
+    whole = gguf_file.read_bytes()
+    tensor = gguf.GGUFReader(str(gguf_file)).tensors[4]
+    cut = 1000 if inside == "header" else tensor.data_offset + tensor.n_bytes // 2
+    short = tmp_path / "short.gguf"
+    short.write_bytes(whole[:cut])
+    res = invoke(["quantize", str(short), "-o", str(tmp_path / "out")])
+    where = ("its header (metadata and tensor index)" if inside == "header" else
+             f"tensor {tensor.name} (whose data ends at byte "
+             f"{tensor.data_offset + tensor.n_bytes:,})")
+    assert res.exit_code == 2, res.output
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("error:")] == [
+        f"error: truncated GGUF file {short}: it ends at byte {cut:,}, inside {where}"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_moe_expert_widths_come_from_the_file(tmp_path, monkeypatch):
     """transformers' GGUF config mapping reads neither expert width of a Qwen2-MoE, so every
     such model but the one whose widths are the config defaults would get wrong shapes: the

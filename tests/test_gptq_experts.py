@@ -68,8 +68,8 @@ def test_gptq_lowers_every_experts_held_out_output_error(arch, all_tokens):
     every token's (``gptq_all_experts``, another input distribution than the expert's own) the
     layer's summed error is (one Qwen3-MoE expert here is 1.6% above round to nearest).
     Weight-only, so that the error is the weights' alone, what GPTQ minimises (the default
-    recipe's dynamic input rounding adds noise to both: docs/results.md, "GPTQ for MoE
-    experts", has both)."""
+    recipe's dynamic input rounding adds noise to both: docs/results/llm-compressor.md,
+    "GPTQ for MoE experts", has both)."""
     float_model = tiny(arch)
     held = experts_inputs(float_model, HELD_OUT)
     floats = {n: copy.deepcopy(m) for n, m, _ in find_experts(float_model)}

@@ -1,8 +1,12 @@
 """No import cycles in the package: the graph of top-level imports (read from the source, not by
-importing) must be acyclic, and no fp8ptq module imports another inside a function (the way
-cycles used to be dodged)."""
+importing) must be acyclic, so must the graph of the folders it makes (each subpackage, the
+mapped ``calibrators`` / ``cli`` / ``evals`` included, and each top-level module, one node: the
+folders form layers: docs/design.md's table gives each its layer, and every import across
+folders points to a lower one), no fp8ptq module imports another inside a
+function (the way cycles used to be dodged), and no module is over 450 lines."""
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -123,6 +127,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def folder(module: str, modules) -> str:
+    """The node of ``module`` in the folder graph: its subpackage of ``fp8ptq`` (``fp8ptq.io``,
+    ``fp8ptq.cli``), or the module itself where it sits at the top (``fp8ptq.errors``)."""
+    top = ".".join(module.split(".")[:2])
+    return top if top != module or _is_package(top, modules) else module
+
+
+def folder_graph(graph: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Which folder imports which: an edge for every module-level import across folders."""
+    modules = package_modules()
+    out: dict[str, set[str]] = {}
+    for name, targets in (import_graph() if graph is None else graph).items():
+        here = folder(name, modules)
+        out.setdefault(here, set()).update(
+            t for t in (folder(t, modules) for t in targets) if t != here)
+    return out
+
+
 def test_the_graph_sees_every_module_and_its_imports():
     graph = import_graph()
     assert {"fp8ptq.config.plan", "fp8ptq.calibrators.registry", "fp8ptq.cli.eval_cmd",
@@ -138,6 +160,52 @@ def test_cycle_finder_finds_a_planted_cycle():
 
 def test_no_import_cycles_in_the_package():
     assert cycles(import_graph()) == []
+
+
+def test_folders_are_nodes_of_the_folder_graph():
+    graph = folder_graph()
+    assert {"fp8ptq.io", "fp8ptq.calibrators", "fp8ptq.cli", "fp8ptq.evals", "fp8ptq.errors",
+            "fp8ptq.algorithms"} <= set(graph)
+    assert "fp8ptq.algorithms.gptq" not in graph  # a sub-folder belongs to its folder
+    assert "fp8ptq.formats" in graph["fp8ptq.calibrators"]
+
+
+def test_folder_graph_finds_a_cycle_through_two_modules_of_each_folder():
+    """Acyclic modules can still make cyclic folders: a.x -> b.y and b.z -> a.w."""
+    modules = {"fp8ptq.model.x": {"fp8ptq.io.y"}, "fp8ptq.io.z": {"fp8ptq.model.w"},
+               "fp8ptq.model.w": set(), "fp8ptq.io.y": set()}
+    assert cycles(modules) == []
+    assert cycles(folder_graph(modules)) == [["fp8ptq.io", "fp8ptq.model"]]
+
+
+def test_no_import_cycles_between_folders():
+    """Folders form layers: a folder imports only folders below it (docs/design.md)."""
+    assert cycles(folder_graph()) == []
+
+
+def design_layers() -> dict[str, int]:
+    """Folder -> layer, from the folder table of docs/design.md (``| 3 | `fp8ptq/nn/` | ...``)."""
+    rows = re.findall(r"^\| (\d+) \| `([\w/]+)/` \|", (ROOT / "docs" / "design.md").read_text(),
+                      re.MULTILINE)
+    return {"fp8ptq." + path.removeprefix("fp8ptq/").replace("/", "."): int(layer)
+            for layer, path in rows}
+
+
+def test_the_design_doc_draws_the_layers_the_imports_keep():
+    """Every folder is in docs/design.md's table, and imports only folders of lower layers."""
+    layers, graph = design_layers(), folder_graph()
+    folders = {f for f in graph if _is_package(f, package_modules()) and f != "fp8ptq"}
+    assert folders == set(layers)
+    upward = sorted(f"{a} ({layers[a]}) -> {b} ({layers[b]})" for a in folders
+                    for b in graph[a] if b in layers and layers[b] >= layers[a])
+    assert upward == []
+
+
+def test_no_module_over_450_lines():
+    """A module that grows is split by job (docs/design.md)."""
+    long = {name: n for name, path in package_modules().items()
+            if (n := len(path.read_text().splitlines())) > 450}
+    assert long == {}
 
 
 def test_no_function_local_imports_of_package_modules():

@@ -79,7 +79,7 @@ def test_reload_quantizes_k_and_v(checkpoints, granularity):
     kv = {k: e for k, e in meta["taps"].items() if e["kind"] == "kv"}
     assert len(kv) == 2 * LAYERS and all(e["granularity"] == granularity for e in kv.values())
     with_kv = run(model, IDS[:2])
-    from fp8ptq.observe.tap_sites import ATTENTION_OWNERS
+    from fp8ptq.taps.tap_sites import ATTENTION_OWNERS
 
     taps = ATTENTION_OWNERS[model.model.layers[0].self_attn][0]
     assert set(taps.stats) == {f"model.layers.{i}.self_attn:{r}" for i in range(LAYERS)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from fp8ptq.config.recipe import Recipe
-from fp8ptq.execution import in_memory
-from fp8ptq.execution.block_inputs import ActivationStore, capture_block_inputs, run_block
-from fp8ptq.execution.in_memory import collect_stats, plan_targets
 from fp8ptq.model import forward
+from fp8ptq.model.block_inputs import ActivationStore, capture_block_inputs, run_block
 from fp8ptq.model.forward import micro_batch_spans, micro_batches, token_batches
 from fp8ptq.runtime import usage
+from fp8ptq.steps import calibrate
+from fp8ptq.steps.calibrate import collect_stats, plan_targets
 from tiny_models import IDS, tiny
 
 
@@ -125,7 +125,7 @@ def test_statistics_equal_whole_batches_bit_for_bit(arch, dtype, monkeypatch):
     batches = list(token_batches(IDS, 4))
     runs = []
     real = forward.run_batch
-    monkeypatch.setattr(in_memory, "run_batch",
+    monkeypatch.setattr(calibrate, "run_batch",
                         lambda m, b, **kw: runs.append(b["input_ids"].shape[0]) or
                         real(m, b, **kw))
     whole, whole_rows = _stats(model, targets, batches, sample_batches=1)
@@ -155,7 +155,7 @@ def test_gptq_hessians_are_collected_from_whole_batches(monkeypatch):
     monkeypatch.setattr(forward, "MICRO_TOKENS", 32)
     runs = []
     real = forward.run_batch
-    monkeypatch.setattr(in_memory, "run_batch",
+    monkeypatch.setattr(calibrate, "run_batch",
                         lambda m, b, **kw: runs.append(b["input_ids"].shape[0]) or
                         real(m, b, **kw))
     hessians = HessianCollector({t.name: t.module for t in targets})
@@ -165,7 +165,7 @@ def test_gptq_hessians_are_collected_from_whole_batches(monkeypatch):
 
 def test_free_memory_is_handed_back_between_batches(monkeypatch):
     calls = []
-    monkeypatch.setattr(in_memory, "release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr(calibrate, "release_free_memory", lambda: calls.append(1))
     model = tiny("llama").eval()
     targets, _ = plan_targets(model, Recipe(format="e4m3", act_granularity="tensor"))
     collect_stats(model, targets, list(token_batches(IDS, 2)))

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from fp8ptq.config.recipe import Recipe, moot_options
+from fp8ptq.config.moot import moot_options
+from fp8ptq.config.recipe import Recipe
 from tiny_models import invoke, saved_llama_with_calib
 
 # recipe fields -> the fields moot under them (the recipe-level table)
@@ -99,3 +100,53 @@ def test_quantize_names_moot_flags_once(src, tmp_path, flags, code, named):
     assert len(warnings) == 1 and all(f in warnings[0] for f in named), res.stderr
     fields = {f.split()[0][2:].replace("-", "_") for f in named}
     assert set(meta["moot_options"]) == fields
+
+
+def _eval(model, calib, out):
+    return ["eval", model, "--tasks", "wikitext", "--data", f"wikitext={calib}", "--compare",
+            "e4m3", "--json", out, "--calib-data", calib, "--allow-calib-overlap",
+            "--num-samples", "2", "--calib-seq-len", "8"]
+
+
+def _sensitivity(model, calib, out):
+    return ["sensitivity", model, "--calib-data", calib, "--metric", "sqnr", "--json", out,
+            *CALIB]
+
+
+# the other commands taking recipe flags: the same warning line, the same refusal
+OTHER_COMMANDS = {"eval": _eval, "sensitivity": _sensitivity}
+
+
+@pytest.mark.parametrize("command", [pytest.param("eval", marks=pytest.mark.slow),  # ~13 s
+                                     "sensitivity"])
+@pytest.mark.parametrize("flags,code,named", [CLI_TABLE[0], CLI_TABLE[1], CLI_TABLE[3]])
+def test_eval_and_sensitivity_name_moot_flags_as_quantize_does(src, tmp_path, command, flags,
+                                                               code, named):
+    model, calib = src
+    res = invoke([*OTHER_COMMANDS[command](model, calib, tmp_path / "r.json"), *flags])
+    assert res.exit_code == code, res.output
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning: options")]
+    if code:
+        error = res.stderr.strip().splitlines()[-1]
+        assert error.startswith("error: ") and all(f in error for f in named), res.stderr
+    elif named:
+        assert len(warnings) == 1 and all(f in warnings[0] for f in named), res.stderr
+    else:
+        assert warnings == [], res.stderr
+
+
+@pytest.mark.slow  # a quantize and two evaluations
+def test_eval_of_a_checkpoint_names_only_the_flags_given(src, tmp_path):
+    """eval of an fp8ptq checkpoint quantizes --compare formats with the checkpoint's own
+    recipe: its moot options were named when it was made; eval names the flags given."""
+    model, calib = src
+    ck = tmp_path / "ck"
+    made = invoke(["quantize", model, "-o", ck, "--calib-data", calib, *CALIB,
+                   "--weight-calib", "max", "--act-calib", "best"])
+    assert made.exit_code == 0 and "--act-calib best" in made.stderr, made.output
+    plain = invoke(_eval(str(ck), calib, tmp_path / "a.json"))
+    assert plain.exit_code == 0 and "warning: options" not in plain.stderr, plain.stderr
+    given = invoke([*_eval(str(ck), calib, tmp_path / "b.json"), "--block-size", "64"])
+    warnings = [ln for ln in given.stderr.splitlines() if ln.startswith("warning: options")]
+    assert given.exit_code == 0 and len(warnings) == 1, given.output
+    assert "--block-size 64" in warnings[0] and "--act-calib" not in warnings[0]

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8ptq.errors import UsageError
-from fp8ptq.execution.placement import Placement, parse_device_map, parse_max_memory
+from fp8ptq.io.placement import Placement, parse_device_map, parse_max_memory
 from tiny_models import invoke, tiny
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "a small model reads a few words of text",
@@ -67,8 +67,8 @@ def test_disk_offloaded_block_quantizes_like_the_in_memory_model(assets, tmp_pat
 
 
 def test_the_map_really_offloads_and_materializing_restores_the_weights(assets):
-    from fp8ptq.execution.placement import has_offload, materialize_offloaded, parse_placement
     from fp8ptq.io.loading import load_model
+    from fp8ptq.io.placement import has_offload, materialize_offloaded, parse_placement
 
     ref = load_model(str(assets / "llama")).model
     loaded = load_model(str(assets / "llama"),

@@ -176,7 +176,7 @@ def test_cli_budget_too_small_for_in_memory_runs_sequential(src, calib, tmp_path
 def test_cli_max_memory_forms(src, calib, tmp_path):
     res = invoke(["quantize", src, "-o", tmp_path / "x", "--max-memory", "0=20GiB,cpu=64GiB"])
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert res.exit_code == 2 and len(errors) == 1 and "needs --device-map" in errors[0]
+    assert res.exit_code == 2 and len(errors) == 1 and "--device cuda" in errors[0]
     res = invoke(["quantize", src, "-o", tmp_path / "x", "--max-memory", "lots"])
     assert res.exit_code == 2 and "--max-memory" in res.stderr
     free = _quantize(src, "-o", tmp_path / "free", "--act-format", "none", "--max-memory", "1GB")

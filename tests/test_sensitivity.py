@@ -8,9 +8,9 @@ import torch
 from fp8ptq import sensitivity as sens
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.execution.in_memory import SAMPLE_BATCHES, collect_stats, plan_targets, token_batches
+from fp8ptq.files.atomic import write_file
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.formats.scales import histogram_sqnr_db, sqnr_db
-from fp8ptq.io.atomic import write_file
 from fp8ptq.model.gemm import weight_2d
 from fp8ptq.nn.quant_gemm import QuantGemm
 from fp8ptq.observe.observers import StatsCollector

@@ -1,13 +1,13 @@
-"""``fp8ptq.sensitivity.job``: the library decides where the analysis runs (the command only
-parses, calls and prints): streamed block by block with ``sequential`` or a budget the model
-does not fit in, refused for a metric that needs the whole model, else in memory."""
+"""``fp8ptq.execution.sensitivity_job``: the library decides where the analysis runs (the
+command only parses, calls and prints): streamed block by block with ``sequential`` or a budget
+the model does not fit in, refused for a metric that needs the whole model, else in memory."""
 
 import pytest
 import torch
 
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
-from fp8ptq.sensitivity.job import run_sensitivity, streamed_selection
+from fp8ptq.execution.sensitivity_job import run_sensitivity, streamed_selection
 from tiny_models import tiny
 
 

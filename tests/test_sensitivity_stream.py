@@ -1,5 +1,5 @@
-"""``--metric sqnr`` streamed block by block (``fp8ptq.sensitivity.stream``): the same module
-statistics and unit measures as the in-memory analysis, at most two blocks resident,
+"""``--metric sqnr`` streamed block by block (``fp8ptq.execution.sensitivity_stream``): the same
+module statistics and unit measures as the in-memory analysis, at most two blocks resident,
 activations spilled under a tiny budget, and what cannot stream refused with the reason."""
 
 import json
@@ -11,7 +11,7 @@ from fp8ptq import sensitivity as sens
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
 from fp8ptq.execution.in_memory import token_batches
-from fp8ptq.sensitivity.stream import analyze_streamed
+from fp8ptq.execution.sensitivity_stream import analyze_streamed
 from tiny_models import invoke, tiny
 
 IDS = torch.randint(2, 128, (6, 24), generator=torch.Generator().manual_seed(7))

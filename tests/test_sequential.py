@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from fp8ptq.config.recipe import Recipe
-from fp8ptq.execution import block_inputs
 from fp8ptq.execution.in_memory import quantize_model, token_batches
 from fp8ptq.execution.streaming import ActivationStore, quantize_sequential
-from fp8ptq.model import forward
+from fp8ptq.model import block_inputs, forward
 from fp8ptq.model.blocks import find_blocks
 from fp8ptq.nn.quant_gemm import QuantGemm
 from tiny_models import invoke, tiny

@@ -1,5 +1,5 @@
-"""``benchmarks/squad_budget.py``'s pieces: every GEMM of a BERT question-answering model has
-exactly one kind, the KL of the answer distributions is zero for the float model's own logits
+"""``benchmarks/studies/squad_budget.py``'s pieces: every GEMM of a BERT question-answering model
+has exactly one kind, the KL of the answer distributions is zero for the float model's own logits
 and grows with the perturbation, padding excluded, the paired interval brackets the mean
 difference, and the whole budget runs on the real MiniLM (slow)."""
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks/studies"))
 import squad_budget as sb  # noqa: E402
 
 from tiny_models import tiny  # noqa: E402

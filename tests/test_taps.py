@@ -1,4 +1,4 @@
-"""Attention-matmul and residual-add taps (``fp8ptq.observe.taps``) on tiny models built from
+"""Attention-matmul and residual-add taps (``fp8ptq.taps.taps``) on tiny models built from
 configs."""
 
 import math
@@ -10,7 +10,7 @@ from torch import nn
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import Fp8ptqError, UsageError
 from fp8ptq.formats import fake_quantize, get_format
-from fp8ptq.observe.taps import ATTN_IMPLEMENTATION, ActivationTaps, fp8ptq_eager_attention
+from fp8ptq.taps.taps import ATTN_IMPLEMENTATION, ActivationTaps, fp8ptq_eager_attention
 from tiny_models import tiny as tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -233,7 +233,7 @@ def test_pipeline_end_to_end():
     assert isinstance(o_proj, QuantGemm) and o_proj._forward_hooks
     assert "model.layers.1.mlp.down_proj:output" in res.extras["taps"]
     assert torch.isfinite(logits(model, {"input_ids": ids})).all()
-    from fp8ptq.observe.taps import kv_scales_from_report
+    from fp8ptq.taps.taps import kv_scales_from_report
 
     kv = kv_scales_from_report(res.extras["taps"])
     assert list(kv) == [f"model.layers.{i}.self_attn" for i in range(2)]

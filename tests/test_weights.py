@@ -8,8 +8,8 @@ import torch
 
 from fp8ptq.errors import DataError
 from fp8ptq.io.source import SafetensorsSource
-from fp8ptq.io.weights import WeightLoader, build_empty, empty_model, load_streaming
-from fp8ptq.model.auto import load_config, model_class
+from fp8ptq.io.weights import WeightLoader, build_empty, empty_model, load_config, load_streaming
+from fp8ptq.model.auto import model_class
 from tiny_models import tiny
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..io.atomic import write_text
+from ..files.atomic import write_text
 from ..model.auto import is_causal_lm_name
 from .layouts import get_layout
 

@@ -16,8 +16,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from ..errors import DataError, Fp8ptqError, UsageError
+from ..files.json_files import read_json
 from ..formats.granularity import weight_granularity
-from ..io.files import read_json
 from ..model.auto import LoadedModel, model_class
 from ..model.experts import experts_info
 from ..model.gemm import kind as gemm_kind

@@ -6,7 +6,7 @@
 device; non-persistent buffers, which no state dict holds, keep their values). The state-dict
 tensors live in ``model.safetensors`` like in every other checkpoint.
 
-Trust: the skeleton is a pickle. It is read like every ``.pt`` file (``fp8ptq.io.safe_pickle``):
+Trust: the skeleton is a pickle. It is read like every ``.pt`` file (``fp8ptq.files.safe_pickle``):
 without running code from the file when it names only torch.nn layers and built-in classes,
 otherwise only with ``trust_pickle`` (``--trust-pickle``). The built-in architecture needs no
 pickle at all.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..errors import DataError, Fp8ptqError, first_line
-from ..io.safe_pickle import load_torch_file
+from ..files.safe_pickle import load_torch_file
 from ..model.gemm import set_submodule
 from ..vision import BUILTIN_ARCHITECTURE, TinyMobileNet
 

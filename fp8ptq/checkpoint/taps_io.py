@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import Fp8ptqError, NumericsError
-from ..observe.taps import ActivationTaps, kv_granularity_from_report, kv_scales_from_report
+from ..taps.taps import ActivationTaps, kv_granularity_from_report, kv_scales_from_report
 
 
 def taps_report(result) -> dict | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..observe.taps import model_taps
+from ..taps.taps import model_taps
 from .reader import load_quantized
 from .runtime_rules import RULES, Rule, Violation, read_checkpoint, served, vllm_linear_scheme
 

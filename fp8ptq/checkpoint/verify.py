@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import DataError, UsageError
+from ..files.json_files import read_json
 from ..formats import FormatSpec, get_format
-from ..io.files import read_json
-from ..observe.taps import kv_scales_from_report
+from ..taps.taps import kv_scales_from_report
 from .expect import SCALE_CHECKS, SCALE_DTYPES, Expect, dtype_name, scale_problem  # noqa: F401 - re-exported
 from .layouts import Layout, get_layout
 from .names import INDEX_NAME, META_NAME, WEIGHTS_NAME

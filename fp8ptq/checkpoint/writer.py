@@ -12,7 +12,7 @@ of ``CheckpointWriter``, the session object that streaming writers use directly:
         ckpt.add_tensors(other_tensors)         # embeddings, final norm, lm_head, ...
         ckpt.close(model, recipe, result=...)   # config.json, fp8ptq.json, card; rename
 
-* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.io.atomic``).
+* ``open`` checks the output up front and makes a temporary sibling (``fp8ptq.files.atomic``).
 * ``add_modules(model_or_block, names, reports, prefix=)`` writes the quantized modules'
   tensors in the layout's form and records their fp8ptq.json entries; ``add_block`` also adds
   the block's other tensors. A model-free writer that holds no module calls ``add_gemm`` /
@@ -39,9 +39,10 @@ from pathlib import Path
 
 from torch import nn
 
-from ..config.recipe import Recipe, moot_options
+from ..config.moot import moot_options
+from ..config.recipe import Recipe
 from ..errors import Fp8ptqError, UsageError
-from ..io.atomic import atomic_dir
+from ..files.atomic import atomic_dir
 from ..model.gemm import CONV_TYPES
 from ..nn.quant_experts import ProjectionQuant, QuantExperts
 from ..nn.quant_gemm import QuantGemm
@@ -340,7 +341,7 @@ class CheckpointWriter:
 
 
 def _moot(recipe, model) -> dict[str, str]:
-    """The recipe fields this run ignored (``fp8ptq.config.recipe.moot_options``): field -> why."""
+    """The recipe fields this run ignored (``fp8ptq.config.moot.moot_options``): field -> why."""
     if not isinstance(recipe, Recipe):
         return {}
     convolutions = any(isinstance(m, CONV_TYPES) for m in model.modules())

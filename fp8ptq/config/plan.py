@@ -202,7 +202,7 @@ class QuantPlan:
     experts: list[ModulePlan]
     skipped: list[str]
     facts: RunFacts
-    taps: TensorPlan | None = None  # attention / residual activations (``fp8ptq.observe.taps``)
+    taps: TensorPlan | None = None  # attention / residual activations (``fp8ptq.taps.taps``)
 
     @property
     def modules(self) -> list[ModulePlan]:

@@ -2,24 +2,22 @@
 
 Recipes load from YAML/JSON (``--recipe``; an ``fp8ptq.json`` works too: its ``recipe`` key is
 used), flags override them, and the merged recipe is recorded in ``fp8ptq.json``.
+Reading a recipe file and checking each value's type: ``recipe_values``; the fields a resolved
+recipe leaves without effect: ``moot``.
 """
 
 from __future__ import annotations
 
-import json
-import types
-import typing
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..calibrators import registry as calibrators
 from ..errors import UsageError
 from ..formats import ROUNDINGS, get_format
 from ..formats.granularity import ACT_GRANULARITIES, WEIGHT_GRANULARITIES
+from .recipe_values import OVERRIDE_KEYS, _check_type, _choice, load_recipe_dict  # noqa: F401 - OVERRIDE_KEYS re-exported
 from .schemes import expand_scheme, scheme_names
 
 # How calibration samples are cut from the documents (``fp8ptq.io.data.build_calibration_set``):
@@ -32,11 +30,6 @@ KV_GRANULARITIES = ("tensor", "head")  # compressed-tensors strategies "tensor" 
 ROTATIONS = ("hadamard",)  # --rotate (fp8ptq.algorithms.rotation)
 DTYPES = ("float32", "bfloat16", "float16")  # what the model is loaded and run in
 
-# Keys a per-pattern override may set: a partial tensor plan for the matching modules (like
-# compressed-tensors' ``config_groups``); what it leaves out comes from the recipe. The short
-# form ``GLOB: FORMAT`` (``--override GLOB=FORMAT``) sets both formats; ``none`` skips.
-OVERRIDE_KEYS = ("format", "weight_format", "act_format", "weight_calib", "weight_granularity",
-                 "act_granularity")
 # the non-format keys of a partial plan: recipe fields the matching modules take instead
 OVERRIDE_FIELDS = ("weight_calib", "weight_granularity", "act_granularity")
 
@@ -114,10 +107,12 @@ class Recipe(BaseModel):
         off="--no-gptq-act-order")
     gptq_block: int = 128  # GPTQ lazy-update block (columns)
     # what GPTQ's Hessian sums are accumulated in (each batch's product is float32 either way);
-    # float32 is llm-compressor's, halves the sums' memory, and is a factor of the comparison
+    # float32 is llm-compressor's, halves the sums' memory, and is a factor of the comparison;
+    # auto: float32 on a GPU (there the Cholesky factor follows: memory is the GPU's scarcest
+    # resource), float64 on the CPU (``hessian_dtype_on``)
     gptq_hessian_dtype: str = flag(
-        "float64", "GPTQ: accumulate the Hessian sums in this dtype [float64].",
-        choices=("float64", "float32"))
+        "auto", "GPTQ: accumulate the Hessian sums in this dtype [auto: float32 on a GPU, "
+        "float64 on the CPU].", choices=("auto", "float64", "float32"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(
@@ -204,13 +199,13 @@ class Recipe(BaseModel):
         "an image tensor file (.pt/.npz) or 'digits'.")
     text_field: str | None = flag(None, "Text field of .json/.jsonl/.parquet calibration data.")
     # 64 x 512 calibration tokens: every forward and Hessian of sequential GPTQ scales with
-    # them; benchmarks/calib_size_study.py measures the default recipe at other sizes and
-    # seeds (docs/results.md, "Calibration size of the default recipe")
+    # them; benchmarks/studies/calib_size_study.py measures the default recipe at other sizes and
+    # seeds (docs/results/studies.md, "Calibration size of the default recipe")
     num_samples: int = flag(64, "Calibration sequences [64].")
     seq_len: int = flag(512, "Calibration sequence length [512].", param="calib_seq_len")
     # how the samples are cut (``fp8ptq.io.data.CALIB_WINDOWS``): "documents" (each opens a
     # document after the BOS; the default: on SmolLM2 both the default GPTQ recipe and
-    # weight-only GPTQ lose less with them than with random windows, docs/results.md), or
+    # weight-only GPTQ lose less with them than with random windows, docs/results/studies.md), or
     # "random" offsets into the concatenated documents
     calib_windows: str = flag(
         "documents", "How calibration samples are cut: 'random' offsets into the concatenated "
@@ -255,8 +250,8 @@ class Recipe(BaseModel):
     def _default_weight_calib(self) -> None:
         """GPTQ (sequential, act-order) when calibration data is given and no weight
         calibrator was named (a scheme names one): on SmolLM2 it is the most accurate e4m3
-        recipe that vLLM serves at full speed (docs/results.md). Without calibration data the
-        default stays plain round-to-nearest (``max``), which needs no data at all. The field
+        recipe that vLLM serves at full speed (docs/results/studies.md). Without calibration data
+        the default stays plain round-to-nearest (``max``), which needs no data at all. The field
         stays "not given" (``model_fields_set``), so ``replace`` / ``merged`` re-decide it
         when calibration data arrives later."""
         if "weight_calib" not in self.model_fields_set and self.calib_data is not None:
@@ -333,11 +328,14 @@ class Recipe(BaseModel):
                 raise UsageError("gptq_sink and gptq_asym aim each GEMM at different targets: "
                                  "pick one")
 
-    @property
-    def hessian_dtype(self):
-        """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in."""
+    def hessian_dtype_on(self, device):
+        """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in on
+        ``device`` (``auto``: float32 on a GPU, float64 elsewhere)."""
         import torch  # the recipe module itself stays importable without torch
-        return getattr(torch, self.gptq_hessian_dtype)
+        name = self.gptq_hessian_dtype
+        if name == "auto":
+            name = "float64" if torch.device(device).type == "cpu" else "float32"
+        return getattr(torch, name)
 
     @property
     def skip_patterns(self) -> list[str]:
@@ -371,104 +369,6 @@ class Recipe(BaseModel):
         return type(self).from_dict(data)
 
 
-ACT_CAUSES = ("act_granularity", "act_format")  # fields that make activations dynamic
-CALIB_FIELD = {"activation": "act_calib", "weight": "weight_calib"}
-
-
-@dataclass(frozen=True)
-class Moot:
-    """A recipe field the resolved recipe ignores: why, and which fields make it so."""
-
-    field: str
-    reason: str
-    causes: tuple[str, ...]
-
-
-def moot_options(recipe: Recipe, given=None, *, convolutions: bool = False) -> list[Moot]:
-    """The fields in ``given`` (default: those set to a non-default value, less what the
-    scheme set) that have no effect under ``recipe``. Calibrator options come from the
-    registry's option schemas: a field no calibrator in use reads is moot. ``convolutions``:
-    the model has convolutions, whose default activations are static per tensor."""
-    given = _given(recipe) if given is None else set(given)
-    static, grans = _calibrated_activations(recipe, convolutions)
-    in_use = _calibrators_in_use(recipe, static)
-    out = [] if static else [Moot("act_calib", "no activation scale is calibrated ("
-                                  + _dynamic_why(recipe) + ")", ACT_CAUSES)]
-    for field, owners in _calibrator_options().items():
-        if not owners & in_use:
-            target = next(iter(owners))[0]
-            names = ", ".join(sorted(n for _, n in owners))
-            if target == "activation" and ("activation", recipe.act_calib) in owners:
-                out.append(Moot(field, f"{recipe.act_calib} calibrates no activation scale "
-                                f"here ({_dynamic_why(recipe)})", ACT_CAUSES))
-            else:
-                out.append(Moot(field, f"read only by the {target} calibrator(s) {names}",
-                                (CALIB_FIELD[target],)))
-    weight_grans = {recipe.weight_granularity} | _override_values(recipe, "weight_granularity")
-    if "block" not in weight_grans:
-        out.append(Moot("block_size", "weights are not in blocks", ("weight_granularity",)))
-    if "group" not in grans:
-        out.append(Moot("act_group_size", "no activation is quantized per group",
-                        ("act_granularity",)))
-    if recipe.smoothquant is None:
-        out.append(Moot("smoothquant_into", "SmoothQuant is off", ("smoothquant",)))
-    if recipe.kv_cache is None:
-        out.append(Moot("kv_granularity", "the KV cache is not quantized", ("kv_cache",)))
-    return [m for m in out if m.field in given]
-
-
-def _given(recipe: Recipe) -> set[str]:
-    scheme = expand_scheme(recipe.scheme) if recipe.scheme else {}
-    fields = type(recipe).model_fields
-    return {k for k in recipe.model_fields_set if getattr(recipe, k) != fields[k].default
-            and (k not in scheme or scheme[k] != getattr(recipe, k))}
-
-
-def _override_values(recipe: Recipe, key: str) -> set:
-    return {v[key] for v in recipe.overrides.values() if isinstance(v, dict) and key in v}
-
-
-def _calibrated_activations(recipe: Recipe, convolutions: bool) -> tuple[bool, set[str]]:
-    """(whether any activation scale is calibrated, the activation granularities in use)."""
-    grans = {recipe.act_granularity} | _override_values(recipe, "act_granularity")
-    if convolutions and "act_granularity" not in recipe.model_fields_set:
-        grans.add("tensor")  # a convolution's default (plan.py)
-    act = recipe.act_format or recipe.format
-    acts = {act} | {f for v in recipe.overrides.values()
-                    for k, f in override_formats(v).items() if k == "act_format"}
-    static_format = any(a != "none" and get_format(a).mx_block is None for a in acts)
-    taps = recipe.quantize_attention or recipe.quantize_residual
-    return taps or (static_format and "tensor" in grans), grans
-
-
-def _dynamic_why(recipe: Recipe) -> str:
-    act = recipe.act_format or recipe.format
-    if act == "none":
-        return "weight-only"
-    if get_format(act).mx_block is not None:
-        return f"{act} activations are dynamic"
-    return f"activations are dynamic per {recipe.act_granularity}"
-
-
-def _calibrators_in_use(recipe: Recipe, static: bool) -> set[tuple[str, str]]:
-    weights = {recipe.weight_calib} | _override_values(recipe, "weight_calib")
-    used = {("weight", n) for n in weights}
-    if static:
-        used |= {("activation", recipe.act_calib),
-                 ("activation", calibrators.statistics_entry(recipe.act_calib).name)}
-    return used
-
-
-def _calibrator_options() -> dict[str, set[tuple[str, str]]]:
-    """Every calibrator option field -> the (target, name) of the calibrators that read it."""
-    out: dict[str, set[tuple[str, str]]] = {}
-    for target in ("activation", "weight"):
-        for name in calibrators.names(target):
-            for field in calibrators.entry(target, name).options:
-                out.setdefault(field, set()).add((target, name))
-    return out
-
-
 def override_formats(value) -> dict[str, str]:
     """An override's formats as ``{weight_format?, act_format?}``: a format name (or "none")
     sets both; a partial plan sets what it names (``format`` = both)."""
@@ -479,106 +379,3 @@ def override_formats(value) -> dict[str, str]:
     out.update({k: value[k] for k in ("weight_format", "act_format") if k in value})
     return out
 
-
-def load_recipe_dict(path: str | Path) -> dict:
-    p = Path(path)
-    if p.is_dir() and (p / "fp8ptq.json").exists():
-        p = p / "fp8ptq.json"
-    if not p.is_file():
-        raise UsageError(f"recipe file not found: {path}")
-    try:
-        text = p.read_text(encoding="utf-8")
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path}:{e.lineno}:{e.colno}: {e.msg}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UsageError(f"{where}: {what}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"recipe {path} must be a mapping of option: value")
-    if "recipe" in data and isinstance(data["recipe"], dict):  # an fp8ptq.json
-        data = data["recipe"]
-    named = [k for k in data if not isinstance(k, str)]  # YAML "?" or "1: 2" give None / 1
-    if named:
-        raise UsageError(f"recipe {path}: option names must be strings, got {named[0]!r}")
-    return data
-
-
-_WHAT = {int: "an integer", bool: "true or false", str: "a string", float: "a number"}
-
-
-def _check_type(key: str, value, annotation):
-    """``value`` checked against a field's annotation, normalized (int -> float, a string ->
-    a one-element list, a list -> a tuple); a ``UsageError`` with a plain message otherwise."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - our own annotations
-    if key == "smoothquant":
-        return _smoothquant(value)
-    if key == "overrides":
-        return _overrides(value)
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        annotation = next(a for a in args if a is not type(None))
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is list:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise UsageError(f"{key} must be a list of module-name globs, got {value!r}")
-        return list(value)
-    if origin is tuple:
-        try:
-            value = tuple(int(v) for v in value)
-        except (TypeError, ValueError):
-            raise UsageError(f"{key} must be two integers LOW, HIGH, got {value!r}") from None
-        if len(value) != len(args):
-            raise UsageError(f"{key} must be LOW,HIGH with LOW <= HIGH, got {value}")
-        return value
-    if annotation is float:
-        _typed(key, value, (int, float))
-        return float(value)
-    if annotation in (int, bool, str):
-        _typed(key, value, annotation)
-    return value
-
-
-def _smoothquant(value):
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise UsageError(f"smoothquant must be an alpha in [0, 1] or 'auto', got "
-                         f"{value!r}") from None
-
-
-def _overrides(value):
-    ok = isinstance(value, dict) and all(
-        isinstance(k, str) and (isinstance(v, str) or (
-            isinstance(v, dict) and v and set(v) <= set(OVERRIDE_KEYS)
-            and all(isinstance(x, str) for x in v.values())))
-        for k, v in value.items())
-    if not ok:
-        raise UsageError("overrides must map module-name globs to format names or 'none' (or "
-                         f"partial plans with keys {', '.join(OVERRIDE_KEYS)}), got {value!r}")
-    return dict(value)
-
-
-def _typed(key, value, types_) -> None:
-    # bool is an int subclass: ``num_samples: true`` must not pass as 1
-    if not isinstance(value, types_) or (isinstance(value, bool) and types_ is not bool):
-        what = _WHAT.get(types_, "a number")
-        raise UsageError(f"{key} must be {what}, got {value!r}")
-
-
-def _choice(key, value, valid):
-    if value not in valid:
-        raise UsageError(f"{key} must be one of {', '.join(valid)}, got {value!r}")

@@ -1,5 +1,5 @@
 """Named schemes (``--scheme NAME``): presets of recipe fields under names users of the peers
-know, plus fp8ptq's own recipes chosen from measurements (docs/results.md).
+know, plus fp8ptq's own recipes chosen from measurements (docs/results/studies.md).
 
 A scheme is data: the recipe fields it sets. ``Recipe`` expands it under whatever the user said
 explicitly (``--scheme fp8-dynamic --weight-calib gptq`` keeps the scheme's granularities and

@@ -12,7 +12,6 @@ from torch import nn
 
 from ..algorithms.bn_retune import retune_batchnorm
 from ..algorithms.gptq.sequential import Aim, outside_blocks, quantize_in_order
-from ..algorithms.gptq.sweep import gptq_codes
 from ..algorithms.rotation import rotate_model
 from ..algorithms.smoothquant.norms import apply_smoothquant
 from ..calibrators.layerwise import choose_layerwise
@@ -29,55 +28,40 @@ from ..config.plan import (  # noqa: F401
     run_facts,
 )
 from ..config.recipe import Recipe
-from ..errors import NumericsError, UsageError
-from ..formats import decode
-from ..formats.scales import amax_to_scale, histogram_sqnr_db, sqnr_db
-from ..formats.weight_quant import choose_scale, quantize_weight
+from ..errors import UsageError
+from ..io.placement import materialize_offloaded
 from ..model.forward import (  # noqa: F401 - run_batch, token_batches re-exported
     head_observed,
     micro_batches,
     run_batch,
     token_batches,
 )
-from ..model.gemm import input_channel_dim, kind, set_submodule, weight_2d
 from ..model.gemm32 import float32_gemms
-from ..model.lean import lean_forwards
 from ..nn.fused import (
     fused_groups,
     unified_weight_scales,
     unify_fused,
     unify_input_scales,
 )
-from ..nn.quant_experts import ExpertObserver, QuantExperts
+from ..nn.quant_experts import (
+    ExpertObserver,
+    QuantExperts,
+)
 from ..nn.quant_gemm import QuantGemm, simulated_gemms
+from ..observe import distributed
 from ..observe.hessian import HessianCollector
-from ..observe.observers import StatsCollector, TensorStats
-from ..observe.taps import ActivationTaps
-from ..runtime.usage import release_free_memory
-from . import distributed
-from .experts_quant import quantize_all_experts, quantize_experts_module, sweep_experts  # noqa: F401
-from .placement import materialize_offloaded
-
-# The plan's module entries (``fp8ptq.config.plan``) are what the pipeline quantizes; the old names
-# stay.
-Target = ExpertsTarget = ModulePlan
-
-
-@dataclass
-class ModuleReport:
-    name: str
-    kind: str
-    weight_format: str
-    act_format: str | None
-    weight_amax: float
-    weight_scale_min: float
-    weight_scale_max: float
-    weight_sqnr_db: float
-    input_amax: float | None = None
-    input_scale: float | None = None
-    input_sqnr_db: float | None = None
-    warnings: list[str] = field(default_factory=list)
-    act_calib: str | None = None  # which calibrator set the input scale (best-of records its pick)
+from ..observe.observers import TensorStats
+from ..steps.calibrate import collect_stats, plan_targets  # noqa: F401 - plan_targets re-exported
+from ..steps.quantize_module import (  # noqa: F401 - ExpertsTarget re-exported
+    ExpertsTarget,
+    ModuleReport,
+    Target,
+    quantize_experts_module,
+    quantize_target,
+    target_granularity,
+)
+from ..taps.taps import ActivationTaps
+from .experts_quant import sweep_experts
 
 
 @dataclass
@@ -93,56 +77,14 @@ class QuantizeResult:
     plan: QuantPlan | None = None  # what every module got (``fp8ptq.config.plan``)
 
 
-def plan_targets(model: nn.Module, recipe: Recipe) -> tuple[list[ModulePlan], list[str]]:
-    """Which GEMMs get quantized, in which formats, and which are skipped (``plan.plan_gemms``)."""
-    return plan_gemms(model, recipe)
-
-
-def collect_stats(model: nn.Module, targets: list[Target], batches: list, progress=None,
-                  sample_batches: int = 0, taps=None, experts: ExpertObserver | None = None,
-                  hessians: HessianCollector | None = None) -> StatsCollector:
-    """Run the calibration data through the model once, observing every target's input (and,
-    with ``experts``, every expert's GEMM inputs)."""
-    modules = {t.name: t.module for t in targets}
-    dims = {t.name: input_channel_dim(t.module) for t in targets}
-    collector = StatsCollector(modules, dims, sample_batches=sample_batches)
-    logits = head_observed(model, modules.values())  # else the head runs on one position
-    error = None
-    # micro-batches where every statistic adds exactly (GPTQ's X^T X sums would not)
-    split = hessians is None or not hessians.modules
-    with collector.observing(), experts.observing() if experts else nullcontext(), \
-            hessians.observing() if hessians else nullcontext(), torch.inference_mode(), \
-            float32_gemms(model=model), lean_forwards(model):
-        try:
-            # under torchrun each rank runs its share; global indices keep sample order
-            for index, batch in distributed.shard(batches):
-                collector.batch_index = index
-                stride = collector.row_stride if index < sample_batches else 1
-                for part in micro_batches(batch, multiple=stride) if split else [batch]:
-                    run_batch(model, part, logits=logits)
-                release_free_memory()
-                if progress is not None:
-                    progress()
-        except Exception as e:  # noqa: BLE001 - re-raised by agree, on every rank
-            error = e
-    distributed.agree(error)
-    if distributed.active():
-        distributed.reduce_stats(collector.stats)
-        collector.samples = distributed.gather_samples(collector.samples)
-        if experts is not None:
-            distributed.reduce_stats(experts.stats)
-        if hessians is not None:
-            distributed.reduce_sums(hessians.sums, hessians.rows)
-    return collector
-
-
 def calibration_passes(recipe: Recipe) -> int:
     """How many times the calibration batches go through the model (for progress bars)."""
     return run_facts(recipe).passes
 
 
 def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
-                   progress=None, plan: QuantPlan | None = None) -> QuantizeResult:
+                   progress=None, plan: QuantPlan | None = None,
+                   activation_budget: int = 1 << 30) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: the run's plan of
     ``model`` (``build_plan(model, recipe)``, made by the run's entry point and used as it is,
@@ -153,9 +95,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     a CPU and a GPU, and no compiling of the real FP8 kernel's activation quantizer, which is
     inference's (``torch.compile``, seconds per process) for forwards a GPU runs in
     milliseconds either way. The process's allocator is left as the caller set it (the
-    ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``)."""
+    ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``).
+    ``activation_budget``: bytes sequential GPTQ may keep of activations (the inter-block
+    store, the partial forwards' replayed outputs) where the model's tensors live; the
+    one-block GPU path sizes it from the GPU budget."""
     with float32_gemms(model=model), simulated_gemms():
-        return _quantize_model(model, recipe, batches, progress, plan)
+        return _quantize_model(model, recipe, batches, progress, plan, activation_budget)
 
 
 @dataclass
@@ -233,7 +178,8 @@ def run_stages(at: str, run: StageRun, times: dict[str, float]) -> None:
 
 
 def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
-                    progress, plan: QuantPlan | None) -> QuantizeResult:
+                    progress, plan: QuantPlan | None,
+                    activation_budget: int = 1 << 30) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     run = StageRun(model, recipe, plan, batches, progress, {})
@@ -263,7 +209,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     hessian_from = [t for t in targets if reads_data(t)
                     and (one_pass is None or t.name in one_pass)]
     hessians = HessianCollector({t.name: t.module for t in hessian_from},
-                                dtype=recipe.hessian_dtype,
+                                dtype=recipe.hessian_dtype_on("cpu"),  # summed on the host
                                 diagonal=hessian_diagonal_only(hessian_from)) \
         if facts.gptq else None
     # the statistics pass, unless nothing reads it (dynamic inputs with in-order GPTQ alone)
@@ -313,7 +259,8 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
         expert_stats = observer.stats if observer is not None else {}
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
-            aim=Aim.of(recipe, facts.causal_lm), hessian_dtype=recipe.hessian_dtype,
+            aim=Aim.of(recipe, facts.causal_lm), activation_budget=activation_budget,
+            hessian_dtype=recipe.hessian_dtype_on(_device_of(model)),
             experts=[e for e in experts if reads_data(e)],
             quantize_experts=lambda e, feed: sweep_experts(
                 model, e, plan, gran, w_calib, expert_stats, feed, swept, all_warnings))
@@ -326,9 +273,9 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if groups:
         extras["fused_groups"] = unify_input_scales(model, groups, reports)
     if experts:
-        extras["experts"] = quantize_all_experts(model, plan, gran, w_calib,
-                                                 observer.stats if batches is not None else {},
-                                                 all_warnings, swept)
+        extras["experts"] = _quantize_all_experts(model, plan, gran, w_calib,
+                                                  observer.stats if batches is not None else {},
+                                                  all_warnings, swept)
     if taps is not None:
         extras["taps"] = taps.freeze(plan)
     times["quantize"] = time.perf_counter() - t0
@@ -337,6 +284,25 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     extras["high_precision"] = high_precision_report(model)
     return QuantizeResult(model, reports, skipped, stats, times, all_warnings, extras,
                           recipe=recipe, plan=plan)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: its first parameter's device (the CPU for one without)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,
+                          warnings: list[str], swept: dict) -> dict:
+    """Quantize every fused-experts module (``swept``: the report entries of those GPTQ already
+    swept in its run order, kept as they are). Layer-output-aware activation calibrators
+    (best-of, pow2-search) search with one layer's cached input rows and weight; experts have
+    one of each per expert, so they use the entry's statistics fallback here (recorded in the
+    report)."""
+    a_calib = plan.act_calibrator()
+    unify = unify_fused(plan.recipe, plan.experts)
+    return {e.name: swept[e.name] if e.name in swept else
+            quantize_experts_module(model, e, plan.recipe, gran, w_calib, a_calib, stats,
+                                    unify, warnings) for e in plan.experts}
 
 
 def high_precision_report(model: nn.Module, top: int = 8) -> dict:
@@ -358,83 +324,3 @@ def high_precision_report(model: nn.Module, top: int = 8) -> dict:
             "high_precision_fraction": sum(c for _, c in kept) / total if total else 0.0,
             "largest_high_precision": [{"name": n, "parameters": c} for n, c in kept[:top]]}
 
-
-def target_granularity(t: Target, gran):
-    """The weight granularity object of ``t``: the recipe's (``gran``, shared, so a layer-aware
-    choice made with it stays valid) unless the module's plan differs (an MX format's groups)."""
-    return gran if t.weight.granularity == gran.name else t.weight.handler()
-
-
-def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, chosen=None,
-                    weight_scale: torch.Tensor | None = None,
-                    hessian: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                    aim: torch.Tensor | None = None):
-    """``chosen``: scales a layer-aware calibrator already picked (``LayerChoice``);
-    ``aim``: the weight GPTQ aims at instead of the module's (asymmetric GPTQ's ``W*``, on
-    which the scale is then chosen too: it is what gets rounded);
-    ``weight_scale``: a scale decided for a group of fused shards (``unified_weight_scales``);
-    ``weight``: the weight, in the module's own layout, when the module holds none (the
-    model-free path: a meta-device module; its ``QuantGemm`` then holds the codes)."""
-    warnings: list[str] = []
-    w2d = weight_2d(t.module, weight).detach()  # its own dtype: the sweep converts by chunks
-    if aim is not None and hessian is not None:
-        w2d = aim.to(torch.float32)
-    if weight_scale is not None:
-        w_scale = weight_scale
-    elif chosen is not None and chosen.weight_scale is not None:
-        w_scale, gran = chosen.weight_scale, chosen.weight_granularity
-    else:
-        w_scale = choose_scale(w2d, t.weight_format, gran, w_calib, pow2=recipe.scale_pow2,
-                               warnings=warnings, hessian=hessian)
-    gptq = weight_entry(t.weight.calibrator).rounding == "gptq"
-    if gptq and hessian is not None:
-        w2d = w2d.float()
-        if not bool(torch.isfinite(w2d).all()):
-            raise NumericsError(f"weight of {t.name} contains NaN or inf; refusing to quantize "
-                                "it")
-        codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
-                           damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
-                           block=recipe.gptq_block, rounding=recipe.rounding)
-        deq = decode(codes, t.weight_format) * gran.expand(w_scale, w2d)
-        w_amax, w_sqnr = float(w2d.abs().max()), sqnr_db(w2d, deq)
-    else:
-        if gptq:
-            warnings.append("no Hessian (a convolution, or no calibration input): rounded to "
-                            "nearest instead of GPTQ")
-        qw = quantize_weight(w2d, w_scale, t.weight_format, gran, rounding=recipe.rounding,
-                             name=t.name)
-        codes, w_amax, w_sqnr = qw.codes, qw.amax, qw.sqnr_db
-
-    input_scale, input_amax, input_sqnr = None, None, None
-    if t.input is not None and t.input.static:
-        if stats is None or not stats.seen:
-            warnings.append("saw no calibration tokens (unused module?)")
-            input_amax = 0.0
-        else:
-            if stats.nonfinite:
-                warnings.append(f"{stats.nonfinite} non-finite input values ignored")
-            input_amax = chosen.input_amax if chosen is not None else a_calib.amax(
-                stats, t.act_format)
-        if chosen is not None and chosen.input_scale is not None:
-            input_scale = chosen.input_scale
-        else:
-            input_scale = amax_to_scale(input_amax, t.act_format, pow2=recipe.scale_pow2,
-                                        what="input", warnings=warnings)
-        if stats is not None and stats.seen:
-            input_sqnr = histogram_sqnr_db(stats, float(input_scale), t.act_format)
-
-    act = {} if t.input is None else dict(act_granularity=t.input.granularity,
-                                          act_group_size=t.input.group_size)
-    q = QuantGemm(t.module, weight_format=t.weight_format, weight_codes=codes,
-                  weight_scale=w_scale, weight_granularity=gran, act_format=t.act_format,
-                  input_scale=input_scale, **act)
-    set_submodule(model, t.name, q)
-    return ModuleReport(
-        name=t.name, kind=kind(t.module), weight_format=t.weight_format.name,
-        act_format=t.act_format.name if t.act_format else None,
-        weight_amax=w_amax, weight_scale_min=float(w_scale.min()),
-        weight_scale_max=float(w_scale.max()), weight_sqnr_db=w_sqnr,
-        input_amax=input_amax, input_scale=None if input_scale is None else float(input_scale),
-        input_sqnr_db=input_sqnr, warnings=warnings,
-        act_calib=chosen.method if chosen is not None else
-        (t.input.calibrator if t.input else recipe.act_calib))

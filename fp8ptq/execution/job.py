@@ -19,6 +19,7 @@ from ..errors import DataError, UsageError
 from ..io.data import build_calibration_set, corpus_tokens, load_texts, resolve_calib_spec
 from ..io.loading import is_torch_module_file, load_model
 from ..model.forward import token_batches
+from ..observe import distributed
 from ..runtime.usage import peak_rss_mb, timed
 from ..sensitivity import eval_windows
 from ..sensitivity.budget import choose as choose_target
@@ -26,7 +27,6 @@ from ..sensitivity.budget import measure as measure_target
 from ..sensitivity.budget import perplexity, split_heldout
 from ..sensitivity.budget import verify as verify_target
 from ..vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
-from . import distributed
 from .in_memory import QuantizeResult, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

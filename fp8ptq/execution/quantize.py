@@ -27,15 +27,17 @@ from ..config.plan import QuantPlan, build_plan, needs_calibration
 from ..config.recipe import Recipe
 from ..config.schemes import scheme_flags
 from ..errors import UsageError
+from ..files.atomic import check_writable, scratch_dir
 from ..formats import get_format
-from ..io.atomic import check_writable, scratch_dir
 from ..io.loading import check_model_spec
 from ..numbers import finite_or_none
+from ..observe import distributed
 from ..runtime.usage import usage
 from ..sensitivity import parse_target
 from ..sensitivity.budget import HIGH_PRECISION, check_metric, check_target_recipe
 from ..version import __version__
-from . import distributed, job, strategy
+from . import job, strategy
+from .budget import Budget
 from .model_free_run import quantize_checkpoint
 from .strategy import Selection
 from .streaming import quantize_folder
@@ -51,7 +53,8 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
              force: bool = False,
              device: str = "cpu", load_options: dict | None = None, sequential: bool = False,
              propagate: str = "quantized", model_free: bool | None = None,
-             max_memory: int | None = None, target: job.TargetRequest | None = None,
+             max_memory: int | Budget | None = None,
+             target: job.TargetRequest | None = None,
              runtime: str | None = None, progress=None) -> dict | None:
     """Quantize ``model`` (hub id, local folder, ``.gguf``, or a torch-saved ``.pt`` CNN) with
     ``recipe`` (a ``Recipe``, a dict of its fields, or None for the default recipe) and write
@@ -60,7 +63,9 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
 
     ``sequential`` forces block streaming, ``model_free`` True insists on / False refuses the
     model-free path (None: taken where the recipe allows), ``max_memory`` is the process's
-    budget in bytes (it picks the strategy), ``target`` a ``--target-delta`` request
+    budget in bytes or a ``Budget`` (host and GPU: it picks the strategy; on a GPU a model
+    that does not fit is quantized one block at a time there), ``target`` a ``--target-delta``
+    request
     (``target_request``), ``runtime="vllm"`` refuses what vLLM would not serve
     (``RuntimeRefused``, nothing written); ``load_options``: ``device_map``,
     ``trust_pickle``, ``trust_remote_code``."""
@@ -73,11 +78,12 @@ def quantize(model: str, recipe: Recipe | dict | None, output: str | Path, *,
         check_output(output, force)  # a late rank of a model-free run may find its output made
     check_model_spec(model)  # a missing model is reported before the calibration data
     job.resolve_device(device)
+    budget = Budget.of(max_memory)
     timings = job.JobTimings()
     planner = RunPlan(recipe)
     with timings.timed("plan"):
         path = strategy.choose(model, recipe, sequential=sequential, model_free=model_free,
-                               max_memory=max_memory,
+                               max_memory=budget.host, device=device, gpu_budget=budget.gpu,
                                trust_remote_code=load_options.get("trust_remote_code", False),
                                whole_model=target and "--target-delta measures the quantized "
                                "model on held-out text", planner=planner)

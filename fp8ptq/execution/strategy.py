@@ -29,7 +29,7 @@ runtime (Python, torch, transformers and a tokenizer after imports, ``RUNTIME_BY
 The largest planned module's weights (a GEMM, or a layer's fused experts) are counted again at 5
 bytes an element while quantized: a float32 copy some calibrators make, and its uint8 codes. The
 sequential path counts what it holds (checked against the 44-layer synthetic Llama's measured
-peak, docs/results.md): the modules outside
+peak, docs/results/memory.md): the modules outside
 the blocks, ONE block (the next is loaded after the last is written and freed), one micro-batch's
 block forward (logits only when a GEMM outside the blocks is quantized, since the head runs on the
 calibration batches only then), one group's Hessian (in-order GPTQ; a block's otherwise), and the
@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate.utils import convert_file_size_to_int
 from torch import nn
 
 from ..checkpoint.shards import SHARD_BYTES
@@ -62,30 +61,20 @@ from ..model.blocks import block_prefix, find_blocks
 from ..model.forward import MICRO_TOKENS
 from ..model.gemm import weight_2d
 from ..nn.fused import fused_groups
-from . import distributed
+from ..observe import distributed
+from .budget import (  # noqa: F401 - parse_size, process_budget re-exported
+    Budget,
+    activations_fit,
+    gb,
+    gpu_free_bytes,
+    gpu_need,
+    host_need,
+    parse_size,
+    process_budget,
+)
 from .model_free import ModelFreeJob, NotModelFree, refusal
 
 RUNTIME_BYTES = 640 * 2**20  # Python + torch + transformers + tokenizer, after imports
-
-
-def parse_size(text: str) -> int:
-    """``4GB`` (10^9), ``4GiB`` (2^30), ``512MB`` (accelerate's own parser, as the device map's
-    budgets use it; case-insensitive) or a plain byte count. A ``UsageError`` when it is not a
-    size."""
-    text = str(text).strip()
-    try:
-        value = int(text) if text.isdigit() else convert_file_size_to_int(
-            text.replace(" ", "").upper().replace("IB", "iB"))
-    except (ValueError, TypeError):
-        raise UsageError(f"--max-memory: {text!r} is not a size like 4GB, 4GiB or 512MB"
-                         ) from None
-    if value <= 0:
-        raise UsageError(f"--max-memory: {text!r} must be more than 0 bytes")
-    return int(value)
-
-
-def gb(n: int | float) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 @dataclass
@@ -219,6 +208,13 @@ class Selection:
     budget: int | None = None  # --max-memory SIZE in bytes
     estimate: Estimate | None = None
     job: ModelFreeJob | None = None  # model-free: the planned job
+    # the one-block GPU path (``budget``): where blocks compute, where the inter-block
+    # activations live, the GPU budget and both predicted peaks by part
+    device: str = "cpu"
+    activations_on: str = "host"
+    gpu_budget: int | None = None
+    predicted_gpu: dict | None = None
+    predicted_host: dict | None = None
 
     def facts(self) -> dict:
         """What ``--json`` and fp8ptq.json's extras record."""
@@ -229,12 +225,27 @@ class Selection:
             out["activation_budget_bytes"] = self.activation_budget
         if self.estimate is not None:
             out["memory_estimate"] = self.estimate.as_dict()
+        if self.gpu_budget is not None:
+            out["gpu_budget_bytes"] = self.gpu_budget
+        if self.path == "sequential" and self.device != "cpu":
+            out["compute_device"] = self.device
+            out["activations_on"] = self.activations_on
+        for key, parts in (("predicted_gpu_mb", self.predicted_gpu),
+                           ("predicted_rss_mb", self.predicted_host)):
+            if parts is not None:
+                out[key] = round(parts["total"] / 2**20, 1)
+                out[key.replace("_mb", "_parts_mb")] = {
+                    k: round(v / 2**20, 1) for k, v in parts.items() if k != "total"}
         return out
 
     def sequential_options(self) -> dict:
-        """Keyword arguments for ``sequential.quantize_folder``: the activation budget and,
-        under ``--max-memory``, the output shard size (the writer holds one shard)."""
-        out: dict = {}
+        """Keyword arguments for ``sequential.quantize_folder``: the activation budget,
+        under ``--max-memory`` the output shard size (the writer holds one shard), and the
+        compute device with where the activations live."""
+        out: dict = {} if self.device == "cpu" else {
+            "device": self.device, "activations_on": self.activations_on}
+        if self.predicted_gpu is not None and "replay" in self.predicted_gpu:
+            out["replay_budget"] = self.predicted_gpu["replay"]
         if self.activation_budget is not None:
             out["activation_budget"] = self.activation_budget
         if self.budget is not None:
@@ -245,13 +256,25 @@ class Selection:
 def choose(spec: str, recipe: Recipe, *, sequential: bool = False, model_free: bool | None = None,
            max_memory: int | None = None, trust_remote_code: bool = False,
            task: str | None = None, whole_model: str | None = None,
-           planner: Planner | None = None) -> Selection:
+           planner: Planner | None = None, device: str = "cpu",
+           gpu_budget: int | None = None) -> Selection:
     """The path for quantizing MODEL ``spec`` with ``recipe``. ``model_free``: True insists
     (``UsageError`` naming what stands in the way), False forbids, None decides; ``max_memory``:
     the process budget in bytes (``--max-memory SIZE``); ``whole_model``: why this job needs the
     whole model in memory whatever the recipe (``--target-delta`` measures it); ``planner``:
     the run's plan, asked for the meta-device model a path is sized or planned on (the
-    model-free job, the memory estimate), so that the run plans once."""
+    model-free job, the memory estimate), so that the run plans once. ``device``: where the
+    run computes; on a GPU, ``gpu_budget`` (bytes; None: what the GPU has free) decides
+    between the whole model on it and one block at a time (``by_gpu_budget``)."""
+    if torch.device(device).type == "cuda" and not (trust_remote_code or whole_model
+                                                    or (sequential and model_free)):
+        if not sequential and model_free is not False:
+            chosen = _model_free(spec, recipe, model_free, task, planner)
+            if chosen.path == "model-free":
+                chosen.budget = max_memory
+                return chosen
+        return by_gpu_budget(spec, recipe, Budget(max_memory, gpu_budget), device, task,
+                             forced=sequential, planner=planner)
     if sequential:
         if model_free:
             raise UsageError("--model-free and --sequential are two different paths; use one")
@@ -335,6 +358,50 @@ def by_budget(spec: str, recipe: Recipe, budget: int, task: str | None = None, *
                      budget=budget, estimate=est)
 
 
+def by_gpu_budget(spec: str, recipe: Recipe, budget: Budget, device: str,
+                  task: str | None = None, *, forced: bool = False,
+                  planner: Planner | None = None) -> Selection:
+    """On a GPU: the whole model loaded onto it when the in-memory estimate (weights and
+    working memory) fits ``budget.gpu`` (None: what the GPU has free), else (or ``forced``,
+    ``--sequential``) one block at a time on it (``fp8ptq.execution.budget``), the
+    activations on the GPU when every batch's fit beside the block, else on the host. The
+    source must be a safetensors checkpoint (or a .gguf, converted) to stream from; another
+    is loaded whole."""
+    found = _sequential_source(spec, task) if forced else resolve_safetensors(spec, task=task)
+    if isinstance(found, str):
+        return Selection("in-memory", f"the GPU budget cannot be planned: {found}; loaded "
+                         f"whole onto {device}", budget=budget.host, device=device)
+    folder, kind = found
+    meta = build_empty(folder, getattr(torch, recipe.dtype), task)
+    plan = planner(meta) if planner is not None else build_plan(meta, recipe)
+    est = estimate(meta, recipe, budget.host, plan=plan)
+    gpu_budget = budget.gpu if budget.gpu is not None else gpu_free_bytes(device)
+    whole = est.in_memory - RUNTIME_BYTES  # weights and working memory, on the GPU
+    where = "the GPU budget" if gpu_budget is None else f"the GPU budget {gb(gpu_budget)}"
+    if not forced and (gpu_budget is None or whole <= gpu_budget):
+        return Selection("in-memory", f"weights {gb(est.weights)} + working memory "
+                         f"{gb(whole - est.weights)} fit {where}", folder, kind,
+                         budget=budget.host, estimate=est, device=device,
+                         gpu_budget=gpu_budget, predicted_gpu={"total": whole})
+    on_gpu = gpu_budget is not None and activations_fit(meta, recipe, plan, gpu_budget, device)
+    gpu = gpu_need(meta, recipe, plan, on_gpu, device, gpu_budget)
+    left = est.activations if budget.host is None else max(
+        0, budget.host - est.sequential_fixed)
+    host = host_need(est, on_gpu, left)
+    why = ("--sequential" if forced else f"weights {gb(est.weights)} + working memory "
+           f"{gb(whole - est.weights)} exceed {where}")
+    why += (f": one block at a time on {device}, about {gb(gpu['total'])} there, the "
+            f"activations on the {'GPU' if on_gpu else 'host'}")
+    if gpu_budget is not None and gpu["total"] > gpu_budget:
+        why += " (more than the GPU budget: it may be exceeded)"
+    if not on_gpu and est.activations > left:
+        why += f", beyond {gb(left)} spilled to disk"
+    return Selection("sequential", why, folder, kind, activation_budget=est.activations
+                     if on_gpu else left, budget=budget.host, estimate=est, device=device,
+                     activations_on="device" if on_gpu else "host", gpu_budget=gpu_budget,
+                     predicted_gpu=gpu, predicted_host=host)
+
+
 def _sequential_source(spec: str, task: str | None) -> tuple[Path, str]:
     """The safetensors folder sequential mode streams blocks from: MODEL's own, its hub
     snapshot, or a ``.gguf``'s converted copy (converted once, block by block, into the cache
@@ -343,14 +410,6 @@ def _sequential_source(spec: str, task: str | None) -> tuple[Path, str]:
     if isinstance(found, str):
         raise UsageError(f"--sequential reads a safetensors checkpoint or a .gguf file: {found}")
     return found
-
-
-def process_budget(text: str | None) -> int | None:
-    """``--max-memory``'s process budget in bytes: a plain SIZE; None for accelerate's
-    per-device form (``0=20GiB,cpu=64GiB`` or JSON) or no flag."""
-    if text is None or "=" in text or text.strip().startswith("{"):
-        return None
-    return parse_size(text)
 
 
 def shard_bytes(budget: int | None) -> int | None:

@@ -39,11 +39,17 @@ from ..io.data import build_calibration_set, resolve_calib_spec
 from ..io.loading import LoadedModel, load_tokenizer
 from ..io.source import SafetensorsSource
 from ..io.weights import WeightLoader, build_empty
-from ..model.blocks import block_prefix, find_blocks
+from ..model.block_inputs import (
+    ActivationStore,
+    BlockBatch,
+    capture_block_inputs,
+    run_block,
+    to_device,
+)
+from ..model.blocks import block_prefix, find_blocks, place
 from ..nn.quant_gemm import simulated_gemms
+from ..observe import distributed
 from ..runtime.usage import release_free_memory
-from . import distributed
-from .block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from .in_memory import QuantizeResult, high_precision_report, quantize_model, token_batches
 
 
@@ -52,18 +58,20 @@ class BlockLoader:
     MoE experts are merged from their per-expert tensors) into a meta-built model and releases
     them; counts how many blocks hold float weights at once (``max_resident``)."""
 
-    def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, source: SafetensorsSource, dtype: torch.dtype,
+                 block_device: torch.device | str = "cpu"):
         self.model, self.source, self.dtype = model, source, dtype
         self.weights = WeightLoader(model, source, dtype)
+        self.block_device = block_device  # where a block's tensors are read to
         self.resident: set[int] = set()
         self.max_resident = 0
         self.loads: list[int] = []  # block indices in load order (tests read it)
 
-    def load_prefix(self, prefix: str, exclude: str | None = None) -> None:
-        self.weights.load(self.weights.under(prefix, exclude))
+    def load_prefix(self, prefix: str, exclude: str | None = None, device=None) -> None:
+        self.weights.load(self.weights.under(prefix, exclude), device)
 
     def load_block(self, index: int, prefix: str) -> None:
-        self.load_prefix(prefix)
+        self.load_prefix(prefix, device=self.block_device)
         self.resident.add(index)
         self.loads.append(index)
         self.max_resident = max(self.max_resident, len(self.resident))
@@ -75,7 +83,8 @@ class BlockLoader:
 def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None, *,
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
                         spill_dir: str | Path | None = None, progress=None, open_writer=None,
-                        planner: Planner | None = None):
+                        planner: Planner | None = None, device: str = "cpu",
+                        activations_on: str = "host", replay_budget: int = 1 << 30):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
     ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
 
@@ -88,20 +97,32 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     and the statistics are reduced per block (inside ``quantize_model``). The process's
     allocator is left as the caller set it (``fp8ptq.runtime.usage.bound_heap``).
     ``planner``: the run's plan, asked for the (meta-device) model built here; made here for a
-    call outside a run."""
+    call outside a run.
+
+    ``device``: where each block is computed. On a GPU (``"cuda"``) only the block being
+    quantized is there: its tensors are read from the safetensors files straight onto it,
+    calibrated, quantized, run for the next block's inputs, written and dropped; the modules
+    outside the blocks stay on the host (the embeddings run there once, for every batch, and
+    the recorded keyword arguments move to the GPU once). ``activations_on``: ``"host"`` keeps
+    the inter-block activations in host memory (moved to the GPU one batch at a time) up to
+    ``activation_budget`` and on disk beyond; ``"device"`` keeps them on the GPU (the
+    budget's choice when every batch fits there, ``fp8ptq.execution.budget``);
+    ``replay_budget``: bytes of a block's partial-forward outputs sequential GPTQ may keep for
+    replay (``fp8ptq.algorithms.gptq.replay``), on the block's device."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
         raise UsageError("--rotate needs the whole model at once; use the in-memory pipeline "
                          "(not sequential mode)")
     dtype = getattr(torch, recipe.dtype)
+    device = compute_device(device)
     model = build_empty(folder, dtype)
     found = find_blocks(model)
     if found is None:
         raise UsageError("sequential mode needs a model of repeated blocks (a ModuleList of "
                          "layers); this one has none")
     list_name, blocks = found
-    loader = BlockLoader(model, SafetensorsSource(folder), dtype)
+    loader = BlockLoader(model, SafetensorsSource(folder), dtype, device)
     loader.load_prefix("", exclude=f"{list_name}.")
     model.tie_weights()
     meta = [n for n, p in model.named_parameters()
@@ -119,19 +140,21 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
         raise UsageError("this recipe needs calibration data (--calib-data); dynamic per-token "
                          "activations (--act-granularity token) alone need none")
     writer = open_writer(model, plan) if open_writer and distributed.is_main() else None
-    run = _Run(plan, progress)
+    run = _Run(plan, progress, replay_budget)
     t0 = time.perf_counter()
-    store = ActivationStore(activation_budget, spill_dir)
+    home = device if activations_on == "device" else "cpu"
+    store = ActivationStore(activation_budget, spill_dir, home=home, compute=device)
     # under torchrun a rank carries its own share (+ the example batches every rank reads)
     kwargs_list = distributed.together(capture_block_inputs, model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches), SAMPLE_BATCHES))
+    kwargs_list = to_device(kwargs_list, device)  # masks, positions, rotary: once per batch
     run.times["calibrate"] += time.perf_counter() - t0
     tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
         # every step without a collective of its own ends all ranks together if one fails
         distributed.together(loader.load_block, i, prefix)
-        nxt = ActivationStore(activation_budget, spill_dir)
+        nxt = store.like()
         if propagate == "fp":
             tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         reports = run.quantize_block(block, prefix, store, kwargs_list)
@@ -141,11 +164,13 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
         store = nxt
         if open_writer is not None:
             _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
-            block.to("meta")  # written (by rank 0): its tensors are freed
+            place(block, "meta")  # written (by rank 0): its tensors are freed
+        elif device.type != "cpu":
+            place(block, "cpu")  # kept in the result, not on the GPU beside the next block
         loader.release_block(i)
         release_free_memory()
     if outside:
-        run.quantize_outside(model, list_name, blocks, store, batches, tupled)
+        run.quantize_outside(model, list_name, blocks, store, batches, tupled, device)
     store.close()
     if open_writer is not None:
         _agreed(writer, lambda w: _write_outside(w, model, list_name, run.reports))
@@ -153,11 +178,22 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     extras["high_precision"] = high_precision_report(model)
     extras["sequential"] = {"blocks": len(blocks), "block_list": list_name,
                             "propagate": propagate, "max_resident_blocks": loader.max_resident,
-                            "activation_budget": activation_budget,
+                            "activation_budget": activation_budget, "device": str(device),
+                            "activations_on": activations_on,
                             "outside_blocks": outside}
     result = QuantizeResult(model, run.reports, plan.skipped, run.stats, run.times,
                             run.warnings, extras, recipe=recipe, plan=plan)
     return result, loader
+
+
+def compute_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: ``"cuda"`` is the current GPU (``cuda:0`` where none is
+    set), so that every tensor placed on it compares equal to the block's own."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", index)
+    return device
 
 
 def _agreed(writer: CheckpointWriter | None, work) -> None:
@@ -194,8 +230,8 @@ class _Run:
     results up: reports, statistics, warnings and extras under full module names, and the
     stage times."""
 
-    def __init__(self, plan: QuantPlan, progress):
-        self.plan, self.progress = plan, progress
+    def __init__(self, plan: QuantPlan, progress, replay_budget: int = 1 << 30):
+        self.plan, self.progress, self.replay_budget = plan, progress, replay_budget
         self.reports: list = []
         self.stats: dict = {}
         self.warnings: list[str] = []
@@ -212,7 +248,7 @@ class _Run:
         block_batches = [None if kw is None else BlockBatch(store, j, kw)
                          for j, kw in enumerate(kwargs_list)] or None
         result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
-                                plan=plan)
+                                plan=plan, activation_budget=self.replay_budget)
         self._add(result, prefix)
         self.extras["blocks"][prefix.rstrip(".")] = {
             k: v for k, v in result.extras.items()
@@ -220,16 +256,22 @@ class _Run:
         return result.modules
 
     def quantize_outside(self, model: nn.Module, list_name: str, blocks: nn.ModuleList,
-                         store: ActivationStore, batches: list, tupled: bool) -> None:
+                         store: ActivationStore, batches: list, tupled: bool,
+                         device: str = "cpu") -> None:
         """GEMMs outside the blocks (``--quantize-lm-head``: the head; OPT's projections): the
         whole model runs with every block replaced by a stand-in that hands on the last
         block's stored output for the running batch, so each of those GEMMs sees the input it
-        sees at inference, and ``quantize_model`` quantizes them as in memory."""
+        sees at inference, and ``quantize_model`` quantizes them as in memory (on ``device``:
+        the modules outside the blocks move there for it, the blocks are all written)."""
         parent_name, _, attr = list_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if torch.device(device).type != "cpu":
+            batches = to_device(batches, device)
         feed = _Feed(store, batches)
         setattr(parent, attr, nn.ModuleList(_Stand(feed, k == 0, tupled)
                                             for k in range(len(blocks))))
+        if torch.device(device).type != "cpu":
+            place(model, device)  # the blocks are stand-ins now: the outside modules alone
         handle = model.register_forward_pre_hook(feed.hook, with_kwargs=True)
         plan = self.plan.part(lambda n: not n.startswith(f"{list_name}."))
         try:
@@ -344,7 +386,9 @@ def calibration_from_folder(folder: str | Path, recipe: Recipe, texts):
 def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str = "quantized",
                     activation_budget: int = 1 << 30, spill_dir=None, progress=None,
                     output=None, force: bool = False, close_kwargs=None,
-                    max_shard_bytes: int | None = None, planner: Planner | None = None):
+                    max_shard_bytes: int | None = None, planner: Planner | None = None,
+                    device: str = "cpu", activations_on: str = "host",
+                    replay_budget: int = 1 << 30):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
@@ -352,7 +396,8 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     folder = Path(folder)
     tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
-                   spill_dir=spill_dir, progress=progress, planner=planner)
+                   spill_dir=spill_dir, progress=progress, planner=planner, device=device,
+                   activations_on=activations_on, replay_budget=replay_budget)
     with simulated_gemms():  # quantized blocks feed the next one as ``quantize_model``'s do
         if output is None:
             (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}

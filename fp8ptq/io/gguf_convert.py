@@ -47,18 +47,49 @@ from transformers.modeling_gguf_pytorch_utils import (
 
 from ..checkpoint.shards import SHARD_BYTES, ShardWriter
 from ..errors import DataError, first_line
+from ..files.atomic import atomic_dir
 from ..model.auto import model_class
-from .atomic import atomic_dir
 from .weights import empty_model
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+class _ShortRead(Exception):
+    """A read past the end of the file: ``end`` the byte it needed, ``tensor`` whose data."""
+
+    def __init__(self, end: int, tensor: str | None):
+        super().__init__(end, tensor)
+        self.end, self.tensor = end, tensor
+
+
+class _CheckedReader(GGUFReader):
+    """``GGUFReader`` whose reads past the end of the file raise ``_ShortRead`` (numpy would
+    otherwise report a short slice as a failed ``view`` or ``reshape``)."""
+
+    def _build_tensors(self, start_offs, fields):
+        # each tensor's data starts at start_offs + its offset (parts[5]); parts[1] its name
+        self._starts = {int(start_offs + f.parts[5][0]): bytes(f.parts[1]).decode("utf-8",
+                                                                                 "replace")
+                        for f in fields}
+        return super()._build_tensors(start_offs, fields)
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _ShortRead(end, getattr(self, "_starts", {}).get(offset))
+        return super()._get(offset, dtype, count, override_order)
 
 
 def open_gguf(path: Path) -> GGUFReader:
     """The GGUF header and tensor index, parsed first: a truncated or foreign file fails here,
     with its name, instead of deep inside transformers' converter."""
     try:
-        return GGUFReader(str(path))
+        return _CheckedReader(str(path))
+    except _ShortRead as e:
+        where = (f"tensor {e.tensor} (whose data ends at byte {e.end:,})" if e.tensor else
+                 "its header (metadata and tensor index)")
+        raise DataError(f"truncated GGUF file {path}: it ends at byte {path.stat().st_size:,}, "
+                        f"inside {where}") from None
     except (ValueError, KeyError, IndexError, EOFError, OSError, struct.error) as e:
         raise DataError(f"not a valid GGUF file ({path}): {first_line(e)}") from None
 

@@ -18,19 +18,18 @@ from transformers import AutoTokenizer
 
 from ..checkpoint import load_quantized
 from ..errors import DataError, UsageError, first_line
-from ..execution.placement import Placement
+from ..files.json_files import read_json
+from ..files.safe_pickle import load_torch_file
 from ..model.auto import (  # noqa: F401 - re-exported
     TASK_CLASSES,
     LoadedModel,
-    load_config,
     model_class,
 )
 from ..vision import TinyMobileNet
-from .files import read_json
 from .gguf_convert import convert_gguf
-from .safe_pickle import load_torch_file
+from .placement import Placement
 from .source import is_safetensors_folder, prequantized
-from .weights import load_streaming
+from .weights import load_config, load_streaming
 
 # the tokenizer files transformers reads as JSON (a broken one otherwise surfaces as a bare
 # "Expecting value: line 1 column 1" without a file name)
@@ -141,7 +140,7 @@ def looks_like_path(spec: str) -> bool:
 def _load_pretrained(source, location, kind, *, dtype, device, device_map, task,
                      as_served: bool = False, **hub_kwargs):
     """``from_pretrained`` of model + tokenizer from ``location`` (folder or hub id).
-    ``device_map``: a strategy / dict, or a ``fp8ptq.execution.placement.Placement`` (map, memory
+    ``device_map``: a strategy / dict, or a ``fp8ptq.io.placement.Placement`` (map, memory
     limits, offload folder) handed to accelerate."""
     config = load_config(source, location, as_served=as_served, **hub_kwargs)
     cls = model_class(config, task)
@@ -214,7 +213,7 @@ def is_torch_module_file(spec: str | None) -> bool:
 def _load_torch_module(source, path: Path, *, dtype, device, trust_pickle=False) -> LoadedModel:
     """A ``torch.save``-d ``nn.Module``, or a state dict of the built-in ``digits-cnn``.
 
-    Trust: read without running code from the file (``fp8ptq.io.safe_pickle``): tensors, state
+    Trust: read without running code from the file (``fp8ptq.files.safe_pickle``): tensors, state
     dicts and modules made of torch.nn layers / built-in architectures load as they are; any
     other pickle needs ``trust_pickle`` (``--trust-pickle``)."""
     obj = load_torch_file(path, trust_pickle=trust_pickle, what="model")

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import DataError, first_line
-from .files import read_json
+from ..files.json_files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

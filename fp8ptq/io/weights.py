@@ -14,7 +14,7 @@ for bit the one ``from_pretrained`` builds (tested).
 Why not ``from_pretrained`` on the CPU: it memory-maps every safetensors file and the pages it
 reads stay resident (and count in the process's RSS) until the whole model is loaded, on top
 of the parameters it converts from them, so reading each tensor on its own lowers the loading
-peak (docs/results.md, "Other figures behind code comments").
+peak (docs/results/speed.md, "Other figures behind code comments").
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from torch import nn
-from transformers import GenerationConfig
+from transformers import AutoConfig, GenerationConfig
 
 from ..errors import DataError, UsageError, first_line
-from ..model.auto import load_config, model_class
-from .source import SafetensorsSource
+from ..model.auto import model_class
+from .source import SafetensorsSource, prequantized
 from .weight_map import Load, SourceMap
 
 
@@ -77,9 +77,11 @@ class WeightLoader:
         return [n for n, _ in self.model.named_parameters()
                 if n not in self.map.by_target and n not in self.tied]
 
-    def load(self, loads: list[Load]) -> None:
-        """Read ``loads`` and set their parameters, one load's tensors in memory at a time."""
+    def load(self, loads: list[Load], device: torch.device | str | None = None) -> None:
+        """Read ``loads`` and set their parameters, one load's tensors in memory at a time, on
+        ``device`` (default: the loader's)."""
         folder = self.source.folder
+        device = self.device if device is None else device
         for ld in loads:
             try:
                 values = self.map.realize(ld, self.source.read_one)
@@ -91,7 +93,7 @@ class WeightLoader:
                 if want is not None and tuple(value.shape) != tuple(want):
                     raise DataError(f"{folder}: {name} has shape {tuple(value.shape)} in the "
                                     f"checkpoint, the model expects {tuple(want)}")
-                set_module_tensor_to_device(self.model, name, self.device, value=value,
+                set_module_tensor_to_device(self.model, name, device, value=value,
                                             dtype=value.dtype)
 
 
@@ -120,3 +122,27 @@ def load_streaming(folder: str | Path, config, cls, dtype: torch.dtype,
 
 
 __all__ = ["WeightLoader", "build_empty", "empty_model", "load_streaming"]
+
+
+REMOTE_CODE_HINTS = ("trust_remote_code", "custom code")
+
+
+def load_config(source, location, *, as_served: bool = False, **hub_kwargs):
+    """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
+    transformers does not know, or a repository that ships its own code (refused unless
+    ``trust_remote_code``). ``as_served``: keep another tool's ``quantization_config`` so that
+    transformers applies it (a checkpoint evaluated as a runtime serves it)."""
+    try:
+        config = AutoConfig.from_pretrained(location, **hub_kwargs)
+    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
+        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
+            raise UsageError(f"refusing to run the code that model {source!r} ships with "
+                             "(its config names its own Python modules); pass "
+                             "--trust-remote-code (trust_remote_code=True) only if you trust "
+                             "its source") from None
+        raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
+    if not as_served and Path(location).is_dir() and prequantized(location) is not None:
+        # read as the float model it stands for (``SafetensorsSource``): no quantizer, and no
+        # stale quantization_config in what fp8ptq writes
+        del config.quantization_config
+    return config

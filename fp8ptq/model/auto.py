@@ -5,19 +5,14 @@ fp8ptq checkpoint (``fp8ptq.checkpoint.reader``) share them without importing ea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from transformers import (
-    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
 )
-
-from ..errors import DataError, UsageError, first_line
-from ..io.source import prequantized
 
 TASK_CLASSES = {
     "causal-lm": AutoModelForCausalLM,
@@ -25,8 +20,6 @@ TASK_CLASSES = {
     "seq-cls": AutoModelForSequenceClassification,
     "base": AutoModel,
 }
-
-REMOTE_CODE_HINTS = ("trust_remote_code", "custom code")
 
 
 @dataclass
@@ -62,23 +55,3 @@ def model_class(config, task: str | None = None):
             return AutoModelForCausalLM
     return AutoModel
 
-
-def load_config(source, location, *, as_served: bool = False, **hub_kwargs):
-    """``AutoConfig.from_pretrained`` with its failures as one line: an architecture this
-    transformers does not know, or a repository that ships its own code (refused unless
-    ``trust_remote_code``). ``as_served``: keep another tool's ``quantization_config`` so that
-    transformers applies it (a checkpoint evaluated as a runtime serves it)."""
-    try:
-        config = AutoConfig.from_pretrained(location, **hub_kwargs)
-    except (ValueError, KeyError) as e:  # e.g. a model_type this transformers does not know
-        if any(hint in str(e) for hint in REMOTE_CODE_HINTS):
-            raise UsageError(f"refusing to run the code that model {source!r} ships with "
-                             "(its config names its own Python modules); pass "
-                             "--trust-remote-code (trust_remote_code=True) only if you trust "
-                             "its source") from None
-        raise DataError(f"cannot load model {source!r}: {first_line(e)}") from None
-    if not as_served and Path(location).is_dir() and prequantized(location) is not None:
-        # read as the float model it stands for (``SafetensorsSource``): no quantizer, and no
-        # stale quantization_config in what fp8ptq writes
-        del config.quantization_config
-    return config

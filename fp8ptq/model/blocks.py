@@ -9,6 +9,7 @@ else in it is as long and uniform.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -30,3 +31,29 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 def block_prefix(list_name: str, index: int) -> str:
     """Qualified-name prefix of block ``index`` (``model.layers.3.``)."""
     return f"{list_name}.{index}." if list_name else f"{index}."
+
+
+def place(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Every parameter and buffer of ``module`` moved to ``device`` (``"meta"``: dropped, the
+    memory freed), each module's tensor replaced in its slot rather than swapped in place as
+    ``Module.to`` does for tensor subclasses (which refuses a tensor something holds a weak
+    reference to; the fake-CUDA tests' tensors are such). A parameter shared by two modules
+    (tied weights) stays one parameter."""
+    device = torch.device(device)
+    moved: dict[int, torch.Tensor] = {}
+
+    def new(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            value = (torch.empty_like(t, device=device) if device.type == "meta"
+                     else t.detach().to(device))
+            if isinstance(t, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=t.requires_grad)
+            moved[id(t)] = value
+        return moved[id(t)]
+
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is not None and t.device != device:
+                    slots[name] = new(t)
+    return module

@@ -33,7 +33,7 @@ def run_batch(model: nn.Module, batch, *, logits: bool = True):
 
 # Tokens one statistics-pass forward runs at once (``micro_batches``). A forward's activations
 # and their allocator churn scale with its tokens, so smaller forwards lower the calibration
-# peak (docs/results.md, "Other figures behind code comments"), while GEMMs of M = 1024 rows
+# peak (docs/results/speed.md, "Other figures behind code comments"), while GEMMs of M = 1024 rows
 # are still large enough to run at full speed.
 MICRO_TOKENS = 1024
 

@@ -5,7 +5,7 @@ Calibration runs the model in its ``--dtype`` (bf16 by default) so that every ob
 activations the deployed model produces. On a CPU without AVX-512 BF16 / AMX (oneDNN's
 ``_is_mkldnn_bf16_supported()`` is False: AVX2-only machines such as this project's 2-core
 AMD EPYC), torch's bf16 GEMM has no fast kernel and runs several times slower than float32
-(docs/results.md, "Big models: figures behind docs/big-models.md"). A
+(docs/results/memory.md, "Big models: figures behind docs/big-models.md"). A
 calibration forward is almost all GEMM, so the whole statistics pass (and sequential mode's
 carrying of activations from block to block) runs several times slower than it needs to.
 
@@ -15,7 +15,7 @@ the weight in row chunks of at most ``CHUNK_BYTES`` (so no whole-weight float32 
 resident: a 13824 x 5120 weight is 283 MB in float32), and each output chunk is rounded into
 the bf16 output. The result is a correctly rounded bf16 value of a float32-accumulated dot
 product - what a bf16 GEMM with float32 accumulation computes too, up to the summation
-order, so a few outputs in 10,000 differ by one bf16 unit in the last place (docs/results.md);
+order, so a few outputs in 10,000 differ by one bf16 ulp (docs/results/memory.md);
 it is not bit-identical to torch's bf16 kernel. Every path of a job (in-memory,
 sequential, each rank under torchrun) runs under the same mode, so they stay bit-identical to
 each other. The extra memory (``extra_bytes``: the float32 input, one float32 weight chunk and

@@ -8,10 +8,10 @@ and per key (``q * cos``, ``-x2``, the ``cat`` of ``rotate_half``, ``* sin``, th
 ``LlamaRMSNorm`` three (``pow``, ``* rsqrt``, ``weight *``), ``LlamaMLP`` two beyond its GEMMs
 (``act_fn(gate)``, ``* up``). On float32 SmolLM2-135M these element-wise ops and their page
 faults were about a third of the statistics pass in a profile, nearly as much as the GEMMs
-themselves (docs/results.md, "calibration forwards with fewer temporaries").
+themselves (docs/results/speed.md, "calibration forwards with fewer temporaries").
 
 ``lean_forwards(model)`` replaces, for the duration of a block (the statistics pass,
-``fp8ptq.execution.in_memory.collect_stats``), the forwards it recognises by their source text - the
+``fp8ptq.steps.calibrate.collect_stats``), the forwards it recognises by their source text - the
 ``ast`` of transformers' Llama code, which Qwen2, Mistral and the other "copied from Llama"
 models share - with versions that write into one output tensor and a reused scratch buffer:
 

@@ -1,2 +1,2 @@
-"""What the calibration pass observes: GEMM input statistics, Hessians, attention and residual
-taps."""
+"""What the calibration pass observes: GEMM input statistics (``observers``), Hessians
+(``hessian``), and their reduction across torchrun ranks (``distributed``)."""

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..execution.block_inputs import ActivationStore
+from ..model.block_inputs import ActivationStore
 from ..model.gemm import CONV_TYPES
 
 
@@ -107,6 +107,10 @@ class HessianCollector:
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
         if self.diagonal:
             self._add(self.sums, owner, x2.square().sum(dim=0))
+        elif self.on_device and self.dtype == torch.float32 and owner in self.sums:
+            # float32 sums where the inputs are (a GPU's): the GEMM adds into them, with no
+            # ``in x in`` product beside them (822 MB for an 8B ``down_proj``)
+            self.sums[owner].addmm_(x2.T, x2)
         else:
             self._add(self.sums, owner, self._product(x2, x2))
         self.rows[owner] = self.rows.get(owner, 0) + x2.shape[0]
@@ -116,8 +120,8 @@ class HessianCollector:
         device. Why: on the CPU every fresh tensor of 1 MiB or more is a new mapping whose pages
         the kernel zeroes on first touch (``fp8ptq.runtime.usage.bound_heap``); a batch's
         ``in x in`` product and its float64 copy were two such tensors per GEMM input per batch.
-        (Small beside the forwards' own: no time change measurable on its own, docs/results.md,
-        "Sequential GPTQ's speed".)"""
+        (Small beside the forwards' own: no time change measurable on its own,
+        docs/results/speed.md, "Sequential GPTQ's speed".)"""
         key = (a.shape[1], b.shape[1], a.device, a.dtype)
         out = self._buffers.get(key)
         if out is None:

@@ -72,7 +72,7 @@ def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     ``malloc_trim`` between batches (``release_free_memory``) cannot reach the peak that
     builds inside one forward. Fixing the threshold (which also switches glibc's dynamic
     adjustment off) lowers the calibration peak and makes it repeatable; 1 MiB is as low as a
-    smaller threshold and well below 4 MiB (docs/results.md, "Heap and pages"). A user's own
+    smaller threshold and well below 4 MiB (docs/results/memory.md, "Heap and pages"). A user's own
     ``MALLOC_MMAP_THRESHOLD_`` wins (then nothing is changed); a no-op off glibc. Called by the
     ``fp8ptq`` command at start-up and by ``quantize_model`` / ``quantize_sequential``
     (idempotent)."""
@@ -126,7 +126,7 @@ def exec_with_hugepages() -> None:
     activation tensor of a forward is faulted in afresh, 4 KiB at a time. With the tunable glibc
     ``madvise``s those mappings for 2 MiB pages (where the kernel's THP mode is ``madvise``):
     far fewer page faults and less system time in calibration at about the same peak RSS
-    (docs/results.md, "Huge pages for `bound_heap`"). The exec costs one interpreter start."""
+    (docs/results/speed.md, "Huge pages for `bound_heap`"). The exec costs one interpreter start."""
     new_env = hugepage_env(dict(os.environ), _thp_mode(), _glibc_version())
     if new_env is None or "torch" in sys.modules or not getattr(sys, "orig_argv", None):
         return
@@ -137,7 +137,7 @@ def exec_with_hugepages() -> None:
 
 # The commands that re-execute with huge pages: measured per command, not assumed. ``quantize``:
 # fewer page faults, the same peak RSS. ``eval``: its peak on the 262k-vocabulary bench rose
-# with them for no measured speed-up, so it keeps 4 KiB pages (docs/results.md, "Huge pages
+# with them for no measured speed-up, so it keeps 4 KiB pages (docs/results/speed.md, "Huge pages
 # for `bound_heap`").
 HUGEPAGE_COMMANDS = frozenset({"quantize"})
 

@@ -1,9 +1,10 @@
 """Per-module sensitivity: which GEMMs hurt the model most when they alone are quantized.
 
-One calibration pass (``pipeline.collect_stats``, the statistics ``quantize`` uses) records every
-GEMM's input histogram and a few sampled input rows. Then, per format, each *unit* -- one GEMM
-(level "module") or all GEMMs of one decoder layer (level "block") -- is swapped for the
-``QuantGemm`` that ``quantize`` would build from those statistics, measured, and swapped back.
+One calibration pass (``fp8ptq.steps.calibrate.collect_stats``, the statistics ``quantize``
+uses) records every GEMM's input histogram and a few sampled input rows. Then, per format, each
+*unit* -- one GEMM (level "module") or all GEMMs of one decoder layer (level "block") -- is
+swapped for the ``QuantGemm`` that ``quantize`` would build from those statistics, measured, and
+swapped back.
 Nothing is reloaded.
 
 Metrics (both are proxies for ranking; ``fp8ptq eval`` gives the real numbers):
@@ -25,11 +26,13 @@ width 1/32, so the moments are within about 0.1%):
 
 The package: ``units`` (grouping GEMMs into units), ``statistics`` (weight / input summaries,
 per-format facts), ``swap`` (a unit quantized as ``quantize`` would, and back), ``suggest``
-(the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``stream``
-(``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in
-memory; imported from its module, since it builds on ``fp8ptq.execution.streaming``), ``job``
+(the greedy suggestion and its ``quantize`` flags), ``run`` (``analyze``), ``report`` (the
+result, its JSON and plot), ``budget`` (``--target-delta``) and ``probes``. What builds on the
+execution folder sits there, above this one: ``fp8ptq.execution.sensitivity_stream``
+(``analyze_streamed``: ``--metric sqnr`` block by block, for models that do not fit in memory,
+on ``fp8ptq.execution.streaming``) and ``fp8ptq.execution.sensitivity_job``
 (``run_sensitivity``: what ``fp8ptq sensitivity`` runs, the choice between in memory and
-streamed included; imported from its module too), ``report`` (the result, its JSON and plot).
+streamed included).
 """
 
 from ..errors import UsageError

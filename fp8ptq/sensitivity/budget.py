@@ -27,7 +27,7 @@ within a target, then the real loss measured.
    beyond its own slice; it is the headline (``TargetResult.headline``).
 
 Summing per-unit deltas assumes they add up (first-order: small, independent perturbations);
-the measured number says how well that held (docs/results.md has the measurement).
+the measured number says how well that held (docs/results/studies.md has the measurement).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from torch import nn
 from ..calibrators import registry as calibrators
 from ..config.recipe import Recipe
 from ..errors import UsageError
-from ..execution.in_memory import plan_targets
 from ..formats import get_format
+from ..steps.calibrate import plan_targets
 from . import LEVELS, Session, parse_target, target_value
 from .probes import KLProbe, PerplexityProbe
 
@@ -134,7 +134,7 @@ class UnitDecision:
     rung: str
     deltas: dict[str, float]  # the unit alone, per rung: KL (nats/token) or perplexity delta
     # the unit alone, per rung, its perplexity delta on the same slice (with metric "kl" the
-    # probe scores both from the same logits: the diagnostics of docs/results.md)
+    # probe scores both from the same logits: the diagnostics of docs/results/studies.md)
     ppl_deltas: dict[str, float] = field(default_factory=dict)
 
 

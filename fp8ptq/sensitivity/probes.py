@@ -214,8 +214,8 @@ class KLProbe(PerplexityProbe):
     nats per token, against the distributions recorded by ``baseline()`` (the unquantized
     model). Why not the perplexity delta: that sums signed per-token log-likelihood changes,
     which cancel, so a block whose effect is small measures mostly noise (on SmolLM2 several
-    blocks measure a negative delta on 4,096 tokens, docs/results.md). KL is non-negative per
-    token and, for a calibrated model (text ~ p_float), its mean is the expected log-likelihood
+    blocks measure a negative delta on 4,096 tokens, docs/results/studies.md). KL is non-negative
+    per token and, for a calibrated model (text ~ p_float), its mean is the expected log-likelihood
     increase: the predicted perplexity ratio of a set of units is exp(sum of their KLs).
 
     Memory: per scored position the reference keeps ``top_k`` log-probs and token ids plus the

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..io.atomic import write_file
+from ..files.atomic import write_file
 from ..numbers import finite_or_nan, json_safe
 from .statistics import ModuleStats
 from .suggest import Suggestion

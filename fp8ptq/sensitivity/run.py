@@ -14,11 +14,11 @@ from torch import nn
 from ..config.plan import SAMPLE_BATCHES, QuantPlan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
-from ..execution.in_memory import collect_stats, plan_targets
 from ..formats import get_format
 from ..io.data import build_calibration_set
 from ..model.gemm import kind, weight_2d
 from ..observe.hessian import HessianCollector
+from ..steps.calibrate import collect_stats, plan_targets
 from .probes import LogitsProbe, PerplexityProbe
 from .report import Measure, SensitivityResult, UnitResult
 from .statistics import FormatStats, ModuleStats, _db, _nsr, summarize_input, summarize_weight
@@ -67,7 +67,7 @@ class Session:
         self.model, self.recipe, self.batches, self.progress = model, recipe, batches, progress
         self.level = level
         self.hessians = HessianCollector({t.name: t.module for t in targets},
-                                         dtype=recipe.hessian_dtype) \
+                                         dtype=recipe.hessian_dtype_on("cpu")) \
             if hessians else None
         self.collector = collect_stats(model, targets, batches,
                                        _ticker(progress, "calibrating", len(batches)),

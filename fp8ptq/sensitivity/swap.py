@@ -13,10 +13,10 @@ from torch import nn
 from ..calibrators.layerwise import choose_layerwise
 from ..config.plan import SAMPLE_BATCHES, QuantPlan, build_plan, reads_data
 from ..config.recipe import Recipe
-from ..execution.in_memory import quantize_target, target_granularity
 from ..formats.scales import sqnr_db
 from ..model.gemm import set_submodule, weight_2d
 from ..observe.hessian import HessianCollector
+from ..steps.quantize_module import quantize_target, target_granularity
 from .statistics import FormatStats, _db, _nsr
 
 

@@ -118,11 +118,13 @@ def asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor,
     return W + W @ torch.cholesky_solve(D.T.contiguous(), L).T
 
 
-def damped_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Lower Cholesky factor of ``A = H + lambda I`` (float64), lambda = ``damp`` x mean(diag H),
-    a 1 on the diagonal of inputs that were always zero (diag H = 0), more dampening where
-    ``A`` is still not positive definite (as GPTQ's own). ``H`` is not modified."""
-    H = H.to(torch.float64)
+def damped_cholesky(H: torch.Tensor, damp: float,
+                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Lower Cholesky factor of ``A = H + lambda I`` (in ``dtype``, float64 by default),
+    lambda = ``damp`` x mean(diag H), a 1 on the diagonal of inputs that were always zero
+    (diag H = 0), more dampening where ``A`` is still not positive definite (as GPTQ's own).
+    ``H`` is not modified."""
+    H = H.to(dtype)
     dead = torch.diagonal(H) == 0
     mean = float(torch.diagonal(H).mean()) or 1.0
     for factor in (damp, max(damp, 1e-4) * 10, max(damp, 1e-4) * 100):  # as GPTQ's own

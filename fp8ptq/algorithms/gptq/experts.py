@@ -7,8 +7,9 @@ for both), ``down``'s from that expert's intermediate ``act(gate) * up``. With
 ``all_tokens`` (``--gptq-all-experts``, llm-compressor's ``moe_calibrate_all_experts``) every
 calibration token counts for every expert instead: the ``gate_up`` Hessian is then the same for
 all experts and is held once. Routed tokens are the default: they are the inputs each expert
-multiplies at inference, and on held-out tokens they gave every expert a lower error than round
-to nearest, which every-token Hessians did not (docs/results.md, "GPTQ for MoE experts").
+multiplies at inference, and on held-out tokens they gave a lower error than every-token
+Hessians (docs/results/llm-compressor.md, "GPTQ for MoE experts"), whose sweep left one expert
+of the tests' tiny Qwen3-MoE above round to nearest.
 
 In sequential GPTQ's order (``fp8ptq.algorithms.gptq.sequential``) an experts module is one
 step where the block runs it, in two halves: the forwards stop on entering the experts, each
@@ -40,13 +41,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...execution import distributed
 from ...formats import FormatSpec, decode
 from ...formats.scales import sqnr_db
 from ...formats.weight_quant import QuantizedWeight, choose_scale, quantize_weight
 from ...model.experts import ExpertsInfo, expert_weight
 from ...model.forward import run_batch
 from ...model.lean import lean_forwards
+from ...observe import distributed
 from .replay import PartialForwards
 from .sweep import gptq_codes
 

@@ -4,7 +4,7 @@ The sweep (``sweep._sweep``) quantizes the columns of a block of 128 one after t
 column's rounding error spread onto the block's later columns before the next is rounded. Run
 as torch operations that is about ten small kernels per column: 155,648 columns for four
 Llama-3-8B-shaped blocks, and on a GPU their launches, not their arithmetic, are the sweep's
-cost (about 0.5 ms a column on an H200 with the generic codec, docs/results.md "On a GPU").
+cost (about 0.5 ms a column on an H200 with the generic codec, docs/results/gpu.md "On a GPU").
 Here one program holds ``BLOCK_R`` output rows of the whole block in registers and runs the
 128 steps itself: one launch per block instead of ~1,300. llm-compressor's GPTQ does the same
 with its own Triton kernel for its FP8 and int schemes.

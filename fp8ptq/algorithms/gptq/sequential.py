@@ -39,12 +39,12 @@ from torch import nn
 
 from ...calibrators.registry import weight_entry
 from ...config.plan import hessian_diagonal_only
-from ...execution import distributed
-from ...execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
+from ...model.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from ...model.blocks import block_prefix, find_blocks
 from ...model.forward import micro_batches, run_batch
 from ...model.gemm import weight_2d
 from ...model.lean import lean_forwards
+from ...observe import distributed
 from ...observe.hessian import HessianCollector
 from .asym import AsymmetricCollector, input_quantizer
 from .experts import ExpertSteps, QuantizeExperts
@@ -60,8 +60,8 @@ class _Stop(Exception):
 
 
 # sink-aware GPTQ's default weight for causal language models: the first tokens weighted as
-# much as all calibration tokens together (docs/results.md, "fp8ptq's default recipe against
-# llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
+# much as all calibration tokens together (docs/results/llm-compressor.md, "fp8ptq's default
+# recipe against llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
 SINK_WEIGHT = 1.0
 
 

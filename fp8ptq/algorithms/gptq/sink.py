@@ -36,6 +36,7 @@ from torch import nn
 
 from ...observe.hessian import HessianCollector
 from .asym import damped_cholesky
+from .sweep import factor_dtype
 
 
 class SinkCollector(HessianCollector):
@@ -76,7 +77,7 @@ class SinkCollector(HessianCollector):
     def _sink_update(self, owner: str, h: torch.Tensor, left: int) -> torch.Tensor:
         """``h += 2 weight mean_B(r q^T)`` in place, ``r`` the kept rows ``left`` (0: x, 1: q)
         minus, for ``left`` 0, ``q`` (``C - H~``: see ``cross_term``)."""
-        rows = self._rows(owner, h.device)
+        rows = self._rows(owner, h.device).to(h.dtype)
         r = rows[0] - rows[1] if left == 0 else rows[1]
         return h.addmm_(r.T, rows[1], alpha=2.0 * self.weight / rows.shape[1])
 
@@ -89,8 +90,8 @@ class SinkCollector(HessianCollector):
         owner = self.alias.get(name, name)
         if owner not in self._tilde:
             h = self.sums.pop(owner, None)
-            if h is not None:
-                h = h.double()  # float32 sums (``gptq_hessian_dtype``): H~ is float64 anyway
+            if h is not None:  # float32 sums stay float32 on a GPU (``factor_dtype``)
+                h = h.to(factor_dtype(h, h.device))
                 with torch.inference_mode():  # the sums were made under it: in place needs it
                     h.mul_(2.0).div_(max(self.rows[owner], 1))  # as ``_scaled``, bit for bit
                     if self.first_rows.get(owner):
@@ -123,20 +124,21 @@ class SinkCollector(HessianCollector):
         and ``A`` the dampened ``H~``: one Cholesky and a solve for n right-hand sides, where
         the dense form builds ``C``, ``C - H~`` and an ``in x in`` solve. Why: those
         ``in x in`` float64 temporaries, a few per GEMM, made the sink's share of a SmolLM2
-        quantize larger than the column sweeps' (docs/results.md, "Sequential GPTQ's
+        quantize larger than the column sweeps' (docs/results/speed.md, "Sequential GPTQ's
         speed")."""
         owner = self.alias.get(name, name)
         H = self.hessian(name)
-        w0 = w0.double()
         if H is None or not self.first_rows.get(owner):
-            return w0
+            return w0.double()
         H = H.to(w0.device)
-        rows = self._rows(owner, w0.device)
+        dt = H.dtype  # float64, or float32 on a GPU (``hessian``): the solve in the same
+        w = w0.to(dt)
+        rows = self._rows(owner, w0.device).to(dt)
         dead = torch.diagonal(H) == 0  # inputs always zero: W0's column is kept there
         Q = rows[1].masked_fill(dead.unsqueeze(0), 0.0)  # [n, in]
-        low = (w0 @ (rows[0] - rows[1]).T).mul_(2.0 * self.weight / rows.shape[1])  # [out, n]
-        L = damped_cholesky(H, damp)
-        return torch.addmm(w0, low, torch.cholesky_solve(Q.T.contiguous(), L).T)
+        low = (w @ (rows[0] - rows[1]).T).mul_(2.0 * self.weight / rows.shape[1])  # [out, n]
+        L = damped_cholesky(H, damp, dt)
+        return torch.addmm(w, low, torch.cholesky_solve(Q.T.contiguous(), L).T).double()
 
 
 __all__ = ["SinkCollector"]

@@ -30,8 +30,8 @@ from . import fused
 BLOCK = 128
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float,
-                      order: torch.Tensor | None = None) -> torch.Tensor:
+def _inverse_cholesky(H: torch.Tensor, damp: float, order: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Upper Cholesky factor ``U`` of ``(A + damp * mean(diag A) * I)^-1`` (``U^T U`` is that
     inverse; float64 for stability), ``A`` the Hessian ``H`` with its rows and columns taken in
     ``order`` (the sweep's column order; None: as they are) and a 1 on the diagonal of inputs
@@ -43,33 +43,39 @@ def _inverse_cholesky(H: torch.Tensor, damp: float,
     positive diagonal, so it IS the Cholesky factor (unique). One Cholesky and one triangular
     solve, against the reference code's Cholesky, ``cholesky_inverse`` and second Cholesky:
     LAPACK's ``potri`` behind ``cholesky_inverse`` scales badly with threads on a loaded CPU,
-    and this path needs no inverse at all (docs/results.md, "GPTQ sweep").
+    and this path needs no inverse at all (docs/results/speed.md, "GPTQ sweep").
 
     Memory: at most two ``in x in`` float64 matrices at once besides ``H``: ``P A P`` is
     gathered in one step (order and reversal together), dampened on its diagonal in place and
     freed once factored; the triangular solve overwrites the identity it starts from. Written
     the plain way (a damped copy, an identity, a flipped copy, a separate solve output) it held
     five or six, which for a 70B model's 28,672-input ``down_proj`` is the difference between
-    about 12 GiB (plus its 6 GiB Hessian) and over 30 GiB."""
+    about 12 GiB (plus its 6 GiB Hessian) and over 30 GiB.
+
+    ``dtype``: the factor's (float64 by default; float32 halves those matrices where the sums
+    were float32 on a GPU, as llm-compressor factors them). A float32 factorization that fails
+    at every dampening is done again in float64 before giving up."""
     n = H.shape[0]
     rev = (order if order is not None else torch.arange(n, device=H.device)).flip(0)
-    base = torch.diagonal(H).double().index_select(0, rev)
+    base = torch.diagonal(H).to(dtype).index_select(0, rev)
     base.masked_fill_(base == 0, 1.0)  # inputs that were always zero: any weight is free there
     mean = base.mean()  # >= 1 / n: never zero after the fill above; kept on the device
     for factor in (damp, damp * 10, damp * 100, 1.0):
-        F = H.detach().index_select(0, rev).double().index_select(1, rev)  # P A P
+        F = H.detach().index_select(0, rev).to(dtype).index_select(1, rev)  # P A P
         torch.add(base, mean * factor, out=F.diagonal())
         L, info = torch.linalg.cholesky_ex(F)
         del F
         if int(info) != 0:  # one host sync per try, never per column
             continue
-        U = torch.eye(n, dtype=torch.float64, device=H.device)
+        U = torch.eye(n, dtype=dtype, device=H.device)
         torch.linalg.solve_triangular(L, U, upper=False, out=U)  # L^-1, in place
         del L
         U = U.flip(0, 1)
         # max |U| in one pass with no n x n bool temporary (NaN propagates, inf stays inf)
         if math.isfinite(float(torch.linalg.vector_norm(U, float("inf")))):
             return U
+    if dtype != torch.float64:
+        return _inverse_cholesky(H, damp, order, torch.float64)
     raise ValueError("the Hessian is not positive definite even with heavy dampening")
 
 
@@ -82,17 +88,19 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
     modified). Everything runs on ``W``'s device: the Hessian (kept on the CPU by the collector,
     where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
-    GPU. The Cholesky factor is float64 on every device; the sweep is float32, so a GPU and a CPU
+    GPU. The Cholesky factor is float64 (float32 for float32 sums on a GPU: ``factor_dtype``); the
+    sweep is float32, so a GPU and a CPU
     agree on the codes except where a value sits within float32 rounding of a code boundary and
     the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
     H = H.detach().to(dev)
     hdiag = torch.diagonal(H).double()
     perm = torch.argsort(hdiag, descending=True) if act_order else None
-    # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), the sweep
-    # in float32 like the reference code: its error terms are far below a code's step, and
-    # float32 halves the sweep's memory traffic and skips a dtype conversion per column
-    U = _inverse_cholesky(H, damp, perm).float()
+    # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
+    # float32 where the sums were float32 on a GPU (``gptq_hessian_dtype`` auto there: GPU
+    # memory first); the sweep in float32 like the reference code: its error terms are far
+    # below a code's step, and float32 halves the sweep's memory traffic
+    U = _inverse_cholesky(H, damp, perm, factor_dtype(H, dev)).float()
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
@@ -113,6 +121,12 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     if perm is not None:
         codes = codes.index_select(1, torch.argsort(perm))
     return codes.contiguous()
+
+
+def factor_dtype(H: torch.Tensor, device: torch.device) -> torch.dtype:
+    """The Cholesky factor's dtype: float32 for float32 sums swept on a GPU, else float64."""
+    return torch.float32 if H.dtype == torch.float32 and device.type != "cpu" \
+        else torch.float64
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from torch import nn
 from ...errors import DataError, Fp8ptqError, first_line
 from ...formats import get_format
 from ...nn.quant_experts import ProjectionQuant
-from ...observe.taps import KV_OBSERVER, kv_granularity_from_report
+from ...taps.taps import KV_OBSERVER, kv_granularity_from_report
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
 from ..names import CT_FLOAT, CT_INT, CT_MIXED, CT_MXFP8, CT_NAIVE, LAYOUT_CT, META_NAME, ct_type

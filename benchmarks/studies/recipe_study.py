@@ -1,6 +1,8 @@
-"""Which recipe should ``fp8ptq quantize MODEL --format e4m3`` use? Many recipes, one harness.
+"""Which e4m3 recipe: SmolLM2-135M perplexity / MiniLM SQuAD F1 of many recipes, one harness.
 
-    python benchmarks/recipe_study.py smollm2|minilm [--assets ../shared/assets]
+Which recipe should ``fp8ptq quantize MODEL --format e4m3`` use?
+
+    python benchmarks/studies/recipe_study.py smollm2|minilm [--assets ../shared/assets]
         [--out out/recipes] [--only NAME[,NAME]] [--articles 5] [--questions 1000]
         [--num-samples 32] [--quick]
 
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from fp8ptq.config.recipe import Recipe  # noqa: E402

@@ -1,11 +1,12 @@
 """``fp8ptq sensitivity`` as one library call: the analysis of MODEL, in memory or streamed.
 
 Where the analysis runs is decided here, not by the command: block by block from the
-safetensors folder (``fp8ptq.sensitivity.stream``) with ``--sequential``, or when a plain
+safetensors folder (``fp8ptq.execution.sensitivity_stream``) with ``--sequential``, or when a plain
 ``--max-memory SIZE`` is too small for the whole model (``fp8ptq.execution.strategy`` sizes it
 as for ``quantize``); else the model is loaded whole (``analyze``). The CLI parses flags into
 these arguments, calls ``run_sensitivity`` and prints the result, as ``fp8ptq quantize`` does
-with ``fp8ptq.quantize``. Imported from its module (it builds on ``fp8ptq.execution``).
+with ``fp8ptq.quantize``. It sits in ``fp8ptq.execution``, above the analysis it runs
+(``fp8ptq.sensitivity``), since it builds on the quantize job and strategy.
 """
 
 from __future__ import annotations
@@ -15,17 +16,23 @@ from pathlib import Path
 
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
-from ..execution import job, strategy
-from ..execution.in_memory import token_batches
-from ..execution.placement import materialize_offloaded
-from ..execution.streaming import calibration_from_folder
 from ..io.data import FILE_SUFFIXES, load_texts
+from ..io.placement import materialize_offloaded
 from ..runtime.usage import timed
-from .report import SensitivityResult
-from .run import DEFAULT_EVAL_DATA, DEFAULT_STAT_FORMATS, analyze, check_recipe, eval_windows
-from .stream import analyze_streamed
-from .suggest import parse_target
-from .swap import plan_format
+from ..sensitivity.report import SensitivityResult
+from ..sensitivity.run import (
+    DEFAULT_EVAL_DATA,
+    DEFAULT_STAT_FORMATS,
+    analyze,
+    check_recipe,
+    eval_windows,
+)
+from ..sensitivity.suggest import parse_target
+from ..sensitivity.swap import plan_format
+from . import job, strategy
+from .in_memory import token_batches
+from .sensitivity_stream import analyze_streamed
+from .streaming import calibration_from_folder
 
 
 @dataclass

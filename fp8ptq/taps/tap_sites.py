@@ -1,7 +1,7 @@
-"""Where the activation taps of ``fp8ptq.observe.taps`` sit: the ``fp8ptq_eager`` attention function
+"""Where the activation taps of ``fp8ptq.taps.taps`` sit: the ``fp8ptq_eager`` attention function
 registered with transformers (the model's own eager attention, with the Q / K / V / P taps of
 the ``ActivationTaps`` that owns the module) and the residual branches of each layer type.
-See ``fp8ptq.observe.taps`` for what is quantized and why."""
+See ``fp8ptq.taps.taps`` for what is quantized and why."""
 
 from __future__ import annotations
 

@@ -25,47 +25,88 @@ from ..model.lean import lean_forwards
 
 class ActivationStore:
     """Tensors by index, in memory up to ``budget_bytes`` then in memory-mapped files under
-    ``spill_dir``. ``spilled`` counts what went to disk (tests assert it)."""
+    ``spill_dir``. ``spilled`` counts what went to disk (tests assert it).
 
-    def __init__(self, budget_bytes: int, spill_dir: str | Path | None = None):
+    ``home``: where the kept tensors live (None: where they were made); ``compute``: where
+    ``get`` hands them out (None: where they live). The one-block GPU path keeps them on the
+    host (``home="cpu"``, page-locked where CUDA is real, so each batch's copy to the GPU
+    is a DMA) or, when its GPU budget has room for every batch, on the GPU itself."""
+
+    def __init__(self, budget_bytes: int, spill_dir: str | Path | None = None, *,
+                 home: torch.device | str | None = None,
+                 compute: torch.device | str | None = None):
         self.budget = budget_bytes
         self.spill_dir = Path(spill_dir) if spill_dir else None
+        self.home = None if home is None else torch.device(home)
+        self.compute = None if compute is None else torch.device(compute)
         self.items: dict[int, object] = {}
         self.resident_bytes = 0
         self.spilled = 0
         self._tmp = None
 
+    def like(self) -> ActivationStore:
+        """An empty store with the same budget, folder and devices (the next block's)."""
+        return ActivationStore(self.budget, self.spill_dir, home=self.home,
+                               compute=self.compute)
+
     def put(self, index: int, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
         n = t.numel() * t.element_size()
         if self.resident_bytes + n <= self.budget:
-            self.items[index] = t.clone()
+            self.items[index] = self._kept(t)
             self.resident_bytes += n
             return
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="fp8ptq-act-", dir=self.spill_dir)
         path = Path(self._tmp.name) / f"{index}.bin"
+        t = t.cpu()
         raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
         raw.reshape(-1).numpy().tofile(path)
         self.items[index] = (path, t.dtype, tuple(t.shape))
         self.spilled += 1
 
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` on ``home`` that the caller's later writes cannot reach."""
+        home = self.home or t.device
+        if home.type == "cpu" and t.device.type == "cuda" and torch.cuda.is_available():
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t)
+        return t.to(home, copy=True)
+
     def get(self, index: int) -> torch.Tensor:
         item = self.items[index]
         if isinstance(item, torch.Tensor):
-            return item
+            return self._handed(item)
         path, dtype, shape = item
         raw = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r").copy())
-        return raw.view(dtype).reshape(shape)
+        return self._handed(raw.view(dtype).reshape(shape))
+
+    def _handed(self, t: torch.Tensor) -> torch.Tensor:
+        if self.compute is None or t.device == self.compute:
+            return t
+        return t.to(self.compute, non_blocking=t.is_pinned())
 
     def __len__(self):
         return len(self.items)
 
     def close(self) -> None:
         self.items.clear()
+        self.resident_bytes = 0
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def to_device(value, device: torch.device | str):
+    """``value`` (a batch's recorded keyword arguments: tensors, tuples of tensors such as
+    rotary ``(cos, sin)``, plain values) with every tensor moved to ``device``."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
 
 
 class _Stop(Exception):

@@ -1,8 +1,11 @@
-"""Trans-precision inference of a small CNN (Sun et al. 2019 sec 3 / Table 1 analogue): accuracy
-of a MobileNet-style CNN trained on scikit-learn's digits, fp32 vs quantized, per format and scales.
+"""Accuracy of a digits CNN with BatchNorm, fp32 vs FP8 formats (Sun et al. 2019 Table 1).
 
-    python benchmarks/digits_cnn.py [--seeds 0,1,2] [--formats e4m3,hfp8,e5m2,e2m3fn,e4m0fn]
-                                    [--calib-images 512] [--json PATH]
+Trans-precision inference of a small CNN (Sun et al. 2019 sec 3 / Table 1 analogue): accuracy
+of a MobileNet-style CNN trained on scikit-learn's digits, fp32 vs quantized, per format and
+scales.
+
+    python benchmarks/studies/digits_cnn.py [--seeds 0,1,2]
+        [--formats e4m3,hfp8,e5m2,e2m3fn,e4m0fn] [--calib-images 512] [--json PATH]
 
 Scales: ``cast`` = direct cast, scale 1 (no calibration: Sun et al.'s trans-precision inference);
 ``max`` = calibrated max scales (per-channel weights, per-tensor activations). Variants:
@@ -18,17 +21,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from _common import emit
 
-from fp8ptq.config.recipe import Recipe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+
+from _common import emit  # noqa: E402
+
+from fp8ptq.config.recipe import Recipe  # noqa: E402
+from fp8ptq.evals.vision import quantize_and_score  # noqa: E402
 from fp8ptq.vision import (
     accuracy,
     image_batches,
     load_digits_data,
-    quantize_and_score,
     train_digits_cnn,
 )
 

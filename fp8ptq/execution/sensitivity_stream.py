@@ -27,14 +27,13 @@ import torch
 
 from ..config.recipe import Recipe
 from ..errors import UsageError
-from ..execution.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
-from ..execution.streaming import BlockLoader
 from ..io.source import SafetensorsSource
 from ..io.weights import build_empty
+from ..model.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from ..model.blocks import block_prefix, find_blocks
 from ..runtime.usage import release_free_memory
-from .report import SensitivityResult, UnitResult
-from .run import (
+from ..sensitivity.report import SensitivityResult, UnitResult
+from ..sensitivity.run import (
     SQNR_NOTE,
     Session,
     check_request,
@@ -43,8 +42,9 @@ from .run import (
     unit_measure,
     with_module_warnings,
 )
-from .swap import plan_format
-from .units import group_units
+from ..sensitivity.swap import plan_format
+from ..sensitivity.units import group_units
+from .streaming import BlockLoader
 
 
 def analyze_streamed(folder: str | Path, recipe: Recipe, batches: list, *,

@@ -65,7 +65,7 @@ from ..config.recipe import KV_CACHE_FORMATS
 from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..formats import fake_quantize, get_format
 from ..formats.scales import amax_to_scale, histogram_sqnr_db
-from .observers import TensorStats
+from ..observe.observers import TensorStats
 from .tap_sites import (
     ATTENTION_OWNERS,
     ATTENTION_ROLES,

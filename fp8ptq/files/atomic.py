@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -33,9 +34,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from ..errors import Fp8ptqError, UsageError
 
 MARK = ".fp8ptq-tmp-"
+# safetensors reports an I/O failure as a SafetensorError whose message ends with the OS error
+# (``Error while serializing: I/O error: No space left on device (os error 28)``), not OSError
+_OS_ERROR = re.compile(r"I/O error: (.*) \(os error (\d+)\)")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 TAKEN = (errno.EEXIST, errno.ENOTEMPTY)
 IF_EXISTS = ("fail", "replace", "keep")
@@ -195,9 +201,16 @@ def _taken(out: Path) -> UsageError:
 
 @contextmanager
 def _mapped(out: Path):
-    """OSErrors while writing ``out`` -> one line naming ``out`` (``Fp8ptqError``, exit 1)."""
+    """OSErrors (safetensors' I/O errors included) while writing ``out`` -> one line naming
+    ``out`` (``Fp8ptqError``, exit 1)."""
     try:
-        yield
+        try:
+            yield
+        except SafetensorError as e:
+            wrapped = _os_error_in(e)
+            if wrapped is None:
+                raise
+            raise wrapped from e
     except OSError as e:
         if e.errno in NO_SPACE:
             raise Fp8ptqError(f"no space left on device writing {out}; nothing was "
@@ -209,6 +222,13 @@ def _mapped(out: Path):
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(out) else ""
             reason = f"{e.strerror or e}{where}"
         raise Fp8ptqError(f"cannot write {out}: {reason}; nothing was written") from None
+
+
+def _os_error_in(e: SafetensorError) -> OSError | None:
+    """The ``OSError`` safetensors' I/O failure wraps (None for its other errors), so a full
+    disk reads the same whichever library was writing."""
+    found = _OS_ERROR.search(str(e))
+    return OSError(int(found[2]), found[1]) if found else None
 
 
 def _process_alive(pid: int) -> bool:
