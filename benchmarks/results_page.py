@@ -38,6 +38,7 @@ BLOCKS = {
     "error-budget": "llm-compressor.md",  # studies/error_budget.py
     "squad-budget": "llm-compressor.md",  # studies/squad_budget.py
     "llmc-reading": "llm-compressor.md",  # by hand
+    "moe-gptq": "llm-compressor.md",  # moe_gptq.py
 }
 ACCURACY = RESULTS / "accuracy.md"  # reproduce.py's page: rendered around its marked blocks
 

@@ -354,7 +354,7 @@ def build_plan(model: nn.Module, recipe: Recipe) -> QuantPlan:
     gemms, skipped = plan_gemms(model, recipe)
     experts = plan_experts(model, recipe, skipped)
     static = any(m.input is not None and m.input.static for m in [*gemms, *experts])
-    gptq = any(reads_data(m) for m in gemms)
+    gptq = any(reads_data(m) for m in [*gemms, *experts])
     facts = replace(run_facts(recipe, static_inputs=static, gptq=gptq),
                     causal_lm=is_causal_lm(model))
     return QuantPlan(recipe, gemms, experts, skipped, facts, taps_plan(recipe))

@@ -131,6 +131,11 @@ class Recipe(BaseModel):
         None, "Sequential GPTQ also keeps each sequence's first token (the attention sink) "
         "exact through the GEMM's own input rounding, weighted W against all tokens (0: off) "
         "[1 for causal language models, else 0].")
+    # MoE (``fp8ptq.algorithms.gptq.experts``): each expert's GPTQ Hessians from every
+    # calibration token instead of the tokens the router sends it
+    gptq_all_experts: bool = flag(
+        False, "MoE: each expert's GPTQ Hessians from every calibration token (llm-compressor's "
+        "moe_calibrate_all_experts) instead of the tokens the router sends it [off].")
     rounding: str | None = flag(  # default: the format's own
         None, "Rounding of weights (default: the format's own).", choices=ROUNDINGS)
     scale_pow2: bool = flag(

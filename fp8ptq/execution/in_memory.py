@@ -61,6 +61,7 @@ from ..steps.quantize_module import (  # noqa: F401 - ExpertsTarget re-exported
     target_granularity,
 )
 from ..taps.taps import ActivationTaps
+from .experts_quant import sweep_experts
 
 
 @dataclass
@@ -253,11 +254,16 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                                           chosen.get(t.name), weight_scale=unified.get(t.name),
                                           hessian=hessian, aim=aim)
 
+    swept: dict[str, dict] = {}  # experts swept by GPTQ in run order: their report entries
     if in_order:  # GEMMs in blocks, in run order, each Hessian from the model quantized so far
+        expert_stats = observer.stats if observer is not None else {}
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
             aim=Aim.of(recipe, facts.causal_lm), activation_budget=activation_budget,
-            hessian_dtype=recipe.hessian_dtype_on(_device_of(model)))
+            hessian_dtype=recipe.hessian_dtype_on(_device_of(model)),
+            experts=[e for e in experts if reads_data(e)],
+            quantize_experts=lambda e, feed: sweep_experts(
+                model, e, plan, gran, w_calib, expert_stats, feed, swept, all_warnings))
     for t in targets:
         if t.name not in by_name:
             quantize_one(t, hessians.hessian(t.name) if hessians and reads_data(t) else None)
@@ -269,7 +275,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
     if experts:
         extras["experts"] = _quantize_all_experts(model, plan, gran, w_calib,
                                                   observer.stats if batches is not None else {},
-                                                  all_warnings)
+                                                  all_warnings, swept)
     if taps is not None:
         extras["taps"] = taps.freeze(plan)
     times["quantize"] = time.perf_counter() - t0
@@ -286,14 +292,17 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _quantize_all_experts(model, plan: QuantPlan, gran, w_calib, stats: dict,
-                          warnings: list[str]) -> dict:
-    """Quantize every fused-experts module. Layer-output-aware activation calibrators (best-of,
-    pow2-search) search with one layer's cached input rows and weight; experts have one of each
-    per expert, so they use the entry's statistics fallback here (recorded in the report)."""
+                          warnings: list[str], swept: dict) -> dict:
+    """Quantize every fused-experts module (``swept``: the report entries of those GPTQ already
+    swept in its run order, kept as they are). Layer-output-aware activation calibrators
+    (best-of, pow2-search) search with one layer's cached input rows and weight; experts have
+    one of each per expert, so they use the entry's statistics fallback here (recorded in the
+    report)."""
     a_calib = plan.act_calibrator()
     unify = unify_fused(plan.recipe, plan.experts)
-    return {e.name: quantize_experts_module(model, e, plan.recipe, gran, w_calib, a_calib, stats,
-                                            unify, warnings) for e in plan.experts}
+    return {e.name: swept[e.name] if e.name in swept else
+            quantize_experts_module(model, e, plan.recipe, gran, w_calib, a_calib, stats,
+                                    unify, warnings) for e in plan.experts}
 
 
 def high_precision_report(model: nn.Module, top: int = 8) -> dict:

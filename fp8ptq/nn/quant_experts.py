@@ -204,30 +204,36 @@ class ExpertsReport:
 def quantize_experts(name: str, module: nn.Module, info: ExpertsInfo, *, weight_format,
                      act_format, act_granularity: str, gran, w_calib, a_calib,
                      stats: dict[str, TensorStats], rounding: str | None = None,
-                     pow2: bool = False) -> tuple[QuantExperts, ExpertsReport]:
+                     pow2: bool = False, round_expert=None) -> tuple[QuantExperts, ExpertsReport]:
     """Quantize every expert of ``module`` (each expert's matrix like one ``QuantGemm``
-    weight); static input scales per expert from ``stats`` (keys from ``expert_unit_name``)."""
+    weight); static input scales per expert from ``stats`` (keys from ``expert_unit_name``).
+    ``round_expert(proj, e, w2d, warnings)``: a ``QuantizedWeight`` for that expert's matrix
+    (GPTQ's, ``fp8ptq.algorithms.gptq.experts``) or None (rounded to nearest here). The codes
+    are written expert by expert into one ``[E, out, in]`` tensor."""
     params = sum(getattr(module, p).numel() for p in info.projections)
     report = ExpertsReport(name, info.num_experts, weight_format.name,
                            act_format.name if act_format else None, params)
     projections = {}
     for proj in info.projections:
         weights = expert_weight(module, info, proj).detach()
-        codes, scales, sqnrs = [], [], []
+        codes = torch.empty(weights.shape, dtype=torch.uint8, device=weights.device)
+        scales, sqnrs = [], []
         for e in range(info.num_experts):
             w2d = weights[e]
-            scale = choose_scale(w2d, weight_format, gran, w_calib, pow2=pow2,
-                                 what=f"expert {e} {proj} weight", warnings=report.warnings)
-            qw = quantize_weight(w2d, scale, weight_format, gran, rounding=rounding,
-                                 name=expert_unit_name(name, e, proj))
-            codes.append(qw.codes)
-            scales.append(scale)
+            qw = None if round_expert is None else round_expert(proj, e, w2d, report.warnings)
+            if qw is None:
+                scale = choose_scale(w2d, weight_format, gran, w_calib, pow2=pow2,
+                                     what=f"expert {e} {proj} weight", warnings=report.warnings)
+                qw = quantize_weight(w2d, scale, weight_format, gran, rounding=rounding,
+                                     name=expert_unit_name(name, e, proj))
+            codes[e] = qw.codes
+            scales.append(qw.scale)
             sqnrs.append(qw.sqnr_db)
         input_scale, unseen, input_sqnr = None, [], []
         if act_format is not None and act_granularity == "tensor":
             input_scale, unseen, input_sqnr = _input_scales(name, proj, info, act_format,
                                                             a_calib, stats, pow2, report)
-        projections[proj] = ProjectionQuant(torch.stack(codes), torch.stack(scales), input_scale)
+        projections[proj] = ProjectionQuant(codes, torch.stack(scales), input_scale)
         report.projections[proj] = {
             "weight_sqnr_db_min": min(sqnrs),
             "weight_scale_min": float(torch.stack(scales).min()),

@@ -43,20 +43,25 @@ class ModuleReport:
 
 
 def quantize_experts_module(model, e: ModulePlan, recipe: Recipe, gran, w_calib, a_calib,
-                            stats: dict, unify: bool, warnings: list[str]) -> dict:
-    """Replace the experts module ``e`` with its ``QuantExperts``; its report entry."""
+                            stats: dict, unify: bool, warnings: list[str],
+                            round_expert=None) -> dict:
+    """Replace the experts module ``e`` with its ``QuantExperts``; its report entry.
+    ``round_expert``: GPTQ's rounding of the experts it has a Hessian for
+    (``quantize_experts``; ``fp8ptq.algorithms.gptq.experts``)."""
     q, rep = quantize_experts(
         e.name, e.module, e.info, weight_format=e.weight_format, act_format=e.act_format,
         act_granularity=recipe.act_granularity, gran=gran, w_calib=w_calib, a_calib=a_calib,
-        stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2)
+        stats=stats, rounding=recipe.rounding, pow2=recipe.scale_pow2,
+        round_expert=round_expert)
     if unify:
         unify_expert_input_scales(q)
         rep.projections = {p: {**f, "input_scales": None if q.input_scale(p) is None else
                                [float(s) for s in q.input_scale(p)]}
                            for p, f in rep.projections.items()}
     set_submodule(model, e.name, q)
-    if weight_entry(e.weight.calibrator).rounding == "gptq":
-        rep.warnings.append("GPTQ does not apply to fused MoE experts: rounded to nearest")
+    if round_expert is None and weight_entry(e.weight.calibrator).rounding == "gptq":
+        rep.warnings.append("GPTQ sweeps fused MoE experts only in sequential GPTQ "
+                            "(--gptq-sequential) with calibration data: rounded to nearest")
     warnings += [f"{e.name}: {w}" for w in rep.warnings]
     return {"num_experts": rep.num_experts, "weight_format": rep.weight_format,
             "act_format": rep.act_format, "act_calib": a_calib.name,

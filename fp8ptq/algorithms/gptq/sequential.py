@@ -22,9 +22,9 @@ the next block's inputs recomputes only ``down_proj`` and what follows it. Only 
 are held at once.
 
 Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
-outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model;
-fused MoE experts are quantized after the blocks, as in the one-pass pipeline (they take no
-GPTQ: rounded to nearest).
+outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model.
+Fused MoE experts given as ``experts`` are one step each where the block runs them, each expert
+with its own Hessians (``fp8ptq.algorithms.gptq.experts``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ...model.lean import lean_forwards
 from ...observe import distributed
 from ...observe.hessian import HessianCollector
 from .asym import AsymmetricCollector, input_quantizer
+from .experts import ExpertSteps, QuantizeExperts
 from .replay import PartialForwards
 from .sink import SinkCollector
 from .sweep import factored_on_host
@@ -104,7 +105,8 @@ class Aim:
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
                       quantize: Quantize, *, activation_budget: int = 1 << 30,
                       spill_dir=None, aim: Aim | None = None,
-                      hessian_dtype: torch.dtype = torch.float64) -> dict:
+                      hessian_dtype: torch.dtype = torch.float64, experts: list = (),
+                      quantize_experts: QuantizeExperts | None = None) -> dict:
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
     ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
     Hessian. ``aim``: what GPTQ aims at (``Aim``: asymmetric or sink-aware), handed to
@@ -116,8 +118,10 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     ``max_hessian_bytes``,
     ``outside``: the names left to the caller; ``aim``: its kind and sink weight, or None;
     ``aim_correction``: the largest and mean
-    ``||W* - W0|| / ||W0||``)."""
+    ``||W* - W0|| / ||W0||``). ``experts``: fused-experts plan entries swept by
+    ``quantize_experts(entry, feed)`` where their block runs them."""
     found = find_blocks(model)
+    steps = ExpertSteps(quantize_experts) if experts else None
     outside = outside_blocks(model, targets)
     facts = {"blocks": 0, "groups": 0, "forwards": 0, "replayed_outputs": 0,
              "max_hessian_bytes": 0, "outside": []}
@@ -128,13 +132,14 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, aim, hessian_dtype)
-        partial = _quantize_unit(model, targets, gptq, batches, quantize, facts, floats,
-                                 activation_budget)
+        partial = _quantize_unit(model, [*targets, *experts], gptq, batches, quantize, facts,
+                                 floats, activation_budget, experts=steps)
         _count_replayed(facts, partial)
         _summarise(facts)
         return facts
     list_name, blocks = found
-    inside = {i: [t for t in targets if t.name.startswith(block_prefix(list_name, i))]
+    inside = {i: [t for t in [*targets, *experts]
+                  if t.name.startswith(block_prefix(list_name, i))]
               for i in range(len(blocks))}
     facts["outside"] = outside
     store = ActivationStore(activation_budget, spill_dir)
@@ -158,7 +163,8 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
             partial = _quantize_unit(
                 block, local, {t.name for t in local if t.target.name in gptq}, block_batches,
                 lambda lt, h, aim: quantize(lt.target, h, aim), facts, floats,
-                max(0, activation_budget - store.resident_bytes), follows=follows)
+                max(0, activation_budget - store.resident_bytes), follows=follows,
+                experts=steps)
             facts["blocks"] += 1
             if follows:
                 # the next block's inputs: what the last group's forward finished before that
@@ -231,8 +237,8 @@ class _Local:
 
 def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list,
                    quantize: Quantize, facts: dict, floats: _Floats,
-                   reuse_budget: int = 1 << 30, follows: bool = False
-                   ) -> PartialForwards | None:
+                   reuse_budget: int = 1 << 30, follows: bool = False,
+                   experts: ExpertSteps | None = None) -> PartialForwards | None:
     """The targets of one unit (a block, or a model without blocks) group by group in run
     order; each GPTQ group's Hessian from a forward through the unit as quantized so far
     (and, asymmetric, the float copy's forward on the float stream). ``follows``: a forward
@@ -245,6 +251,10 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
     partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
     groups = _groups_in_run_order(unit, targets, batches)
     for g, group in enumerate(groups):
+        if experts is not None and _is_experts(group[0]):  # alone in its group
+            experts.run(unit, _entry(group[0]), batches, partial, facts,
+                        record=follows or g + 1 < len(groups))
+            continue
         wanted = [t for t in group if t.name in gptq]
         hessians = None
         if wanted and any(b is not None for b in batches):
@@ -302,7 +312,8 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
             if t.name in seen or not args or not torch.is_tensor(args[0]):
                 return
             seen.add(t.name)
-            if order and order[-1][0] is args[0]:
+            if order and order[-1][0] is args[0] and not _is_experts(t) \
+                    and not _is_experts(order[-1][1][0]):
                 order[-1][1].append(t)
             else:
                 order.append((args[0], [t]))
@@ -401,3 +412,9 @@ def _entry(t):
 
 def _raise_stop(_module, _args):
     raise _Stop
+
+
+def _is_experts(t) -> bool:
+    """A fused-experts plan entry (``ModulePlan.experts`` set)."""
+    return getattr(_entry(t), "experts", None) is not None
+
