@@ -155,6 +155,39 @@ def test_moe_experts_one_block_at_a_time_on_the_gpu(tmp_path, host_reads, monkey
     assert mode.gpu.peak <= need["total"]
 
 
+@pytest.mark.slow
+def test_a_hessian_too_wide_for_the_gpu_is_factored_on_the_host(tmp_path, host_reads,
+                                                                monkeypatch):
+    """With a factor limit below ``down_proj``'s 128 inputs, its sums go to the host after
+    collection and are factored there; the narrower groups' stay on the GPU; every sweep and
+    its codes are on the GPU; the prediction counts only the inverse factor for it."""
+    from fp8ptq.algorithms.gptq import sweep
+    seen = []
+    real = sweep._inverse_cholesky
+
+    def spy(H, *args, **kwargs):
+        seen.append((H.shape[0], H.device.type))
+        return real(H, *args, **kwargs)
+    monkeypatch.setattr(sweep, "_inverse_cholesky", spy)
+    folder = saved(tmp_path, "llama", num_hidden_layers=2)
+    recipe = Recipe(dtype="float32", **TOKENS)
+    batches = list(token_batches(IDS[:4, :16], 2))
+    with fake_cuda():
+        writer = BlockWriter(None)
+        with simulated_gemms():
+            result, _ = streaming.quantize_sequential(
+                folder, recipe, batches, device="cuda", open_writer=writer.open,
+                gpu_factor_limit=100)
+    assert {d for k, d in seen if k == 128} == {"cpu"}
+    assert {d for k, d in seen if k == 64} == {"cuda"}
+    assert writer.strays == [] and len(result.modules) == 14
+    meta = build_empty(folder, torch.float32)
+    plan = build_plan(meta, recipe)
+    on_gpu, on_host = (gpu_need(meta, recipe, plan, False, "cuda", 0, limit)["sweep"]
+                       for limit in (None, 100))
+    assert on_host < on_gpu
+
+
 def test_hessians_and_their_factor_are_float32_on_a_gpu():
     """``auto``: the sums in float32 on a GPU (the factor follows the sums), float64 on the
     CPU."""

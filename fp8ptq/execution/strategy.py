@@ -65,6 +65,7 @@ from ..observe import distributed
 from .budget import (  # noqa: F401 - parse_size, process_budget re-exported
     Budget,
     activations_fit,
+    factor_limit_for,
     gb,
     gpu_free_bytes,
     gpu_need,
@@ -215,6 +216,7 @@ class Selection:
     gpu_budget: int | None = None
     predicted_gpu: dict | None = None
     predicted_host: dict | None = None
+    gpu_factor_limit: int | None = None  # wider Hessians factored on the host
 
     def facts(self) -> dict:
         """What ``--json`` and fp8ptq.json's extras record."""
@@ -230,6 +232,8 @@ class Selection:
         if self.path == "sequential" and self.device != "cpu":
             out["compute_device"] = self.device
             out["activations_on"] = self.activations_on
+            if self.gpu_factor_limit is not None:
+                out["gpu_factor_limit"] = self.gpu_factor_limit
         for key, parts in (("predicted_gpu_mb", self.predicted_gpu),
                            ("predicted_rss_mb", self.predicted_host)):
             if parts is not None:
@@ -246,6 +250,8 @@ class Selection:
             "device": self.device, "activations_on": self.activations_on}
         if self.predicted_gpu is not None and "replay" in self.predicted_gpu:
             out["replay_budget"] = self.predicted_gpu["replay"]
+        if self.gpu_factor_limit is not None:
+            out["gpu_factor_limit"] = self.gpu_factor_limit
         if self.activation_budget is not None:
             out["activation_budget"] = self.activation_budget
         if self.budget is not None:
@@ -384,7 +390,9 @@ def by_gpu_budget(spec: str, recipe: Recipe, budget: Budget, device: str,
                          budget=budget.host, estimate=est, device=device,
                          gpu_budget=gpu_budget, predicted_gpu={"total": whole})
     on_gpu = gpu_budget is not None and activations_fit(meta, recipe, plan, gpu_budget, device)
-    gpu = gpu_need(meta, recipe, plan, on_gpu, device, gpu_budget)
+    limit = None if gpu_budget is None else factor_limit_for(meta, recipe, plan, on_gpu,
+                                                             gpu_budget, device)
+    gpu = gpu_need(meta, recipe, plan, on_gpu, device, gpu_budget, limit)
     left = est.activations if budget.host is None else max(
         0, budget.host - est.sequential_fixed)
     host = host_need(est, on_gpu, left)
@@ -392,6 +400,8 @@ def by_gpu_budget(spec: str, recipe: Recipe, budget: Budget, device: str,
            f"{gb(whole - est.weights)} exceed {where}")
     why += (f": one block at a time on {device}, about {gb(gpu['total'])} there, the "
             f"activations on the {'GPU' if on_gpu else 'host'}")
+    if limit is not None:
+        why += f", Hessians of more than {limit} inputs factored on the host"
     if gpu_budget is not None and gpu["total"] > gpu_budget:
         why += " (more than the GPU budget: it may be exceeded)"
     if not on_gpu and est.activations > left:
@@ -399,7 +409,7 @@ def by_gpu_budget(spec: str, recipe: Recipe, budget: Budget, device: str,
     return Selection("sequential", why, folder, kind, activation_budget=est.activations
                      if on_gpu else left, budget=budget.host, estimate=est, device=device,
                      activations_on="device" if on_gpu else "host", gpu_budget=gpu_budget,
-                     predicted_gpu=gpu, predicted_host=host)
+                     predicted_gpu=gpu, predicted_host=host, gpu_factor_limit=limit)
 
 
 def _sequential_source(spec: str, task: str | None) -> tuple[Path, str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..algorithms.gptq.sweep import host_factoring
 from ..checkpoint.contents import plain_tensors
 from ..checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
 from ..checkpoint.writer import CheckpointWriter
@@ -84,7 +85,8 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
                         propagate: str = "quantized", activation_budget: int = 1 << 30,
                         spill_dir: str | Path | None = None, progress=None, open_writer=None,
                         planner: Planner | None = None, device: str = "cpu",
-                        activations_on: str = "host", replay_budget: int = 1 << 30):
+                        activations_on: str = "host", replay_budget: int = 1 << 30,
+                        gpu_factor_limit: int | None = None):
     """Quantize the safetensors checkpoint in ``folder`` block by block; returns the
     ``QuantizeResult`` and the ``BlockLoader`` (for its residency counters).
 
@@ -108,7 +110,8 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     ``activation_budget`` and on disk beyond; ``"device"`` keeps them on the GPU (the
     budget's choice when every batch fits there, ``fp8ptq.execution.budget``);
     ``replay_budget``: bytes of a block's partial-forward outputs sequential GPTQ may keep for
-    replay (``fp8ptq.algorithms.gptq.replay``), on the block's device."""
+    replay (``fp8ptq.algorithms.gptq.replay``), on the block's device; ``gpu_factor_limit``:
+    Hessians of more inputs are factored on the host (``sweep.host_factoring``)."""
     if propagate not in ("quantized", "fp"):
         raise UsageError(f"--propagate must be 'quantized' or 'fp', not {propagate!r}")
     if recipe.rotate is not None:  # the rotation spans embeddings, every block and lm_head
@@ -149,26 +152,10 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
                                        distributed.share_indices(len(batches), SAMPLE_BATCHES))
     kwargs_list = to_device(kwargs_list, device)  # masks, positions, rotary: once per batch
     run.times["calibrate"] += time.perf_counter() - t0
-    tupled = False
-    for i, block in enumerate(blocks):
-        prefix = block_prefix(list_name, i)
-        # every step without a collective of its own ends all ranks together if one fails
-        distributed.together(loader.load_block, i, prefix)
-        nxt = store.like()
-        if propagate == "fp":
-            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
-        reports = run.quantize_block(block, prefix, store, kwargs_list)
-        if propagate == "quantized":
-            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
-        store.close()
-        store = nxt
-        if open_writer is not None:
-            _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
-            place(block, "meta")  # written (by rank 0): its tensors are freed
-        elif device.type != "cpu":
-            place(block, "cpu")  # kept in the result, not on the GPU beside the next block
-        loader.release_block(i)
-        release_free_memory()
+    with host_factoring(gpu_factor_limit):
+        store, tupled = _each_block(blocks, list_name, loader, store, kwargs_list, run,
+                                    propagate, writer if open_writer is not None else None,
+                                    open_writer is not None, device)
     if outside:
         run.quantize_outside(model, list_name, blocks, store, batches, tupled, device)
     store.close()
@@ -184,6 +171,35 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     result = QuantizeResult(model, run.reports, plan.skipped, run.stats, run.times,
                             run.warnings, extras, recipe=recipe, plan=plan)
     return result, loader
+
+
+def _each_block(blocks, list_name: str, loader: BlockLoader, store: ActivationStore,
+                kwargs_list: list, run: _Run, propagate: str, writer, writes: bool,
+                device: torch.device) -> tuple[ActivationStore, bool]:
+    """Each block in turn: loaded (onto ``device``), quantized, run for the next block's
+    inputs, written (``writes``: rank 0's ``writer``) and freed. Returns the last block's
+    outputs and whether blocks return tuples."""
+    tupled = False
+    for i, block in enumerate(blocks):
+        prefix = block_prefix(list_name, i)
+        # every step without a collective of its own ends all ranks together if one fails
+        distributed.together(loader.load_block, i, prefix)
+        nxt = store.like()
+        if propagate == "fp":
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
+        reports = run.quantize_block(block, prefix, store, kwargs_list)
+        if propagate == "quantized":
+            tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
+        store.close()
+        store = nxt
+        if writes:
+            _agreed(writer, lambda w, b=block, p=prefix, r=reports: w.add_block(b, p, r))
+            place(block, "meta")  # written (by rank 0): its tensors are freed
+        elif device.type != "cpu":
+            place(block, "cpu")  # kept in the result, not on the GPU beside the next block
+        loader.release_block(i)
+        release_free_memory()
+    return store, tupled
 
 
 def compute_device(device: torch.device | str) -> torch.device:
@@ -388,7 +404,7 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
                     output=None, force: bool = False, close_kwargs=None,
                     max_shard_bytes: int | None = None, planner: Planner | None = None,
                     device: str = "cpu", activations_on: str = "host",
-                    replay_budget: int = 1 << 30):
+                    replay_budget: int = 1 << 30, gpu_factor_limit: int | None = None):
     """The CLI's ``--sequential``: tokenizer and calibration windows from ``folder``, then
     ``write_sequential`` to ``output`` (``close_kwargs(result, calib)``), or, without
     ``output``, ``quantize_sequential`` keeping the quantized model. Returns (result,
@@ -397,7 +413,8 @@ def quantize_folder(folder: str | Path, recipe: Recipe, texts, *, propagate: str
     tokenizer, calib, batches = calibration_from_folder(folder, recipe, texts)
     options = dict(propagate=propagate, activation_budget=activation_budget,
                    spill_dir=spill_dir, progress=progress, planner=planner, device=device,
-                   activations_on=activations_on, replay_budget=replay_budget)
+                   activations_on=activations_on, replay_budget=replay_budget,
+                   gpu_factor_limit=gpu_factor_limit)
     with simulated_gemms():  # quantized blocks feed the next one as ``quantize_model``'s do
         if output is None:
             (result, _), sizes = quantize_sequential(folder, recipe, batches, **options), {}
