@@ -6,13 +6,16 @@
 # yet converted is converted by the first and read by the second); their reports go to
 # $OUT/smollm2-FORMAT.quantize.json and their logs beside them.
 # Extra arguments go to `fp8ptq eval` (e.g. --limit 4, --tasks wikitext,squad ...).
+# FP8PTQ_QUANTIZE_THREADS: torch threads of each quantize run [1].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ASSETS=${FP8PTQ_ASSETS:-../shared/assets}
 MODEL=$ASSETS/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 CALIB=$ASSETS/calib/wiki-paragraphs.txt
 OUT=${FP8PTQ_OUT:-out}
-python3 -m pip install -q -c constraints.txt -e .
+# FP8PTQ_SKIP_INSTALL=1: the checkout is installed already (pip's resolve alone is ~12 s of
+# CPU before anything else starts)
+[ -n "${FP8PTQ_SKIP_INSTALL:-}" ] || python3 -m pip install -q -c constraints.txt -e .
 mkdir -p "$OUT"
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed run stops its sibling
 
