@@ -8,6 +8,7 @@ import tracemalloc
 import gguf
 import pytest
 import torch
+import transformers.modeling_gguf_pytorch_utils as hf_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fp8ptq.config.recipe import Recipe
@@ -51,6 +52,34 @@ def test_conversion_equals_transformers_gguf_loader(any_gguf, tmp_path):
         assert got.dtype == torch.float32 and torch.equal(got, want[name]), name
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [architecture] and config["num_hidden_layers"] == layers
+    text = "the cat sat, 3.5 km away"
+    ref = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids
+
+
+def test_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
+    """The config, the processor's config, the name map and the tokenizer are read from one
+    parse of the file (they used to parse it four times), gguf's name table is built once
+    (not once per submodule), and gguf's and transformers' names are theirs again after."""
+    parses, tables = [], []
+    real_reader, real_names = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counted_reader(path, *args, **kwargs):
+        parses.append(str(path))
+        return real_reader(path, *args, **kwargs)
+
+    def counted_names(*args):
+        tables.append(args)
+        return real_names(*args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_names)
+    monkeypatch.setattr(gguf_convert, "GGUFReader", counted_reader)
+    load = hf_gguf.load_gguf_checkpoint
+    out = convert_gguf(gguf_file, tmp_path / "conv")
+    assert parses == [str(gguf_file)] and len(tables) == 1
+    assert gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_names
+    assert hf_gguf.load_gguf_checkpoint is load
     text = "the cat sat, 3.5 km away"
     ref = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids

@@ -1,3 +1,4 @@
+import threading
 import time
 from pathlib import Path
 
@@ -173,6 +174,37 @@ def test_gguf_cache_roundtrip(tmp_path, monkeypatch):
     tiny_llama_gguf(gguf, seed=1)
     load_model(str(gguf))
     assert len(conversions) == 2
+
+
+def test_gguf_converted_once_by_runs_started_together(tmp_path, monkeypatch):
+    """Two loads of a GGUF not yet in the cache, the second starting while the first is still
+    converting: one conversion, and the second reads the first one's folder."""
+    monkeypatch.setenv("FP8PTQ_CACHE", str(tmp_path / "cache"))
+    gguf = tiny_llama_gguf(tmp_path / "tiny.gguf")
+    started, release, conversions = threading.Event(), threading.Event(), []
+    real = loading.convert_gguf
+
+    def slow(path, target, task=None):
+        conversions.append(path)
+        started.set()
+        assert release.wait(30)  # the second load starts while this one converts
+        return real(path, target, task)
+
+    monkeypatch.setattr(loading, "convert_gguf", slow)
+    folders = []
+    first = threading.Thread(target=lambda: folders.append(loading.gguf_folder(gguf.resolve())))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: folders.append(loading.gguf_folder(gguf.resolve())))
+    second.start()
+    time.sleep(0.2)  # the second reaches the cache check and waits on the first
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert conversions == [gguf.resolve()]
+    assert folders == [gguf_cache_dir(gguf.resolve())] * 2
+    assert (folders[0] / "config.json").is_file()
+    assert [p.name for p in folders[0].parent.iterdir()] == [folders[0].name]
 
 
 @pytest.mark.slow

@@ -28,20 +28,25 @@ tensor (tested), tied weights written once (as ``save_pretrained`` does).
 
 from __future__ import annotations
 
+import copy
+import functools
 import mmap
 import re
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+import transformers.modeling_gguf_pytorch_utils as hf_gguf
 from gguf import GGUFReader, dequantize
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     TensorProcessor,
     get_gguf_hf_weights_map,
-    load_gguf_checkpoint,
     read_field,
 )
 
@@ -101,17 +106,18 @@ def convert_gguf(gguf_path: Path, target: Path, task: str | None = None, *,
     another process that finished the same conversion first keeps its own."""
     reader = open_gguf(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        gguf_config = load_gguf_checkpoint(str(gguf_path))["config"]
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise DataError(f"cannot convert {gguf_path}: {first_line(e)}") from None
-    architecture = read_field(reader, "general.architecture")[0]
-    _complete_config(config, reader, architecture)
-    model = empty_model(model_class(config, task or "causal-lm"), config, torch.float32)
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=gguf_config)
-    key_map = get_gguf_hf_weights_map(model, processor)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with _parsed_once(reader, gguf_path):
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            gguf_config = hf_gguf.load_gguf_checkpoint(str(gguf_path))["config"]
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise DataError(f"cannot convert {gguf_path}: {first_line(e)}") from None
+        architecture = read_field(reader, "general.architecture")[0]
+        _complete_config(config, reader, architecture)
+        model = empty_model(model_class(config, task or "causal-lm"), config, torch.float32)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=gguf_config)
+        key_map = get_gguf_hf_weights_map(model, processor)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with atomic_dir(target, if_exists="keep") as tmp:
         written = _stream_tensors(reader, processor, key_map, ShardWriter(tmp, max_shard_bytes))
         _check_complete(model, written, gguf_path)
@@ -121,6 +127,47 @@ def convert_gguf(gguf_path: Path, target: Path, task: str | None = None, *,
             GenerationConfig.from_model_config(model.config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return target
+
+
+@contextmanager
+def _parsed_once(reader: GGUFReader, gguf_path: Path) -> Iterator[None]:
+    """While the config, the name map and the tokenizer are read: transformers' readers of
+    ``gguf_path`` get ``reader`` (already parsed) instead of parsing the file again, its
+    metadata-only ``load_gguf_checkpoint`` runs once (a fresh copy per call), and gguf's
+    tensor-name table is built once per architecture and depth.
+
+    Why: ``AutoConfig``, ``AutoTokenizer`` and the processor's config each call
+    ``load_gguf_checkpoint``, which parses every metadata field of the file (SmolLM2's 49,152
+    vocabulary strings and merges: ~5 s of CPU each on the 2-core development machine), and
+    ``get_gguf_hf_weights_map`` rebuilds gguf's name table for every submodule it recurses
+    into (397 times for SmolLM2, ~8 s). Same results: the parse is of the same bytes, and the
+    table depends on the architecture and depth alone. Those modules look these names up when
+    called (``from gguf import ...`` inside the functions), which is what is swapped here and
+    restored after, so nothing outside the conversion sees a change."""
+    target = str(gguf_path)
+    real_reader, real_load, real_names = (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint,
+                                          gguf.get_tensor_name_map)
+    parsed: dict = {}
+
+    def shared_reader(path, *args, **kwargs):
+        if str(path) == target and not args and not kwargs:
+            return reader
+        return real_reader(path, *args, **kwargs)
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if str(path) != target or return_tensors or kwargs:
+            return real_load(path, return_tensors, **kwargs)
+        if not parsed:
+            parsed.update(real_load(path))
+        return copy.deepcopy(parsed)
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = shared_reader, load_once
+    gguf.get_tensor_name_map = functools.cache(real_names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real_reader, real_load
+        gguf.get_tensor_name_map = real_names
 
 
 # GGUF metadata (``{architecture}.KEY``) that transformers' GGUF config mapping does not read,

@@ -6,9 +6,16 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: conversions are not serialized
+    fcntl = None
 
 import torch
 import transformers
@@ -302,8 +309,27 @@ def gguf_folder(gguf_path: Path, task: str | None = None) -> Path:
     converts."""
     cached = gguf_cache_dir(gguf_path)
     if not (cached / "config.json").is_file():
-        convert_gguf(gguf_path, cached, task)  # block by block (fp8ptq.io.gguf_convert)
+        with _converting(cached.parent):
+            if not (cached / "config.json").is_file():  # not made while this one waited
+                convert_gguf(gguf_path, cached, task)  # block by block (io.gguf_convert)
     return cached
+
+
+@contextmanager
+def _converting(root: Path) -> Iterator[None]:
+    """Held while this process converts a GGUF into the cache folder ``root``: an exclusive
+    ``flock`` on the folder itself (no lock file left in the cache; the kernel drops it when
+    the process dies). Why: runs started together on a model not yet converted (the demo's
+    e4m3 and int8 quantize side by side) each converted it, the same work twice, and all but
+    one of the copies was thrown away; now the later ones wait and load the first one's."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def resolve_safetensors(spec: str, *, task: str | None = None) -> tuple[Path, str] | str:
