@@ -39,7 +39,10 @@ import torch
 from _common import CALIB, WIKITEXT, emit
 
 RECIPES = {"default": [], "fp8-static": ["--scheme", "fp8-static"],
-           "fp8-dynamic": ["--scheme", "fp8-dynamic"], "streaming": ["--sequential"]}
+           "fp8-dynamic": ["--scheme", "fp8-dynamic"], "streaming": ["--sequential"],
+           # the default recipe one block at a time on the GPU (forced; a cap below adds the
+           # budget and enforces it as a hard limit on the process's GPU memory)
+           "one-block": ["--sequential"]}
 CUDA_SHAPE = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8}
 CPU_SHAPE = {"hidden": 256, "intermediate": 896, "heads": 4, "kv_heads": 2}
 DEFAULT_CACHE = Path.home() / ".cache/fp8ptq-bench/gpu"
@@ -70,6 +73,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llmc-first", action="store_true", help="run llm-compressor before "
                    "fp8ptq's recipes as well as after them (a fresh machine's first process "
                    "pays its cold start: this shows which tool it was)")
+    p.add_argument("--llmc-modes", default="gpu", help="llm-compressor runs, of: gpu (the "
+                   "model loaded on the GPU), cpu (loaded on the CPU, its sequential pipeline "
+                   "onloading one layer at a time: its docs' way for big models), none")
+    p.add_argument("--caps", default="", help="GPU caps in GiB, e.g. 6,10: one 'one-block' "
+                   "row per cap, quantized with --max-memory 0=CAP and the process's GPU "
+                   "memory capped there (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--quantize-only", action="store_true", help="skip each checkpoint's "
+                   "real-vs-simulated, prefill and GEMM timings (what the memory rows need)")
+    p.add_argument("--intermediate", type=int, default=None, help="intermediate size "
+                   "(default: 3.5x hidden, as Llama-3-8B)")
+    p.add_argument("--heads", type=int, default=None)
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -83,6 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape = dict(CUDA_SHAPE if cuda else CPU_SHAPE)
     if args.hidden:
         shape.update(hidden=args.hidden, intermediate=args.hidden * 7 // 2)
+    if args.intermediate:
+        shape.update(intermediate=args.intermediate)
+    if args.heads:
+        shape.update(heads=args.heads)
     args.shape = shape
     return args
 
@@ -110,7 +128,7 @@ def build_model(args) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
     s = args.shape
     tag = "tok" if args.tokenizer else "words"
-    folder = args.cache / f"llama-h{s['hidden']}-l{args.layers}-{tag}"
+    folder = args.cache / f"llama-h{s['hidden']}-i{s['intermediate']}-l{args.layers}-{tag}"
     if (folder / "config.json").is_file():
         return folder
     tok = tokenizer_for(args)
@@ -135,9 +153,24 @@ def build_model(args) -> Path:
     return folder
 
 
-def quantize(args, src: Path, out: Path, flags: list[str]) -> dict:
-    """``fp8ptq quantize`` in a fresh process; its ``--json`` report plus the wall time."""
-    cmd = [sys.executable, "-m", "fp8ptq.cli", "quantize", str(src), "-o", str(out),
+# ``fp8ptq quantize`` with the process's GPU memory capped first (a hard limit: an allocation
+# past it fails as on a smaller GPU); argv: the cap in bytes, then the command's arguments
+CAPPED = ("import sys, torch; cap = int(sys.argv.pop(1)); "
+          "torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0)"
+          ".total_memory); from fp8ptq.cli.entry import main; sys.argv[0] = 'fp8ptq'; main()")
+
+
+def quantize(args, src: Path, out: Path, flags: list[str], cap_gib: float | None = None
+             ) -> dict:
+    """``fp8ptq quantize`` in a fresh process (``cap_gib``: with ``--max-memory 0=CAP`` and
+    the process's GPU memory capped there); its ``--json`` report plus the wall time."""
+    launch = [sys.executable, "-m", "fp8ptq.cli"]
+    if cap_gib is not None and args.device.startswith("cuda"):
+        flags = [*flags, "--max-memory", f"0={cap_gib}GiB"]
+        launch = [sys.executable, "-c", CAPPED, str(int(cap_gib * 2**30))]
+    elif cap_gib is not None:  # a CPU dry run: the same row with a host budget
+        flags = [*flags, "--max-memory", f"{cap_gib}GiB"]
+    cmd = [*launch, "quantize", str(src), "-o", str(out),
            "--format", "e4m3", "--calib-data", args.calib, "--num-samples",
            str(args.num_samples), "--seq-len", str(args.seq_len), "--device", args.device,
            "--dtype", "bfloat16", "--json", *flags]
@@ -149,8 +182,13 @@ def quantize(args, src: Path, out: Path, flags: list[str]) -> dict:
     report = json.loads(done.stdout[done.stdout.index("{"):])
     seconds = report.get("seconds", {})
     return {"wall_s": wall, "calibrate_quantize_s": seconds.get("calibrate+quantize"),
-            "stage_s": seconds, "peak_gpu_mb": report.get("peak_gpu_mb"),
-            "peak_rss_mb": report.get("peak_rss_mb")}
+            "stage_s": seconds, "path": report.get("path"),
+            "peak_gpu_mb": report.get("peak_gpu_mb"),
+            "predicted_gpu_mb": report.get("predicted_gpu_mb"),
+            "gpu_cap_mb": None if cap_gib is None else cap_gib * 1024,
+            "peak_rss_mb": report.get("peak_rss_mb"),
+            "predicted_rss_mb": report.get("predicted_rss_mb"),
+            "gpu_factor_limit": report.get("gpu_factor_limit")}
 
 
 def eval_ids(args, tokenizer) -> torch.Tensor:
@@ -212,14 +250,15 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from datasets import Dataset
-src, calib, n, seq, device = sys.argv[1:6]
+src, calib, n, seq, device, mode = sys.argv[1:7]
 n, seq = int(n), int(seq)
 tok = AutoTokenizer.from_pretrained(src)
 ids = tok(open(calib).read(), return_tensors="pt").input_ids[0]
 rows = [ids[i * seq:(i + 1) * seq].tolist() for i in range(min(n, len(ids) // seq))]
 ds = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * seq for _ in rows]})
 t = [time.perf_counter()]
-model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map=device)
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16,
+                                             device_map=None if mode == "cpu" else device)
 t.append(time.perf_counter())
 oneshot(model=model, dataset=ds, recipe=GPTQModifier(targets="Linear", scheme="FP8_DYNAMIC",
         ignore=["lm_head"]), max_seq_length=seq, num_calibration_samples=len(rows))
@@ -236,12 +275,14 @@ print("LLMC_SECONDS", json.dumps({"load": t[1] - t[0], "oneshot": t[2] - t[1],
 '''
 
 
-def llm_compressor(args, src: Path) -> tuple[dict | None, str | None]:
+def llm_compressor(args, src: Path, mode: str = "gpu") -> tuple[dict | None, str | None]:
     """llm-compressor's GPTQ + FP8_DYNAMIC on the same ``--num-samples`` x ``--seq-len``
     calibration tokens, the row's fields as ``quantize`` gives fp8ptq's: ``wall_s`` the whole
     process (start and imports included, as fp8ptq's ``wall_s``), ``calibrate_quantize_s`` its
     ``oneshot`` (calibration forwards and GPTQ: fp8ptq's ``calibrate+quantize`` stage), the
-    load and save beside them; or a note why not."""
+    load and save beside them; or a note why not. ``mode``: ``gpu`` loads the model onto the
+    GPU; ``cpu`` loads it on the CPU and lets oneshot's sequential pipeline onload one layer
+    at a time (its docs' way for models larger than the GPU)."""
     if args.llmc_path is None and importlib.util.find_spec("llmcompressor") is None:
         return None, "llm-compressor is not importable here: its oneshot was skipped"
     env = dict(os.environ)
@@ -249,7 +290,7 @@ def llm_compressor(args, src: Path) -> tuple[dict | None, str | None]:
         env["PYTHONPATH"] = args.llmc_path
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", LLMC_CHILD, str(src), args.calib,
-                           str(args.num_samples), str(args.seq_len), args.device],
+                           str(args.num_samples), str(args.seq_len), args.device, mode],
                           capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     for line in done.stdout.splitlines():
@@ -257,8 +298,8 @@ def llm_compressor(args, src: Path) -> tuple[dict | None, str | None]:
             stages = json.loads(line.split(maxsplit=1)[1])
             peak = stages.pop("peak_gpu_mb")
             return {"wall_s": wall, "calibrate_quantize_s": stages["oneshot"],
-                    "stage_s": stages, "peak_gpu_mb": peak}, None
-    return None, f"llm-compressor's oneshot failed: {done.stderr.strip()[-300:]}"
+                    "stage_s": stages, "peak_gpu_mb": peak, "loaded_on": mode}, None
+    return None, f"llm-compressor's oneshot ({mode}) failed: {done.stderr.strip()[-300:]}"
 
 
 def gemm_times(q, args) -> dict:
@@ -288,11 +329,14 @@ def gemm_times(q, args) -> dict:
     return out
 
 
-def measure(args, src: Path, out: Path, name: str, ids, vocab: int, bf16_s: float) -> dict:
-    """One recipe's row: quantize, then real vs simulated, prefill, one GEMM's times."""
+def measure(args, src: Path, out: Path, name: str, ids, vocab: int, bf16_s: float,
+            cap_gib: float | None = None) -> dict:
+    """One recipe's row: quantize, then (unless ``--quantize-only``) real vs simulated,
+    prefill, one GEMM's times."""
     import fp8ptq
-    row = {"recipe": name, **quantize(args, src, out, RECIPES[name])}
-    if "error" in row:
+    label = name if cap_gib is None else f"{name} (GPU capped at {cap_gib} GiB)"
+    row = {"recipe": label, **quantize(args, src, out, RECIPES[name], cap_gib)}
+    if "error" in row or args.quantize_only:
         return row
     loaded = fp8ptq.load(out, device=args.device, dtype=torch.bfloat16)
     row.update(real_vs_simulated(loaded.model, ids))
@@ -304,6 +348,27 @@ def measure(args, src: Path, out: Path, name: str, ids, vocab: int, bf16_s: floa
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return row
+
+
+def compare_codes(a: Path, b: Path) -> dict:
+    """Two checkpoints of one model: the share of weight codes (uint8 / float8 tensors) that
+    are equal, and whether ``b`` passes ``fp8ptq validate``'s static rules."""
+    from safetensors import safe_open
+
+    from fp8ptq.checkpoint.validate import static_violations
+    same = total = 0
+    for fa in sorted(a.glob("*.safetensors")):
+        with safe_open(fa, "pt") as x, safe_open(b / fa.name, "pt") as y:
+            for key in x.keys():
+                ta = x.get_tensor(key)
+                if ta.element_size() != 1:
+                    continue
+                tb = y.get_tensor(key)
+                same += int((ta.view(torch.uint8) == tb.view(torch.uint8)).sum())
+                total += ta.numel()
+    errors = [v.line() for v in static_violations(b, "vllm") if v.severity == "error"]
+    return {"codes_equal_to_uncapped": same / total if total else None,
+            "validate_errors": errors}
 
 
 def block_mb(args) -> float:
@@ -336,14 +401,24 @@ def main(argv=None) -> None:
              "eval_tokens": int(ids.shape[1]), "prefill": f"{args.batch} x {args.prefill_len}",
              "repeat": args.repeat,
              "block_mb": block_mb(args), "notes": []}
+    runs = [(name, None) for name in args.recipes.split(",") if name] + [
+        ("one-block", float(c)) for c in args.caps.split(",") if c]
     with tempfile.TemporaryDirectory(prefix="fp8ptq-bench-gpu-") as tmp:
-        for name in args.recipes.split(","):
-            rows.append(measure(args, src, Path(tmp) / name, name, ids, vocab, bf16_s))
+        outs = {}
+        for name, cap in runs:
+            outs[(name, cap)] = Path(tmp) / f"{name}-{cap}"
+            rows.append(measure(args, src, outs[(name, cap)], name, ids, vocab, bf16_s, cap))
+            if cap is not None and ("one-block", None) in outs:
+                rows[-1].update(compare_codes(outs[("one-block", None)], outs[(name, cap)]))
             if args.json:  # each row as it comes: a run stopped midway keeps what it measured
                 Path(args.json).write_text(json.dumps({"rows": rows, **extra}, indent=1))
-    llmc, note = llm_compressor(args, src)
-    rows.append({"recipe": "llm-compressor GPTQ+FP8_DYNAMIC", **(llmc or {})})
-    extra["notes"] = list(dict.fromkeys(n for n in [first and first[1], note] if n))
+    notes = [first and first[1]]
+    for mode in [m for m in args.llmc_modes.split(",") if m not in ("", "none")]:
+        llmc, note = llm_compressor(args, src, mode)
+        rows.append({"recipe": f"llm-compressor GPTQ+FP8_DYNAMIC (loaded on {mode})",
+                     **(llmc or {})})
+        notes.append(note)
+    extra["notes"] = list(dict.fromkeys(n for n in notes if n))
     title = (f"fp8ptq on {device}: Llama h{s['hidden']}/i{s['intermediate']} x {args.layers} "
              "layers")
     emit(title, rows, args.json, extra)
