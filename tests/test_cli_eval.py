@@ -189,7 +189,7 @@ def test_calibration_overlap_allowed_is_noted(files, tmp_path):
     assert doc["peak_rss_mb"] > 0 and set(doc["seconds"]) >= {"load", "eval"}
     assert doc["seconds"]["eval"] == pytest.approx(sum(
         sum(v["timings"]["eval"].values()) for v in doc["variants"]), abs=0.01)
-    time_re = r"^time: load \d+\.\ds, .*eval \d+\.\ds.*; peak RSS \d+ MiB$"
+    time_re = r"^time: load \d+\.\ds, .*eval \d+\.\ds.*; peak RSS \d+ MiB( in \w+)?$"
     assert re.search(time_re, res.stdout, re.M)
     assert "note: calibration data" in res.stdout
 
