@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.evals.harness import prefix_token_id
 from fp8ptq.io.data import (
     DEFAULT_CALIB,
     CalibrationSet,
@@ -21,7 +22,6 @@ from fp8ptq.io.data import (
     start_ids,
     token_sha256,
 )
-from fp8ptq.evals.harness import prefix_token_id
 
 ASSETS = Path(__file__).resolve().parents[1].parent / "shared" / "assets"
 MINILM = ASSETS / "models" / "minilm-squad"

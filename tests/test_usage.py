@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.t
 def test_time_line_and_json_fields():
     seconds = {"load": 1.234, "plan": 0.01, "write": 0.0, "quantize": 12.06}
     line = time_line(seconds, always=("write",))
-    assert re.fullmatch(r"time: load 1\.2s, write 0\.0s, quantize 12\.1s; peak RSS \d+ MiB( in \w+)?",
-                        line)
+    assert re.fullmatch(r"time: load 1\.2s, write 0\.0s, quantize 12\.1s; "
+                        r"peak RSS \d+ MiB( in \w+)?", line)
     assert time_line({}).startswith("time: -; peak RSS ")
     assert time_line({"x": 0.0}, min_seconds=0).startswith("time: x 0.0s;")
     fields = usage(seconds)

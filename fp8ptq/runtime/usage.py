@@ -1,9 +1,9 @@
 """What a command used - wall time per stage and peak resident memory - in one format for every
 command's timing line and ``--json``: ``quantize``, ``eval``, ``sensitivity`` and ``validate``
 print ``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB in quantize`` and put ``seconds``,
-``peak_rss_mb`` and ``peak_rss_stage`` (the stage the peak was reached in) in their JSON; where CUDA was used, the peak GPU memory beside it
-(``peak GPU ... MiB``, ``peak_gpu_mb``). Users size machines and CI runners from these
-numbers, so every command reports them the same way.
+``peak_rss_mb`` and ``peak_rss_stage`` (the stage the peak was reached in) in their JSON;
+where CUDA was used, the peak GPU memory beside it (``peak GPU ... MiB``, ``peak_gpu_mb``).
+Users size machines and CI runners from these numbers, so every command reports them the same way.
 
 Peak RSS is the kernel's high-water mark of this process's resident memory (``getrusage``:
 KiB on Linux, bytes on macOS), the number ``/usr/bin/time -v`` prints as "Maximum resident set
