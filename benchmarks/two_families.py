@@ -65,6 +65,16 @@ def cli_rows(runs: list[dict]) -> list[list]:
              r.get("cpu_s", "-"), f"{r['peak_rss_mb']:.0f}"] for r in runs]
 
 
+def _slice(rep: dict) -> str:
+    if rep["model"] == "synthetic":
+        return f"synthetic, seeds {rep['seeds']}" + (f" ({rep['note']})" if "note" in rep else "")
+    return (f"{Path(rep['model']).name}: one-pass Hessians of the float32 model from "
+            f"{rep.get('num_samples', 32)} x 512 document windows of calib/wiki-paragraphs.txt "
+            f"(seed {rep.get('seeds', 0)}), held-out Gram matrices from the first "
+            f"{rep.get('heldout_tokens', 4096)} tokens of WikiText-2 test in windows of 512 "
+            f"opened with token {rep.get('start_ids')}")
+
+
 def render(precision: list[dict], sink: dict | None, cli: list[dict], text: str) -> str:
     parts = [text.strip(), ""]
     if cli:
@@ -75,7 +85,8 @@ def render(precision: list[dict], sink: dict | None, cli: list[dict], text: str)
     if sink:
         parts += [f"Sink-aware against plain GPTQ in one process (`benchmarks/sink_cost.py`, "
                   f"first {sink['blocks']} blocks of {Path(sink['model']).name}, "
-                  f"{sink['num_samples']} x 512 windows, {sink['date']}; seconds of "
+                  f"{sink['num_samples']} x 512 windows, {sink['date']}"
+                  + (f"; {sink['note']}" if "note" in sink else "") + "; seconds of "
                   "calibrate + quantize, and cProfile's cumulative seconds in the column "
                   "sweeps and in the sink's own work, `SinkCollector.aim` and its first rows in "
                   "`_accumulate`):",
@@ -89,6 +100,7 @@ def render(precision: list[dict], sink: dict | None, cli: list[dict], text: str)
                   "GPTQ's own objective), mean over the GEMMs of that width with a normal 95% "
                   "interval; the fraction of codes that differ from float64's; seconds of the "
                   "three sweeps (float32 / float64 / mixed):", "",
+                  "Slices: " + "; ".join(_slice(r) for r in precision) + ".", "",
                   md_table(["model", "input width", "GEMMs", "float32 - float64",
                             "mixed - float64", "codes differ (float32)", "sweep s"],
                            precision_rows(precision)), ""]
