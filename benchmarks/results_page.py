@@ -39,6 +39,7 @@ BLOCKS = {
     "squad-budget": "llm-compressor.md",  # studies/squad_budget.py
     "llmc-reading": "llm-compressor.md",  # by hand
     "moe-gptq": "llm-compressor.md",  # moe_gptq.py
+    "two-families": "studies.md",  # two_families.py
 }
 ACCURACY = RESULTS / "accuracy.md"  # reproduce.py's page: rendered around its marked blocks
 

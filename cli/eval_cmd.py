@@ -98,9 +98,10 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
               default="auto",
               show_default=True,
               help="Token that conditions the first token of each document in rolling "
-                   "log-likelihood: auto = the BOS the tokenizer adds, else lm-eval's "
-                   "convention (BOS if the tokenizer has one, else EOS); none = the "
-                   "document's own first token, not scored.")
+                   "log-likelihood, and that variants quantized here open their "
+                   "calibration windows with: auto = the BOS the tokenizer adds, else the "
+                   "chat template's first token, else BOS, else EOS (the rule quantize's "
+                   "windows follow); none = the document's own first token, not scored.")
 @click.option("--update-card", is_flag=True,
               help="MODEL is an fp8ptq checkpoint: put the table into its README.md model card.")
 @click.option("--allow-calib-overlap", is_flag=True,

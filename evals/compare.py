@@ -242,7 +242,9 @@ def evaluate_variants(variants: list[Variant], recipe: Recipe, calib_texts, task
                 if key not in calibs:
                     with bars.step("tokenizing calibration data"), \
                             timings.timed("calibration data"):
-                        calibs[key] = job.calibration_set(loaded, r, calib_texts)
+                        # windows open as the evaluation opens documents
+                        calibs[key] = job.calibration_set(loaded, r, calib_texts,
+                                                          start=prefix_token)
                 calib = calibs[key]
             job.quantize_loaded(loaded, v.recipe, calib,
                                 timings=timings,

@@ -12,6 +12,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from fp8ptq.errors import UsageError
+from fp8ptq.io.data import START_TOKENS, start_ids
 from fp8ptq.model import lm_head
 
 
@@ -24,7 +25,7 @@ class TaskOutcome:
     samples: list[dict] = field(default_factory=list, repr=False)
 
 
-PREFIX_TOKENS = ("auto", "bos", "eos", "none")
+PREFIX_TOKENS = START_TOKENS
 
 
 class NoPrefixHFLM(HFLM):
@@ -60,22 +61,15 @@ class NoPrefixHFLM(HFLM):
 
 
 def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
-    """The token that conditions the first token of every document in rolling log-likelihood.
-
-    ``auto``: the BOS the tokenizer itself adds when it encodes text, else lm-eval's convention
-    (None here: BOS if the tokenizer has one, EOS otherwise). ``bos`` / ``eos``: that token."""
+    """The token that conditions the first token of every document in rolling log-likelihood:
+    ``fp8ptq.io.data.start_ids``'s, the rule calibration windows open by (``auto``: the token
+    the tokenizer adds, else a chat template's first token, else BOS, else EOS; ``bos`` /
+    ``eos``: that token), so a model is scored on the first position it was calibrated on.
+    None for ``none`` (``NoPrefixHFLM``) or a tokenizer with no such token."""
     if choice not in PREFIX_TOKENS:
         raise UsageError(f"--prefix-token must be one of {', '.join(PREFIX_TOKENS)}")
-    if choice == "none":
-        return None
-    if choice == "auto":
-        bos = tokenizer.bos_token_id
-        ids = tokenizer("a").get("input_ids") or []
-        return bos if bos is not None and ids and ids[0] == bos else None
-    token = tokenizer.bos_token_id if choice == "bos" else tokenizer.eos_token_id
-    if token is None:
-        raise UsageError(f"--prefix-token {choice}: the tokenizer has no {choice.upper()} token")
-    return token
+    ids = start_ids(tokenizer, choice)
+    return ids[0] if ids else None
 
 
 class ChunkedLogitsMixin:

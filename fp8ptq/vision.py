@@ -124,6 +124,7 @@ class ImageCalibrationSet:
     seq_len: None = None
     num_tokens: None = None
     windows: None = None
+    start_ids: None = None
 
 
 def build_image_calibration_set(spec: str | None, *, num_samples: int,

@@ -189,7 +189,7 @@ def test_calibration_overlap_allowed_is_noted(files, tmp_path):
     assert doc["peak_rss_mb"] > 0 and set(doc["seconds"]) >= {"load", "eval"}
     assert doc["seconds"]["eval"] == pytest.approx(sum(
         sum(v["timings"]["eval"].values()) for v in doc["variants"]), abs=0.01)
-    time_re = r"^time: load \d+\.\ds, .*eval \d+\.\ds.*; peak RSS \d+ MiB$"
+    time_re = r"^time: load \d+\.\ds, .*eval \d+\.\ds.*; peak RSS \d+ MiB( in \w+)?$"
     assert re.search(time_re, res.stdout, re.M)
     assert "note: calibration data" in res.stdout
 
@@ -349,3 +349,23 @@ def test_each_variant_calibrates_on_its_own_windows(files):
     ppl = {r["name"]: r["metrics"]["wikitext.word_perplexity"] for r in rows}
     assert ppl["documents"] == alone[0]["metrics"]["wikitext.word_perplexity"]
     assert ppl["documents"] != ppl["random"]
+
+
+@pytest.mark.slow
+def test_variants_calibrate_opening_as_the_evaluation_opens(files, word_tokenizer):
+    """The variants ``eval --compare`` quantizes cut document windows that open with the token
+    the evaluation conditions each document on (``--prefix-token``): the EOS for ``auto`` with
+    this BOS-less tokenizer, nothing for ``none`` (they opened with the EOS whatever the
+    evaluation did)."""
+    docs = Recipe(calib_data=files.calib, num_samples=4, seq_len=16, dtype="float32",
+                  calib_windows="documents")
+    texts = job.calibration_texts(docs, files.llama)
+    kw = dict(device="cpu", data={"wikitext": files.wiki}, limit=None, seq_len=None,
+              batch_size=None)
+    eos = word_tokenizer.eos_token_id
+    for choice, want in (("auto", (eos,)), ("none", ())):
+        rows, protocol, calib = evaluate_variants(
+            [Variant("documents", "quantized", files.llama, docs)], docs, texts, ["wikitext"],
+            [], prefix_token=choice, **kw)
+        assert calib.start_ids == want
+        assert (calib.input_ids[:, 0] == eos).all() == bool(want)

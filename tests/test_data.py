@@ -12,12 +12,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import DataError, UsageError
+from fp8ptq.evals.harness import prefix_token_id
 from fp8ptq.io.data import (
     DEFAULT_CALIB,
     CalibrationSet,
     build_calibration_set,
     load_texts,
     resolve_calib_spec,
+    start_ids,
     token_sha256,
 )
 
@@ -311,6 +313,60 @@ def test_document_windows_start_with_bos_when_the_tokenizer_has_one():
     bos = tokenizer.convert_tokens_to_ids("<s>")
     assert calib.input_ids[:, 0].tolist() == [bos] * 3
     assert calib.input_ids[0, 1:].tolist() == tokenizer("hello world and the")["input_ids"]
+
+
+def _chat_tokenizer(template: str):
+    """No BOS added on encoding, a BOS ``<s>``, and a chat template (Qwen2.5 / SmolLM2-Instruct
+    style: ``<|im_start|>`` a special token that is not the BOS)."""
+    text = "hello world and the quick brown fox user assistant"
+    backend = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.train_from_iterator([text], trainers.WordLevelTrainer(
+        special_tokens=["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>"
+          "{% endfor %}")
+
+
+def test_windows_and_evaluation_open_with_the_chat_templates_first_token():
+    tokenizer = _chat_tokenizer(CHATML)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start != tokenizer.bos_token_id
+    assert tokenizer("hello")["input_ids"][0] != tokenizer.bos_token_id  # no BOS added
+    docs = ["hello world and the quick brown fox"] * 4
+    calib = build_calibration_set(docs, tokenizer, num_samples=3, seq_len=5, windows="documents")
+    # what a server opens every chat request with, not the BOS the tokenizer never adds
+    assert calib.input_ids[:, 0].tolist() == [im_start] * 3
+    assert calib.start_ids == (im_start,)
+    # evaluation's rolling log-likelihood takes the same first token
+    assert start_ids(tokenizer) == [im_start] and prefix_token_id(tokenizer, "auto") == im_start
+    # an explicit choice is followed by both
+    for choice, want in (("eos", [tokenizer.eos_token_id]), ("bos", [tokenizer.bos_token_id]),
+                         ("none", [])):
+        c = build_calibration_set(docs, tokenizer, num_samples=2, seq_len=5,
+                                  windows="documents", start=choice)
+        assert c.input_ids[0, :len(want)].tolist() == want and c.start_ids == tuple(want)
+        assert c.input_ids[0, len(want):].tolist() == \
+            tokenizer("hello world and the quick", add_special_tokens=False)["input_ids"][
+                :5 - len(want)]
+        assert prefix_token_id(tokenizer, choice) == (want[0] if want else None)
+
+
+def test_a_template_opening_with_text_or_failing_leaves_the_bos():
+    bos = None
+    for template in ("user: {{ messages[0]['content'] }}", "{{ raise_exception('no') }}"):
+        tokenizer = _chat_tokenizer(template)
+        bos = tokenizer.bos_token_id
+        assert start_ids(tokenizer) == [bos]
+        assert prefix_token_id(tokenizer, "auto") == bos
+    with pytest.raises(UsageError, match="start token must be one of"):
+        start_ids(tokenizer, "cls")
 
 
 def test_unknown_window_kind(corpus, word_tokenizer):

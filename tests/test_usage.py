@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.t
 def test_time_line_and_json_fields():
     seconds = {"load": 1.234, "plan": 0.01, "write": 0.0, "quantize": 12.06}
     line = time_line(seconds, always=("write",))
-    assert re.fullmatch(r"time: load 1\.2s, write 0\.0s, quantize 12\.1s; peak RSS \d+ MiB", line)
+    assert re.fullmatch(r"time: load 1\.2s, write 0\.0s, quantize 12\.1s; "
+                        r"peak RSS \d+ MiB( in \w+)?", line)
     assert time_line({}).startswith("time: -; peak RSS ")
     assert time_line({"x": 0.0}, min_seconds=0).startswith("time: x 0.0s;")
     fields = usage(seconds)
@@ -42,7 +43,7 @@ def test_peak_gpu_memory_is_reported_where_cuda_was_used(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: peaks[d])
     assert usage({"load": 1.0})["peak_gpu_mb"] == 4.5
-    assert re.fullmatch(r"time: load 1\.0s; peak RSS \d+ MiB, peak GPU 4 MiB",
+    assert re.fullmatch(r"time: load 1\.0s; peak RSS \d+ MiB( in \w+)?, peak GPU 4 MiB",
                         time_line({"load": 1.0}))
 
 
@@ -66,6 +67,33 @@ print(json.dumps([current, before, during, peak_rss_mb()]))
                          timeout=120, check=True)
     current, before, during, after = json.loads(out.stdout)
     assert during >= before + 250 and after == during, (current, before, during)
+
+
+def test_the_line_names_the_stage_the_peak_was_reached_in():
+    """A fresh process whose "load" touches 300 MiB and whose "quantize" touches little: the
+    peak is load's, not quantize's (a first GGUF load's conversion read as the quantize
+    step's peak otherwise); a later stage that raises the peak takes it over."""
+    code = """
+import json, os
+import torch
+from fp8ptq.runtime.usage import peak_stage, time_line, timed, usage
+seconds = {}
+before = peak_stage()
+with timed(seconds, "load"):
+    x = torch.ones(300 * 2**18); del x
+with timed(seconds, "quantize"):
+    y = torch.ones(2**10)
+first = (time_line(seconds), usage(seconds)["peak_rss_stage"])
+with timed(seconds, "write"):
+    z = torch.ones(600 * 2**18); del z
+print(json.dumps([before, *first, time_line(seconds), peak_stage()]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    before, line, stage, line2, stage2 = json.loads(out.stdout)
+    assert before is None
+    assert re.search(r"; peak RSS \d+ MiB in load$", line) and stage == "load"
+    assert line2.endswith(" in write") and stage2 == "write"
 
 
 _HEAP_PROBE = """

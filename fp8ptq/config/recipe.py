@@ -209,8 +209,9 @@ class Recipe(BaseModel):
     # "random" offsets into the concatenated documents
     calib_windows: str = flag(
         "documents", "How calibration samples are cut: 'random' offsets into the concatenated "
-        "documents, or 'documents' (each sample opens a document after the BOS, as in "
-        "evaluation and in llm-compressor) [documents].", choices=CALIB_WINDOWS)
+        "documents, or 'documents' (each sample opens a document after the start token: "
+        "the BOS the tokenizer adds, else the chat template's first token, else BOS, else "
+        "EOS, as eval's --prefix-token auto) [documents].", choices=CALIB_WINDOWS)
     batch_size: int = flag(8, "Calibration batch size [8].", param="calib_batch_size")
     seed: int = flag(0, "Seed for sampling calibration windows [0].")
     dtype: str = flag("bfloat16", "Dtype the model is loaded and run in [bfloat16].",

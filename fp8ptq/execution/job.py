@@ -82,9 +82,11 @@ def calibration_texts(recipe: Recipe, model_spec: str | None = None
     return load_texts(resolve_calib_spec(recipe.calib_data), text_field=recipe.text_field)
 
 
-def calibration_set(loaded, recipe: Recipe, texts=None):
+def calibration_set(loaded, recipe: Recipe, texts=None, start: str = "auto"):
     """Token windows for a transformers model; images for any other module (a CNN).
-    ``texts``: what ``calibration_texts`` returned, if it was called already."""
+    ``texts``: what ``calibration_texts`` returned, if it was called already; ``start``: the
+    token document windows open with (``fp8ptq.io.data.start_ids``: evaluation's
+    ``--prefix-token`` where an evaluation quantizes)."""
     if not isinstance(loaded.model, PreTrainedModel):
         return texts if isinstance(texts, ImageCalibrationSet) else _image_set(recipe)
     spec = resolve_calib_spec(recipe.calib_data)
@@ -94,7 +96,7 @@ def calibration_set(loaded, recipe: Recipe, texts=None):
     texts = calibration_texts(recipe) if texts is None else texts
     return build_calibration_set(texts, loaded.tokenizer, num_samples=recipe.num_samples,
                                  seq_len=recipe.seq_len, seed=recipe.seed, source=spec,
-                                 windows=recipe.calib_windows)
+                                 windows=recipe.calib_windows, start=start)
 
 
 def quantize_loaded(loaded, recipe: Recipe, calib=None, *, progress=None,

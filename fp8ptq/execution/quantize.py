@@ -316,7 +316,8 @@ def calib_facts(calib) -> dict | None:
         return None
     return {"source": calib.source, "sha256": calib.sha256, "num_samples": calib.num_samples,
             "seq_len": calib.seq_len, "seed": calib.seed, "num_tokens": calib.num_tokens,
-            "windows": calib.windows}
+            "windows": calib.windows,
+            "start_ids": None if calib.start_ids is None else list(calib.start_ids)}
 
 
 def report_dict(result, output, sizes, timings, calib) -> dict:

@@ -184,6 +184,7 @@ class CalibrationSet:
     seed: int
     num_tokens: int  # tokens in the whole corpus the windows were drawn from
     windows: str = "random"  # how they were cut (CALIB_WINDOWS)
+    start_ids: tuple[int, ...] = ()  # the token(s) each document window opens with
 
 
 def token_sha256(input_ids: torch.Tensor) -> str:
@@ -200,14 +201,16 @@ def build_calibration_set(
     seed: int = 0,
     source: str = "",
     windows: str = "random",
+    start: str = "auto",
 ) -> CalibrationSet:
     """``num_samples`` windows of ``seq_len`` tokens out of the documents concatenated with
     the tokenizer's eos (or sep, or a blank line) between them.
 
     ``windows="random"``: at seeded random offsets (any token may come first).
     ``windows="documents"``: each window opens a seeded random document, after the token that
-    opens every sequence the model sees (``_start_ids``: the BOS or [CLS] the tokenizer adds,
-    else BOS, else EOS: lm-eval's rolling log-likelihood prefix).
+    opens every sequence the model sees (``start_ids``, by ``start``'s rule: the one
+    evaluation's ``--prefix-token`` takes, so that calibration, evaluation and serving open
+    alike).
     That is how a model meets text in evaluation and in use, and close to how llm-compressor
     calibrates (one tokenized document per sample; without a BOS when the tokenizer adds
     none, as SmolLM2's does not). The first position is the attention sink where massive
@@ -218,6 +221,7 @@ def build_calibration_set(
     padding) and the Hessians see as many tokens as with random windows."""
     if num_samples < 1 or seq_len < 1:
         raise UsageError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
+    opening: list[int] = []
     if windows not in CALIB_WINDOWS:
         raise UsageError(f"calibration windows must be one of {', '.join(CALIB_WINDOWS)}, "
                          f"got {windows!r}")
@@ -238,8 +242,9 @@ def build_calibration_set(
         )
     generator = torch.Generator().manual_seed(seed)
     if windows == "documents":
-        input_ids = _document_windows(corpus, doc_starts, _start_ids(tokenizer), num_samples,
-                                      seq_len, generator)
+        opening = start_ids(tokenizer, start)
+        input_ids = _document_windows(corpus, doc_starts, opening, num_samples, seq_len,
+                                      generator)
     else:
         starts = torch.randint(0, num_tokens - seq_len + 1, (num_samples,), generator=generator)
         input_ids = torch.stack([corpus[s : s + seq_len] for s in starts.tolist()])
@@ -252,6 +257,7 @@ def build_calibration_set(
         seed=seed,
         num_tokens=num_tokens,
         windows=windows,
+        start_ids=tuple(opening),
     )
 
 
@@ -276,18 +282,63 @@ def _document_windows(corpus: torch.Tensor, doc_starts: list[int], prefix: list[
                         for s in eligible[order].tolist()])
 
 
-def _start_ids(tokenizer) -> list[int]:
-    """The token every sequence the model sees opens with: the one its tokenizer puts first
-    when it encodes text (a BOS, BERT's [CLS]); else BOS if the tokenizer has one, else EOS
-    (lm-eval's prefix for rolling log-likelihood, which ``fp8ptq eval`` follows); else none."""
+# Which token opens every sequence: calibration's document windows and evaluation's rolling
+# log-likelihood (``--prefix-token``) take the same rule (``start_ids``).
+START_TOKENS = ("auto", "bos", "eos", "none")
+
+
+def start_ids(tokenizer, choice: str = "auto") -> list[int]:
+    """The token every sequence opens with, by ``choice`` (``START_TOKENS``).
+
+    ``auto``: the token a runtime puts first. That is the one the tokenizer itself puts first
+    when it encodes text (a BOS, BERT's [CLS]); else, for a model with a chat template, the
+    template's first token when it is a special one (what a server opens every chat request
+    with: SmolLM2-Instruct's and Qwen2.5's ``<|im_start|>``, which SmolLM2 also names its BOS
+    and Qwen2.5 does not); else BOS, else EOS (lm-eval's prefix for rolling log-likelihood);
+    else none. ``bos`` / ``eos``: that token (a ``UsageError`` if the tokenizer has none);
+    ``none``: no start token. Why one rule: a window that opens on another token than the
+    model meets in evaluation and in use calibrates another first position, and the first
+    position is the attention sink that carries the massive activations (Sun et al.,
+    "Massive Activations in Large Language Models", 2024) and that sink-aware GPTQ weights
+    (``fp8ptq.algorithms.gptq.sink``)."""
+    if choice not in START_TOKENS:
+        raise UsageError(f"the start token must be one of {', '.join(START_TOKENS)}, "
+                         f"got {choice!r}")
+    if choice == "none":
+        return []
+    if choice in ("bos", "eos"):
+        token_id = tokenizer.bos_token_id if choice == "bos" else tokenizer.eos_token_id
+        if token_id is None:
+            raise UsageError(f"--prefix-token {choice}: the tokenizer has no "
+                             f"{choice.upper()} token")
+        return [token_id]
     marked = tokenizer("a", verbose=False)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False, verbose=False)["input_ids"]
     if marked and marked[:1] != plain[:1]:
         return marked[:1]
+    chat = _chat_start(tokenizer)
+    if chat is not None:
+        return [chat]
     for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return [token_id]
     return []
+
+
+def _chat_start(tokenizer) -> int | None:
+    """The first token of the chat template rendered for one user message, if the tokenizer
+    has a template and that token is a special one (a template that opens with plain text
+    gives no start token of its own); None otherwise."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "a"}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs more (a system turn, tools)
+        return None
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] \
+        if isinstance(text, str) and text else []
+    return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) else None
 
 
 def corpus_tokens(texts: list[str], tokenizer) -> int:

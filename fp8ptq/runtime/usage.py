@@ -1,9 +1,9 @@
 """What a command used - wall time per stage and peak resident memory - in one format for every
 command's timing line and ``--json``: ``quantize``, ``eval``, ``sensitivity`` and ``validate``
-print ``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB`` and put ``seconds`` and
-``peak_rss_mb`` in their JSON; where CUDA was used, the peak GPU memory beside it
-(``peak GPU ... MiB``, ``peak_gpu_mb``). Users size machines and CI runners from these
-numbers, so every command reports them the same way.
+print ``time: load 1.2s, quantize 3.4s; peak RSS 812 MiB in quantize`` and put ``seconds``,
+``peak_rss_mb`` and ``peak_rss_stage`` (the stage the peak was reached in) in their JSON;
+where CUDA was used, the peak GPU memory beside it (``peak GPU ... MiB``, ``peak_gpu_mb``).
+Users size machines and CI runners from these numbers, so every command reports them the same way.
 
 Peak RSS is the kernel's high-water mark of this process's resident memory (``getrusage``:
 KiB on Linux, bytes on macOS), the number ``/usr/bin/time -v`` prints as "Maximum resident set
@@ -25,6 +25,19 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024.0
+
+
+# The ``timed`` stage whose end first saw this process's peak RSS (``peak_stage``).
+_PEAK = {"mb": 0.0, "stage": None}
+
+
+def peak_stage() -> str | None:
+    """The ``timed`` stage during which this process reached its peak RSS; None when the peak
+    was reached outside every timed stage. Why: the timing line's one peak reads as the
+    quantize step's, and a peak reached while loading (a GGUF dequantized into its cached
+    folder on first use, twice the whole quantize's peak for gemma-3-270m) was taken for the
+    cost of a recipe option (docs/results.md, "Two families for every default")."""
+    return _PEAK["stage"] if _PEAK["mb"] >= peak_rss_mb() else None
 
 
 def peak_gpu_mb() -> float | None:
@@ -178,7 +191,7 @@ def usage(seconds: dict[str, float]) -> dict:
     """The JSON fields: ``seconds`` (rounded to ms) and ``peak_rss_mb`` (rounded to 0.1), and
     ``peak_gpu_mb`` beside it whenever CUDA was used (``peak_gpu_mb``)."""
     out = {"seconds": {k: round(v, 3) for k, v in seconds.items()},
-           "peak_rss_mb": round(peak_rss_mb(), 1)}
+           "peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_stage": peak_stage()}
     gpu = peak_gpu_mb()
     if gpu is not None:
         out["peak_gpu_mb"] = round(gpu, 1)
@@ -191,21 +204,27 @@ def time_line(seconds: dict[str, float], *, min_seconds: float = 0.05, always=()
     ``always``."""
     parts = [f"{k} {v:.1f}s" for k, v in seconds.items() if v >= min_seconds or k in always]
     gpu = peak_gpu_mb()
-    memory = f"peak RSS {peak_rss_mb():.0f} MiB" + (
+    stage = peak_stage()
+    memory = f"peak RSS {peak_rss_mb():.0f} MiB" + (f" in {stage}" if stage else "") + (
         "" if gpu is None else f", peak GPU {gpu:.0f} MiB")
     return f"time: {', '.join(parts) or '-'}; {memory}"
 
 
 @contextmanager
 def timed(seconds: dict[str, float], key: str):
-    """Add the wall time of the ``with`` body to ``seconds[key]``."""
+    """Add the wall time of the ``with`` body to ``seconds[key]``; a body that raised the
+    process's peak RSS becomes its ``peak_stage`` (an inner stage's claim stands: the outer
+    one's end sees no higher peak)."""
     t0 = time.perf_counter()
     try:
         yield
     finally:
         seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - t0
+        mb = peak_rss_mb()
+        if mb > _PEAK["mb"]:
+            _PEAK.update(mb=mb, stage=key)
 
 
 __all__ = ["HUGEPAGE_COMMANDS", "bound_heap", "command_name", "exec_with_hugepages",
-           "hugepage_env", "hugepages_for", "peak_gpu_mb", "peak_rss_mb",
+           "hugepage_env", "hugepages_for", "peak_gpu_mb", "peak_rss_mb", "peak_stage",
            "release_free_memory", "time_line", "timed", "usage"]
