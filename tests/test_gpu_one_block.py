@@ -297,3 +297,18 @@ def test_out_of_memory_on_the_gpu_is_one_error_line(tmp_path, word_tokenizer, mo
     assert res.exit_code == 1 and len(errors) == 1
     assert "GPU ran out of memory" in errors[0] and "--max-memory 0=" in errors[0]
     assert "Traceback" not in res.output
+
+
+def test_a_model_larger_than_the_gpu_is_not_loaded_whole_onto_it(tmp_path, monkeypatch):
+    """``eval`` / an in-memory load with ``--device cuda`` of a model whose weights exceed what
+    the GPU has free stops with one line naming the budget, before anything is loaded."""
+    from fp8ptq.execution import job
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(job, "gpu_free_bytes", lambda device: 1000)
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: pytest.fail("loaded anyway"))
+    folder = saved(tmp_path, "llama")
+    with pytest.raises(UsageError, match=r"more than the GPU budget 0\.00 GB"):
+        job.load(str(folder), Recipe(), device="cuda")
+    monkeypatch.setattr(job, "gpu_free_bytes", lambda device: 80 * 2**30)
+    monkeypatch.setattr(job, "load_model", lambda *a, **k: "loaded")
+    assert job.load(str(folder), Recipe(), device="cuda") == "loaded"

@@ -217,6 +217,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
                              for o, n in gemm_shapes(plan))
     records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
         if sums else 0
+    if sums and plan.experts:  # one MoE layer's expert Hessians, collected together
+        parts["calibration"] = max(parts["calibration"],
+                                   tokens * forward + expert_hessians(plan, elem))
     steady = parts["block"] + parts["kwargs"] + parts["activations"]
     working = max(parts["calibration"], parts["sweep"])  # replay records held beside these
     room = REPLAY_BYTES if gpu_budget is None else max(0, gpu_budget - steady - working)
@@ -258,6 +261,21 @@ def factor_limit_for(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan, on
         if gpu_need(model, recipe, plan, on_gpu, device, 0, limit)["total"] <= gpu_budget:
             return limit
     return 0 if widths else None
+
+
+def expert_hessians(plan: QuantPlan, elem: int) -> int:
+    """The most bytes of one fused-experts module's per-expert Hessians at once: for every
+    expert, one per distinct input width of its 3-D weights (gate and up share theirs), as
+    expert GPTQ holds them for one MoE layer (``fp8ptq.algorithms.gptq.experts``; an upper
+    bound: only experts the router sent tokens get one)."""
+    most = 0
+    for e in plan.experts:
+        widths = {p.shape[0]: set() for p in e.module.parameters() if p.dim() == 3}
+        for p in e.module.parameters():
+            if p.dim() == 3:
+                widths[p.shape[0]].add(int(p.shape[2]))
+        most = max(most, sum(n * sum(k * k for k in ks) for n, ks in widths.items()) * elem)
+    return most
 
 
 def activation_rounding(elements: int) -> int:
@@ -323,6 +341,6 @@ def activations_fit(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
 
 
 __all__ = ["Budget", "CUDA_HOST_BYTES", "GPU_MARGIN", "REPLAY_BYTES", "activation_rounding",
-           "activations_fit", "factor_limit_for", "gb", "gemm_shapes", "gpu_free_bytes",
-           "gpu_need", "group_hessians", "hessian_elem", "host_need", "parse_budget",
-           "parse_size", "process_budget", "sweep_bytes"]
+           "activations_fit", "expert_hessians", "factor_limit_for", "gb", "gemm_shapes",
+           "gpu_free_bytes", "gpu_need", "group_hessians", "hessian_elem", "host_need",
+           "parse_budget", "parse_size", "process_budget", "sweep_bytes"]

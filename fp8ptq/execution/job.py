@@ -17,7 +17,8 @@ from ..config.plan import QuantPlan, build_plan
 from ..config.recipe import Recipe
 from ..errors import DataError, UsageError
 from ..io.data import build_calibration_set, corpus_tokens, load_texts, resolve_calib_spec
-from ..io.loading import is_torch_module_file, load_model
+from ..io.loading import is_torch_module_file, load_model, resolve_safetensors
+from ..io.weights import build_empty
 from ..model.forward import token_batches
 from ..observe import distributed
 from ..runtime.usage import peak_rss_mb, timed
@@ -27,6 +28,7 @@ from ..sensitivity.budget import measure as measure_target
 from ..sensitivity.budget import perplexity, split_heldout
 from ..sensitivity.budget import verify as verify_target
 from ..vision import ImageCalibrationSet, build_image_calibration_set, image_batches, is_image_spec
+from .budget import gb, gpu_free_bytes
 from .in_memory import QuantizeResult, quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,9 +69,32 @@ def resolve_device(device: str) -> str:
 
 def load(model_spec: str, recipe: Recipe, *, device="cpu", device_map=None,
          trust_pickle: bool = False, trust_remote_code: bool = False, as_served: bool = False):
-    return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=resolve_device(device),
+    device = resolve_device(device)
+    if device_map is None:
+        check_fits_gpu(model_spec, recipe, device)
+    return load_model(model_spec, dtype=DTYPES[recipe.dtype], device=device,
                       device_map=device_map, trust_pickle=trust_pickle,
                       trust_remote_code=trust_remote_code, as_served=as_served)
+
+
+def check_fits_gpu(model_spec: str, recipe: Recipe, device: str) -> None:
+    """Loading a model whole onto a GPU whose free memory its weights exceed stops here with
+    one line naming the budget, not with a CUDA out-of-memory error part way through the
+    load; sized from the safetensors headers (a source without them is loaded as asked)."""
+    if torch.device(device).type != "cuda":
+        return
+    free = gpu_free_bytes(device)
+    found = resolve_safetensors(model_spec)
+    if free is None or isinstance(found, str):
+        return
+    size = torch.empty(0, dtype=DTYPES[recipe.dtype]).element_size()
+    need = sum(p.numel() for p in build_empty(found[0], DTYPES[recipe.dtype]).parameters()) \
+        * size
+    if need > free:
+        raise UsageError(f"{model_spec}: its weights need {gb(need)} on {device}, more than "
+                         f"the GPU budget {gb(free)} (what it has free); quantize works one "
+                         "block at a time there (--device cuda); to evaluate, let accelerate "
+                         "offload what does not fit (--device-map auto) or use --device cpu")
 
 
 def calibration_texts(recipe: Recipe, model_spec: str | None = None
