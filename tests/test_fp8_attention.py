@@ -17,34 +17,21 @@ from fp8ptq.checkpoint.validate import validate
 from fp8ptq.formats import fake_quantize, get_format
 from fp8ptq.observe.tap_report import served_query_scale
 from fp8ptq.observe.tap_sites import ATTENTION_OWNERS
-from tiny_models import IDS, invoke, run, tiny
+from tiny_models import IDS, KV_CALIB, gqa_source, invoke, quantize_per_granularity, run, tiny
 
 HEADS, KV_HEADS, LAYERS = 4, 2, 2
-CALIB = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2", "--weight-calib", "max",
-         "--dtype", "float32"]
 ATTN = ["--kv-cache", "fp8", "--quantize-attention"]
 SHAPES = {"tensor": ((1,), (1,)), "head": ((HEADS, 1, 1), (KV_HEADS, 1, 1))}
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory, word_tokenizer):
-    root = tmp_path_factory.mktemp("attn")
-    tiny("llama", num_key_value_heads=KV_HEADS).save_pretrained(root / "gqa")
-    word_tokenizer.save_pretrained(root / "gqa")
-    (root / "calib.txt").write_text("the quick brown fox jumps over the lazy dog\n"
-                                    "hello world and hello again a small model reads\n" * 20)
-    return root
+    return gqa_source(tmp_path_factory.mktemp("gqa"), word_tokenizer, KV_HEADS)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(src):
-    out = {}
-    for g in ("tensor", "head"):
-        res = invoke(["quantize", src / "gqa", "-o", src / g, "--calib-data", src / "calib.txt",
-                      *CALIB, *ATTN, "--kv-granularity", g])
-        assert res.exit_code == 0, res.output
-        out[g] = src / g
-    return out
+    return quantize_per_granularity(src, *ATTN)
 
 
 def scale_tensors(ck):
@@ -172,11 +159,11 @@ def test_validate_reload_through_transformers(checkpoints):
 
 def test_bad_input_is_one_error_line(src, tmp_path):
     res = invoke(["quantize", src / "gqa", "-o", tmp_path / "a", "--calib-data",
-                  src / "calib.txt", *CALIB, *ATTN, "--format", "e5m2"])
+                  src / "calib.txt", *KV_CALIB, *ATTN, "--format", "e5m2"])
     assert res.exit_code == 2 and not (tmp_path / "a").exists(), res.output
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("error:") and "compressed-tensors" in err[0]
-    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "b", *CALIB, *ATTN])
+    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "b", *KV_CALIB, *ATTN])
     assert res.exit_code != 0 and not (tmp_path / "b").exists()  # needs calibration data
 
 
