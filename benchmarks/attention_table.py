@@ -1,0 +1,131 @@
+"""What FP8 attention costs, as the ``fp8-attention`` block of docs/results.md.
+
+    python benchmarks/recipe_study.py smollm2 --articles 2 --only ROWS
+    python benchmarks/recipe_study.py minilm --questions 300 --only ROWS
+    python benchmarks/attention_table.py [--out out/recipes] [--doc docs/results.md]
+        [--note "machine, date"]
+
+ROWS: ``attn-tensor,attn-head,fp8-dynamic-gptq-seq-ao-docs,fp8-dynamic-gptq-seq-ao-docs-attn-
+tensor,fp8-dynamic-gptq-seq-ao-docs-attn-head`` (``recipe_study.E4M3``; ``kv-*`` rows are shown
+too where cached). Reads the rows ``recipe_study.py`` cached under ``--out/MODEL-N/`` and gives
+each delta its paired bootstrap 95% interval against the cached baseline and, for a row on top of
+the W8A8 recipe, against the W8A8 row (the same documents / questions, so the intervals are
+paired); rows not run are left out, so a partial study renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import recipe_study as study  # noqa: E402
+from recipe_table import METRIC  # noqa: E402
+from results_page import splice  # noqa: E402
+
+from fp8ptq.evals import report  # noqa: E402
+from fp8ptq.evals.stats import paired_interval  # noqa: E402
+
+W8A8 = "fp8-dynamic-gptq-seq-ao-docs"
+ROWS = {  # row -> what it is
+    "kv-tensor": "KV cache alone, per tensor",
+    "kv-head": "KV cache alone, per KV head",
+    "attn-tensor": "FP8 attention alone, per tensor",
+    "attn-head": "FP8 attention alone, per head",
+    W8A8: "W8A8 default (FP8_DYNAMIC + sequential act-order GPTQ)",
+    f"{W8A8}-kv-tensor": "W8A8 + KV cache per tensor",
+    f"{W8A8}-kv-head": "W8A8 + KV cache per KV head",
+    f"{W8A8}-attn-tensor": "W8A8 + FP8 attention per tensor",
+    f"{W8A8}-attn-head": "W8A8 + FP8 attention per head",
+}
+MODELS = (("smollm2", 2), ("minilm", 300))
+
+
+def rows(folder: Path) -> list[dict]:
+    docs = [json.loads((folder / "baseline.json").read_text())]
+    docs += [json.loads((folder / f"{n}.json").read_text()) for n in ROWS
+             if (folder / f"{n}.json").exists()]
+    out = [{**d, "records": study.records_from_json(d["records"])} for d in docs]
+    report.attach_intervals(out)
+    return out
+
+
+def _delta(value: float, base: float, interval: dict | None, mode: str) -> str:
+    if mode == "pct":
+        delta, ci, unit = 100 * (value / base - 1), (interval or {}).get("pct_ci95"), "%"
+    else:
+        delta, ci, unit = value - base, (interval or {}).get("ci95"), " pts"
+    return f"{delta:+.2f}{unit}" + (f" (95% CI {ci[0]:+.2f}..{ci[1]:+.2f})" if ci else "")
+
+
+def table(folder: Path) -> str:
+    rs = rows(folder)
+    task = next(iter(rs[0]["metrics"])).partition(".")[0]
+    key, label, mode = METRIC[task]
+    metric = key.partition(".")[2]
+    base = rs[0]["metrics"][key]
+    w8a8 = next((r for r in rs if r["name"] == W8A8), None)
+    lines = [f"| recipe | {label} | delta vs float | delta vs W8A8 |", "|---|---|---|---|",
+             f"| float32 (baseline) | {base:.3f} | - | - |"]
+    for r in rs[1:]:
+        value = r["metrics"][key]
+        vs_w8a8 = "-"
+        if w8a8 is not None and r is not w8a8 and r["name"].startswith(W8A8):
+            iv = paired_interval(w8a8["records"][task], r["records"][task], metric)
+            vs_w8a8 = _delta(value, w8a8["metrics"][key], iv, mode)
+        lines.append(f"| {ROWS[r['name']]} (`{r['name']}`) | {value:.3f} | "
+                     f"{_delta(value, base, r['intervals'].get(key), mode)} | {vs_w8a8} |")
+    return "\n".join(lines) + "\n"
+
+
+def section(out: Path, note: str) -> str:
+    parts = ["## FP8 attention (`--kv-cache fp8 --quantize-attention`): per tensor vs per head",
+             "",
+             "What FP8 attention costs, alone (no GEMM quantized: `--skip '*'`) and on top of the "
+             "default W8A8 recipe: Q (after RoPE), K and V observed in the one calibration pass "
+             "(min-max) and rounded to e4m3 before the attention products with one scale per "
+             "layer (`tensor`) or per head (`head`; the query per KV head, each group of query "
+             "heads at its largest head's scale, as vLLM serves a per-head `q_scale`), exactly as "
+             "`fp8ptq.load` / `eval` run a checkpoint's `q_scale` / `k_scale` / `v_scale`. The "
+             "probabilities P and the products stay in float32 (an FP8 attention kernel also "
+             "rounds P: not priced here). Calibration 32 x 512 tokens of "
+             "`calib/wiki-paragraphs.txt` (MiniLM: the same paragraphs), models in float32. "
+             f"{note}", ""]
+    names = {"smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized; 9 query heads, 3 KV "
+                        "heads, 30 layers), WikiText-2 test, first 2 articles, context 2048, "
+                        "BOS prefix",
+             "minilm": "MiniLM-SQuAD (6 layers, 12 heads, no GQA), SQuAD v1.1 held-out split, "
+                       "first 300 questions (F1 in points)"}
+    for model, n in MODELS:
+        folder = out / f"{model}-{n}"
+        if (folder / "baseline.json").exists():
+            parts += [f"{names[model]}:", "", table(folder)]
+    only = ",".join(k for k in ROWS if not k.endswith(("kv-tensor", "kv-head")))
+    parts += ["```bash",
+              f"python benchmarks/recipe_study.py smollm2 --articles 2 --only {only}",
+              f"python benchmarks/recipe_study.py minilm --questions 300 --only {only}",
+              "python benchmarks/attention_table.py", "```"]
+    return "\n".join(parts) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "out/recipes"))
+    ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
+    ap.add_argument("--note", default="", help="machine, date and load of the measurement")
+    ap.add_argument("--reading", default="", help="a file of conclusions written by hand")
+    args = ap.parse_args(argv)
+    text = section(Path(args.out), args.note)
+    if args.reading and Path(args.reading).exists():
+        text += "\n" + Path(args.reading).read_text().strip() + "\n"
+    doc = Path(args.doc)
+    doc.write_text(splice(doc.read_text(), text, "fp8-attention"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
