@@ -30,18 +30,18 @@ from results_page import splice  # noqa: E402
 from fp8ptq.evals import report  # noqa: E402
 from fp8ptq.evals.stats import paired_interval  # noqa: E402
 
-W8A8 = "fp8-dynamic-gptq-seq-ao-docs"
-ROWS = {  # row -> what it is
-    "kv-tensor": "KV cache alone, per tensor",
-    "kv-head": "KV cache alone, per KV head",
-    "attn-tensor": "FP8 attention alone, per tensor",
-    "attn-head": "FP8 attention alone, per head",
-    W8A8: "W8A8 default (FP8_DYNAMIC + sequential act-order GPTQ)",
-    f"{W8A8}-kv-tensor": "W8A8 + KV cache per tensor",
-    f"{W8A8}-kv-head": "W8A8 + KV cache per KV head",
-    f"{W8A8}-attn-tensor": "W8A8 + FP8 attention per tensor",
-    f"{W8A8}-attn-head": "W8A8 + FP8 attention per head",
-}
+# the W8A8 recipes FP8 attention is measured on: row -> (what it is, short name)
+BASES = {"fp8-dynamic": ("W8A8 FP8_DYNAMIC rounded to nearest (the default without calibration "
+                         "data)", "W8A8 RTN"),
+         "fp8-dynamic-gptq-seq-ao-docs": ("W8A8 default (FP8_DYNAMIC + sequential act-order "
+                                          "GPTQ)", "W8A8 default")}
+ADDED = {"kv-tensor": "KV cache per tensor", "kv-head": "KV cache per KV head",
+         "attn-tensor": "FP8 attention per tensor", "attn-head": "FP8 attention per head"}
+PARENT = {f"{base}-{k}": base for base in BASES for k in ADDED}  # row -> its W8A8 row
+ROWS = {**{k: f"{v}, alone" for k, v in ADDED.items()},
+        **{base: what for base, (what, _) in BASES.items()},
+        **{row: f"{BASES[base][1]} + {ADDED[row.removeprefix(base + '-')]}"
+           for row, base in PARENT.items()}}
 MODELS = (("smollm2", 2), ("minilm", 300))
 
 
@@ -68,15 +68,16 @@ def table(folder: Path) -> str:
     key, label, mode = METRIC[task]
     metric = key.partition(".")[2]
     base = rs[0]["metrics"][key]
-    w8a8 = next((r for r in rs if r["name"] == W8A8), None)
-    lines = [f"| recipe | {label} | delta vs float | delta vs W8A8 |", "|---|---|---|---|",
+    by_name = {r["name"]: r for r in rs}
+    lines = [f"| recipe | {label} | delta vs float | delta vs its W8A8 |", "|---|---|---|---|",
              f"| float32 (baseline) | {base:.3f} | - | - |"]
     for r in rs[1:]:
         value = r["metrics"][key]
+        parent = by_name.get(PARENT.get(r["name"], ""))
         vs_w8a8 = "-"
-        if w8a8 is not None and r is not w8a8 and r["name"].startswith(W8A8):
-            iv = paired_interval(w8a8["records"][task], r["records"][task], metric)
-            vs_w8a8 = _delta(value, w8a8["metrics"][key], iv, mode)
+        if parent is not None:
+            iv = paired_interval(parent["records"][task], r["records"][task], metric)
+            vs_w8a8 = _delta(value, parent["metrics"][key], iv, mode)
         lines.append(f"| {ROWS[r['name']]} (`{r['name']}`) | {value:.3f} | "
                      f"{_delta(value, base, r['intervals'].get(key), mode)} | {vs_w8a8} |")
     return "\n".join(lines) + "\n"
@@ -85,8 +86,8 @@ def table(folder: Path) -> str:
 def section(out: Path, note: str) -> str:
     parts = ["## FP8 attention (`--kv-cache fp8 --quantize-attention`): per tensor vs per head",
              "",
-             "What FP8 attention costs, alone (no GEMM quantized: `--skip '*'`) and on top of the "
-             "default W8A8 recipe: Q (after RoPE), K and V observed in the one calibration pass "
+             "What FP8 attention costs, alone (no GEMM quantized: `--skip '*'`) and on top of "
+             "W8A8 recipes: Q (after RoPE), K and V observed in the one calibration pass "
              "(min-max) and rounded to e4m3 before the attention products with one scale per "
              "layer (`tensor`) or per head (`head`; the query per KV head, each group of query "
              "heads at its largest head's scale, as vLLM serves a per-head `q_scale`), exactly as "
