@@ -118,7 +118,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=str(ROOT / "out/recipes"))
     ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
     ap.add_argument("--note", default="", help="machine, date and load of the measurement")
-    ap.add_argument("--reading", default="", help="a file of conclusions written by hand")
+    ap.add_argument("--reading", default=str(ROOT / "benchmarks/attention_reading.md"),
+                    help="the conclusions drawn from the tables (written by hand)")
     args = ap.parse_args(argv)
     text = section(Path(args.out), args.note)
     if args.reading and Path(args.reading).exists():
