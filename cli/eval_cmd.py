@@ -66,10 +66,10 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
               help="Comma-separated: wikitext, squad, any lm-eval task, or a task YAML in "
                    "--include-path.")
 @click.option("--compare", default="",
-              help="Comma-separated variants besides the baseline: formats MODEL is "
-                   "quantized to (int8, e4m3, ...), schemes (fp8-dynamic, fp8-block, ...), "
-                   "dtypes (bf16, fp16, fp32), fp8ptq checkpoints or other tools' quantized "
-                   "folders (llm-compressor's, loaded by transformers).")
+              help="Comma-separated variants besides the baseline: formats (int8, e4m3, "
+                   "...), schemes (fp8-dynamic, ...), dtypes (bf16, fp16, fp32), checkpoint "
+                   "folders (fp8ptq's, llm-compressor's); FORMAT+attn[-head] / +kv[-head]: "
+                   "with FP8 attention / KV cache.")
 @click.option("--data", "data_items", multiple=True, metavar="TASK=PATH",
               help="Local data: wikitext=wiki.test.raw, squad=dev.json (repeatable).")
 @click.option("--limit", type=click.IntRange(min=1), help="First N documents/questions per task.")

@@ -33,6 +33,15 @@ from .extractive_qa import is_extractive_qa
 from .harness import make_lm
 from .runner import run_tasks
 
+# ``ITEM+SUFFIX`` on a format or scheme: the variant with its attention in FP8 as vLLM serves
+# it (``attn``: --kv-cache fp8 --quantize-attention; ``kv``: the KV cache alone), per tensor
+# or per head, so one run scores it next to the plain ITEM with paired intervals
+ATTENTION_SUFFIXES = {
+    "attn": dict(kv_cache="fp8", quantize_attention=True, kv_granularity="tensor"),
+    "attn-head": dict(kv_cache="fp8", quantize_attention=True, kv_granularity="head"),
+    "kv": dict(kv_cache="fp8", quantize_attention=False, kv_granularity="tensor"),
+    "kv-head": dict(kv_cache="fp8", quantize_attention=False, kv_granularity="head"),
+}
 DTYPE_VARIANTS = {"baseline": None, "bf16": "bfloat16", "bfloat16": "bfloat16",
                   "fp16": "float16", "float16": "float16", "fp32": "float32", "float32": "float32"}
 
@@ -101,8 +110,13 @@ def plan_variants(model: str, model_meta: dict | None, compare: list[str],
                              f"reachable")
         return base
 
-    for item in compare:
-        if item.lower() in DTYPE_VARIANTS:
+    for given in compare:
+        item, fields = _attention_suffix(given)
+        if fields:
+            variant = _quantized_variant(item, recipe, need_base)
+            variant.name, variant.recipe = given, variant.recipe.merged(**fields)
+            variants.append(variant)
+        elif item.lower() in DTYPE_VARIANTS:
             dtype = DTYPE_VARIANTS[item.lower()] or recipe.dtype
             if dtype != recipe.dtype:
                 variants.append(Variant(item.lower(), "dtype", need_base(item),
@@ -112,14 +126,32 @@ def plan_variants(model: str, model_meta: dict | None, compare: list[str],
         elif Path(item).expanduser().is_dir():
             variants.append(Variant(_folder_name(item), "checkpoint", item, recipe,
                                     _folder_meta(item)))
-        elif _is_scheme(item):  # a named preset on top of the eval's recipe flags
-            name = get_scheme(item).name
-            variants.append(Variant(name, "quantized", need_base(item),
-                                    _scheme_recipe(recipe, name)))
         else:
-            fmt = _format_name(item)
-            variants.append(Variant(fmt, "quantized", need_base(item), recipe.merged(format=fmt)))
+            variants.append(_quantized_variant(item, recipe, need_base))
     return _unique_names(variants), notes
+
+
+def _quantized_variant(item: str, recipe: Recipe, need_base) -> Variant:
+    """A format or a named scheme (a preset on top of the eval's recipe flags), quantized on
+    the fly."""
+    if _is_scheme(item):
+        name = get_scheme(item).name
+        return Variant(name, "quantized", need_base(item), _scheme_recipe(recipe, name))
+    fmt = _format_name(item)
+    return Variant(fmt, "quantized", need_base(item), recipe.merged(format=fmt))
+
+
+def _attention_suffix(item: str) -> tuple[str, dict]:
+    """``(ITEM, recipe fields)`` of ``ITEM+attn`` / ``+attn-head`` / ``+kv`` / ``+kv-head``;
+    ``(item, {})`` without one. A suffix on a dtype or a checkpoint folder is refused: a folder
+    carries its own recipe, a dtype quantizes nothing."""
+    base, plus, suffix = item.rpartition("+")
+    if not plus or suffix.lower() not in ATTENTION_SUFFIXES:
+        return item, {}
+    if base.lower() in DTYPE_VARIANTS or Path(base).expanduser().is_dir():
+        raise UsageError(f"--compare {item}: +{suffix} goes on a format or a scheme "
+                         "(e.g. e4m3+attn), not on a dtype or a checkpoint folder")
+    return base, ATTENTION_SUFFIXES[suffix.lower()]
 
 
 def _is_scheme(item: str) -> bool:

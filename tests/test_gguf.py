@@ -17,8 +17,8 @@ from fp8ptq.io import gguf_convert, loading
 from fp8ptq.io.gguf_convert import convert_gguf
 from fp8ptq.io.source import SafetensorsSource
 from test_sequential import checkpoint_tensors
-from tiny_gguf import tiny_llama_gguf, tiny_qwen2moe_gguf
-from tiny_models import STATIC, invoke
+from tiny_gguf import moe_gguf, moe_model, tiny_llama_gguf, tiny_qwen2moe_gguf
+from tiny_models import IDS, STATIC, invoke, run
 
 WRITERS = {"llama": (tiny_llama_gguf, "LlamaForCausalLM", 3),
            "qwen2moe": (tiny_qwen2moe_gguf, "Qwen2MoeForCausalLM", 2)}
@@ -160,6 +160,32 @@ def test_moe_expert_widths_come_from_the_file(tmp_path, monkeypatch):
         convert_gguf(path, tmp_path / "conv2")
     assert not (tmp_path / "conv2").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv", "src"]
+
+
+# family -> the widths, expert count and used count of a MoE unlike its config class's defaults
+MOE_GGUFS = {
+    "qwen2_moe": dict(moe_intermediate_size=40, shared_expert_intermediate_size=72,
+                      num_experts=6, num_experts_per_tok=3),
+    "qwen3_moe": dict(moe_intermediate_size=40, head_dim=16, norm_topk_prob=True,
+                      num_experts=6, num_experts_per_tok=3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_GGUFS))
+def test_moe_gguf_loads_as_the_transformers_model(family, tmp_path, monkeypatch):
+    """A Qwen2-MoE / Qwen3-MoE GGUF (float32 tensors) loads through ``load_model`` with the
+    expert widths, expert count and used count of its metadata, and computes the logits of the
+    transformers model it was written from, exactly."""
+    monkeypatch.setenv("FP8PTQ_CACHE", str(tmp_path / "cache"))
+    ref = moe_model(family, layers=2, seed=3, **MOE_GGUFS[family])
+    path = moe_gguf(tmp_path / f"{family}.gguf", ref, quantize=False)
+    model = loading.load_model(str(path), dtype=torch.float32).model
+    assert type(model) is type(ref)
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                "num_experts_per_tok", "head_dim", "norm_topk_prob"):
+        assert getattr(model.config, key, None) == getattr(ref.config, key, None), key
+    ids = IDS[:2] % 256  # byte tokens of the GGUF vocabulary
+    assert torch.equal(run(model, ids), run(ref, ids))
 
 
 @pytest.mark.slow

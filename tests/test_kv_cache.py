@@ -11,32 +11,19 @@ from safetensors.torch import load_file, save_file
 
 from fp8ptq.checkpoint import load_quantized
 from fp8ptq.checkpoint.validate import validate
-from tiny_models import IDS, invoke, run, tiny
+from tiny_models import IDS, KV_CALIB, gqa_source, invoke, quantize_per_granularity, run, tiny
 
 KV_HEADS, LAYERS = 2, 2
-CALIB = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2", "--weight-calib", "max",
-         "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory, word_tokenizer):
-    root = tmp_path_factory.mktemp("kv")
-    tiny("llama", num_key_value_heads=KV_HEADS).save_pretrained(root / "gqa")
-    word_tokenizer.save_pretrained(root / "gqa")
-    (root / "calib.txt").write_text("the quick brown fox jumps over the lazy dog\n"
-                                    "hello world and hello again a small model reads\n" * 20)
-    return root
+    return gqa_source(tmp_path_factory.mktemp("gqa"), word_tokenizer, KV_HEADS)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(src):
-    out = {}
-    for g in ("tensor", "head"):
-        res = invoke(["quantize", src / "gqa", "-o", src / g, "--calib-data", src / "calib.txt",
-                      *CALIB, "--kv-cache", "fp8", "--kv-granularity", g])
-        assert res.exit_code == 0, res.output
-        out[g] = src / g
-    return out
+    return quantize_per_granularity(src, "--kv-cache", "fp8")
 
 
 def kv_tensors(ck):
@@ -111,13 +98,10 @@ def test_validate_checks_names_shapes_and_values(checkpoints, tmp_path):
 
 
 def test_kv_cache_refusals_and_moot_granularity(src, tmp_path):
-    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "a", "--calib-data",
-                  src / "calib.txt", *CALIB, "--kv-cache", "fp8", "--quantize-attention"])
-    assert res.exit_code == 2 and "--kv-cache" in res.stderr and not (tmp_path / "a").exists()
-    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "b", *CALIB,
+    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "b", *KV_CALIB,
                   "--kv-granularity", "head", "--kv-cache", "fp8"])
     assert res.exit_code != 0 and not (tmp_path / "b").exists()  # needs calibration data
-    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "c", *CALIB,
+    res = invoke(["quantize", src / "gqa", "-o", tmp_path / "c", *KV_CALIB,
                   "--kv-granularity", "head"])
     assert res.exit_code == 0 and "--kv-granularity head (the KV cache is not quantized)" in \
         res.stderr

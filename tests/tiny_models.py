@@ -109,6 +109,33 @@ def saved_llama_with_calib(tmp_path, tokenizer):
     return src, calib
 
 
+# short CLI calibration of the KV-cache / FP8-attention tests (max weights, float32)
+KV_CALIB = ["--num-samples", "4", "--seq-len", "16", "--batch-size", "2", "--weight-calib",
+            "max", "--dtype", "float32"]
+
+
+def gqa_source(root, tokenizer, kv_heads: int):
+    """``root`` holding a tiny grouped-query Llama (``kv_heads`` KV heads for 4 query heads)
+    saved with ``tokenizer`` under ``gqa`` and calibration text in ``calib.txt``."""
+    tiny("llama", num_key_value_heads=kv_heads).save_pretrained(root / "gqa")
+    tokenizer.save_pretrained(root / "gqa")
+    (root / "calib.txt").write_text("the quick brown fox jumps over the lazy dog\n"
+                                    "hello world and hello again a small model reads\n" * 20)
+    return root
+
+
+def quantize_per_granularity(src, *flags: str) -> dict:
+    """``{granularity: folder}``: ``gqa_source``'s model quantized with ``flags`` and
+    ``--kv-granularity tensor`` / ``head`` into ``src / granularity``."""
+    out = {}
+    for g in ("tensor", "head"):
+        res = invoke(["quantize", src / "gqa", "-o", src / g, "--calib-data", src / "calib.txt",
+                      *KV_CALIB, *flags, "--kv-granularity", g])
+        assert res.exit_code == 0, res.output
+        out[g] = src / g
+    return out
+
+
 def word_documents(path, count: int, words: int = 40, seed: int = 0) -> None:
     """``count`` seeded documents of ``words`` random words (the word tokenizer's vocabulary),
     one per line, written to ``path``: calibration text whose every 10th document

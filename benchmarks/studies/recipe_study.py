@@ -163,11 +163,16 @@ E4M3 = {
     "hif8-dynamic": dict(format="hif8", act_granularity="token"),
     "hif8-dynamic-gptq": dict(format="hif8", act_granularity="token", weight_calib="gptq"),
     "e5m2-dynamic-gptq": dict(format="e5m2", act_granularity="token", weight_calib="gptq"),
-    # FP8 (e4m3) KV cache (--kv-cache fp8): alone (no GEMM quantized) and on top of the default
-    # W8A8 recipe, one K / V scale per layer or per KV head
-    **{f"{stem}kv-{g}": dict(fields, kv_cache="fp8", kv_granularity=g)
-       for g in ("tensor", "head") for stem, fields in (
+    # FP8 (e4m3) KV cache (--kv-cache fp8) and FP8 attention (--kv-cache fp8
+    # --quantize-attention: Q, K and V in e4m3 with the scales a checkpoint's q_scale / k_scale /
+    # v_scale carry, Q per KV head as vLLM serves a per-head q_scale): alone (no GEMM
+    # quantized), on top of FP8_DYNAMIC rounded to nearest (the default without calibration
+    # data) and on top of the default W8A8 recipe, one scale per layer or per head
+    **{f"{stem}{what}-{g}": dict(fields, kv_cache="fp8", kv_granularity=g,
+                                 quantize_attention=what == "attn")
+       for what in ("kv", "attn") for g in ("tensor", "head") for stem, fields in (
            ("", dict(skip=["*"], calib_windows="documents")),
+           ("fp8-dynamic-", dict(scheme="fp8-dynamic", calib_windows="documents")),
            ("fp8-dynamic-gptq-seq-ao-docs-", dict(scheme="fp8-dynamic", weight_calib="gptq",
                                                  gptq_sequential=True, gptq_act_order=True,
                                                  calib_windows="documents")))},

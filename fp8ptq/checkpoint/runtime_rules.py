@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..nn.fused import FUSED_SHARDS
+from .attention_rules import attention_violations, is_attention_group
 from .experts_io import SERVABLE
 from .layouts import get_layout
 from .reader import _load_tensors, _read_config, read_metadata
@@ -176,6 +177,8 @@ def _config_groups(ck) -> list[Violation]:
         return [refused]
     out = []
     for group, scheme in config.config_groups.items():
+        if is_attention_group(scheme):  # read by the KV-cache method, not as a Linear scheme
+            continue
         where = f"{group} ({', '.join(scheme.targets)})"
         a = scheme.input_activations
         chosen = vllm_linear_scheme(scheme.weights, a)
@@ -305,6 +308,15 @@ def _kv_shape(config: dict, strategy) -> tuple[int, ...] | None:
     return (heads, 1, 1) if strategy == "attn_head" and heads else None
 
 
+def _attention(ck) -> list[Violation]:
+    """FP8 attention: the attention config group and its query scales (``attention_rules``)."""
+    qc = ck["config"].get("quantization_config")
+    if not served(ck, "vllm") or not qc:
+        return []
+    config, refused = parse_ct_config(qc)
+    return [] if config is None else attention_violations(ck, config, Violation)
+
+
 def _scales(ck) -> list[Violation]:
     return [Violation("finite-scales", k, "a scale is NaN, inf, zero or negative",
                       "re-quantize (fp8ptq never writes one)")
@@ -346,6 +358,9 @@ RULES = [
     Rule("fused-moe", "vllm", "vLLM compressed_tensors_moe.py: CompressedTensorsW8A8Fp8MoEMethod "
          "(per-tensor/static, per-channel/dynamic; one input scale per layer)", _moe),
     Rule("kv-scales", "vllm", f"{VLLM_CT}: get_cache_scale, kv_cache_scheme", _kv),
+    Rule("attention", "vllm", "vLLM kv_cache.py BaseKVCacheMethod, attention.py Attention "
+         "(query_quant); llm-compressor examples/quantization_attention; compressed-tensors "
+         "initialize_attn_qparams", _attention),
     Rule("finite-scales", "vllm", "every runtime: a NaN scale turns a layer's output to NaN",
          _scales),
     Rule("fnuz", "vllm", "vLLM fp8_utils.py normalize_e4m3fn_to_e4m3fnuz", _fnuz_note),

@@ -88,7 +88,7 @@ from .names import (  # noqa: F401 - re-exported
 )
 from .shards import SHARD_BYTES, ShardWriter
 from .skeleton import SKELETON_NAME
-from .taps_io import kv_cache_export, taps_report
+from .taps_io import attention_targets, kv_cache_export, taps_report
 
 
 class CheckpointWriter:
@@ -290,7 +290,9 @@ class CheckpointWriter:
             # its own codes: stored separately, loaded untied (same numbers, no re-tying).
             cfg["tie_word_embeddings"] = False
         cfg["quantization_config"] = self.layout.quantization_config(
-            model, self._descs, kv_scheme=kv_scheme, tool_version=tool_version)
+            model, self._descs, kv_scheme=kv_scheme,
+            attention_targets=attention_targets(model, taps) if kv_scheme else (),
+            tool_version=tool_version)
         (tmp / "config.json").write_text(dumps(cfg, indent=2, sort_keys=True) + "\n")
         gen = getattr(model, "generation_config", None)
         if gen is not None:

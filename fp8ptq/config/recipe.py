@@ -171,7 +171,9 @@ class Recipe(BaseModel):
     keep_first_last: bool = flag(
         False, "Keep the first and the last GEMM in high precision (CNNs).")
     quantize_attention: bool = flag(
-        False, "Also quantize the inputs of the attention batched matmuls (Q, K, V, P).")
+        False, "Also quantize the inputs of the attention batched matmuls (Q, K, V, P; "
+        "simulation only). With --kv-cache fp8: FP8 attention as vLLM serves it, Q / K / V "
+        "scales per --kv-granularity written as llm-compressor writes them (q_scale).")
     # "fp8": K (after RoPE) and V quantized to e4m3 with static scales from the calibration
     # pass, written as vLLM's kv_cache_scheme + <attention>.k_scale / .v_scale
     kv_cache: str | None = flag(
@@ -313,8 +315,7 @@ class Recipe(BaseModel):
             _choice("kv_cache", self.kv_cache, KV_CACHE_FORMATS)
         _choice("kv_granularity", self.kv_granularity, KV_GRANULARITIES)
         if self.kv_cache is not None and self.quantize_attention:
-            raise UsageError("--kv-cache quantizes K and V itself; --quantize-attention also "
-                             "quantizes them (per tensor, in the activation format): drop one")
+            _check_fp8_attention(self)
         if self.gptq_asym and not self.gptq_sequential and "gptq_asym" in self.model_fields_set:
             raise UsageError("gptq_asym needs sequential GPTQ (the float stream runs beside the "
                              "quantized one); drop --no-gptq-sequential")
@@ -380,3 +381,21 @@ def override_formats(value) -> dict[str, str]:
     out.update({k: value[k] for k in ("weight_format", "act_format") if k in value})
     return out
 
+
+
+def _check_fp8_attention(recipe: Recipe) -> None:
+    """FP8 attention (``--kv-cache fp8 --quantize-attention``) is written for vLLM, which reads
+    the query / key / value scales only from a compressed-tensors ``kv_cache_scheme``, and the
+    checkpoint is compressed-tensors only when weights and activations share an 8-bit type that
+    compressed-tensors stores (e4m3 or int8): refused up front for any other format, before a
+    model loads."""
+    weight = get_format(recipe.format)
+    act = recipe.act_format or recipe.format
+    act_type = weight.compressed_tensors_type if act == "none" else \
+        get_format(act).compressed_tensors_type
+    if weight.compressed_tensors_type is None or act_type != weight.compressed_tensors_type:
+        raise UsageError(f"--kv-cache fp8 --quantize-attention writes FP8 attention for vLLM, "
+                         f"which reads it from compressed-tensors checkpoints only; --format "
+                         f"{recipe.format} / activations {act} would be written fp8ptq-native: "
+                         "use e4m3 or int8 (or drop --quantize-attention for the "
+                         "simulation-only Q/K/V/P rounding)")

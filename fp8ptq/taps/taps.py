@@ -66,6 +66,16 @@ from ..errors import Fp8ptqError, NumericsError, UsageError
 from ..formats import fake_quantize, get_format
 from ..formats.scales import amax_to_scale, histogram_sqnr_db
 from ..observe.observers import TensorStats
+from .tap_report import (
+    CACHE_KINDS,
+    KV_OBSERVER,
+    KV_ROLES,
+    attention_scales_from_report,
+    kv_granularity_from_report,
+    kv_scales_from_report,
+    number,
+    served_query_scale,
+)
 from .tap_sites import (
     ATTENTION_OWNERS,
     ATTENTION_ROLES,
@@ -78,9 +88,6 @@ from .tap_sites import (
     register_attention_function,
     residual_branches,
 )
-
-KV_ROLES = ("k", "v")  # the KV cache's taps (``--kv-cache``): the tensors the runtime caches
-KV_OBSERVER = "minmax"  # compressed-tensors' name for the KV scales' observer: amax / max
 
 # ---------------------------------------------------------------------------------------------
 # ActivationTaps
@@ -95,15 +102,21 @@ class ActivationTaps:
     of ``model`` with static per-tensor scales (see the module docstring)."""
 
     def __init__(self, model: nn.Module, recipe=None, *, attention: bool | None = None,
-                 residual: bool | None = None, kv: str | None = None):
+                 residual: bool | None = None, kv: str | None = None,
+                 query: bool | None = None):
         self.model = model
         self.attention = bool(recipe.quantize_attention if attention is None and recipe
                               else attention)
         self.residual = bool(recipe.quantize_residual if residual is None and recipe
                              else residual)
-        # the KV cache alone (``--kv-cache``): "tensor" / "head" scales of K and V
+        # the KV cache (``--kv-cache``): "tensor" / "head" scales of K and V
         self.kv = (recipe.kv_granularity if recipe is not None and kv is None
                    and getattr(recipe, "kv_cache", None) else kv)
+        # FP8 attention (``--kv-cache fp8 --quantize-attention``): Q beside K / V, the same
+        # arguments, written for the runtime; the simulation-only Q/K/V/P taps step aside
+        self.query = bool(query if query is not None else self.attention and self.kv)
+        if self.query:
+            self.attention = False
         if not (self.attention or self.residual or self.kv):
             raise UsageError("ActivationTaps: no attention, residual or KV-cache taps requested")
         self.mode = "pass"  # "pass" | "observe" | "quantize"
@@ -119,6 +132,7 @@ class ActivationTaps:
         self._owned: list[nn.Module] = []
         self._structure_warned: set[str] = set()
         self.calls: dict[str, int] = {}  # attention module -> fp8ptq_eager calls seen
+        self.kv_heads: dict[str, int] = {}  # attention module -> its KV heads (query groups)
 
         candidates = [(n, m) for n, m in model.named_modules() if is_attention_module(m)]
         self.attention_modules = [n for n, _ in candidates]
@@ -143,9 +157,10 @@ class ActivationTaps:
                         self._add_tap(f"{lname}.{r}:output", "residual")
         if self.attention or self.kv:
             if not candidates:
-                raise UsageError(f"{'--quantize-attention' if self.attention else '--kv-cache'}"
-                                 ": no attention module of this model goes through "
-                                 "transformers' attention interface")
+                what = "--quantize-attention" if self.attention or self.query else "--kv-cache"
+                raise UsageError(f"{what}: no attention module of this model goes through "
+                                 "transformers' attention interface (fp8ptq finds attention "
+                                 "by it)")
             self._install_attention(candidates)
 
     # -- setup / teardown ---------------------------------------------------------------------
@@ -174,6 +189,9 @@ class ActivationTaps:
             ATTENTION_OWNERS[mod] = (self, name)
             self._owned.append(mod)
             self.calls[name] = 0
+            self.kv_heads[name] = _kv_heads(mod)
+            if self.query:
+                self._add_tap(f"{name}:q", "query")
             for role in ATTENTION_ROLES if self.attention else KV_ROLES:
                 self._add_tap(f"{name}:{role}", "attention" if self.attention else "kv")
 
@@ -217,7 +235,7 @@ class ActivationTaps:
             return x
         if self.mode == "observe":
             st = self.stats[name]
-            if self.kinds[name] == "kv":  # [batch, kv heads, seq, head_dim]: amax per head
+            if self.kinds[name] in CACHE_KINDS:  # [batch, heads, seq, head_dim]: per head
                 st.update(x, channel_dim=1)
             else:  # P's last dim (key length) varies between batches: no per-channel amax
                 st.update(x.reshape(-1, 1) if name.endswith(":p") else x)
@@ -256,7 +274,7 @@ class ActivationTaps:
         query = self._tap(f"{name}:q", query)
         key = self._tap(f"{name}:k", key)
         value = self._tap(f"{name}:v", value)
-        if not self.attention:  # the KV cache alone: Q and P stay as they are
+        if not self.attention:  # the KV cache / FP8 attention: P stays as it is
             return eager(module, query, key, value, attention_mask, *args, **kwargs)
         mode = ProbabilityTap(lambda p: self._tap(f"{name}:p", p))
         with mode:
@@ -299,7 +317,7 @@ class ActivationTaps:
         report = {}
         self._scales, self._scale_cache, self._fmts = {}, {}, {}
         for name, st in self.stats.items():
-            kv = self.kinds[name] == "kv"
+            kv = self.kinds[name] in CACHE_KINDS
             fmt = kv_fmt if kv else tap_plan.format
             warnings: list[str] = []
             if not st.seen:
@@ -313,9 +331,9 @@ class ActivationTaps:
                 amax = float(calib.amax(st, fmt))
             scale = amax_to_scale(amax, fmt, pow2=recipe.scale_pow2 and not kv, what=name,
                                   warnings=warnings)
-            self._scales[name], self._fmts[name] = _broadcast(scale), fmt
+            self._scales[name], self._fmts[name] = self._served(name, scale), fmt
             report[name] = {
-                "kind": self.kinds[name], "amax": _number(amax), "scale": _number(scale),
+                "kind": self.kinds[name], "amax": number(amax), "scale": number(scale),
                 "format": fmt.name, "calib": KV_OBSERVER if kv else calib_name,
                 "sqnr_db": histogram_sqnr_db(st, float(scale.max()), fmt) if st.seen else None,
                 "count": st.count, "warnings": warnings,
@@ -339,7 +357,7 @@ class ActivationTaps:
                                                      and bool((s > 0).all()))]
         if bad:
             raise NumericsError(f"activation tap scale of {bad[0]} is not finite and > 0")
-        self._scales = {n: _broadcast(s) for n, s in scales.items()}
+        self._scales = {n: self._served(n, s) for n, s in scales.items()}
         self._fmts = {n: get_format(e["format"]) for n, e in report.items()}
         self._scale_cache = {}
         self.report = report
@@ -355,6 +373,13 @@ class ActivationTaps:
             yield self
         finally:
             self.mode = previous
+
+    def _served(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+        """The scale a tap quantizes with, as the runtime serves it: a per-head query scale
+        per KV head (``served_query_scale``), every other one as calibrated."""
+        if self.kinds.get(name) == "query":
+            scale = served_query_scale(scale, self.kv_heads.get(name.rpartition(":")[0], 0))
+        return _broadcast(scale)
 
     # -- export -------------------------------------------------------------------------------
 
@@ -378,46 +403,20 @@ def model_taps(model: nn.Module) -> ActivationTaps | None:
 
 
 def _broadcast(scale: torch.Tensor) -> torch.Tensor:
-    """A tap's scale as it multiplies its tensor: a scalar, or per KV head ``[1, H, 1, 1]``
+    """A tap's scale as it multiplies its tensor: a scalar, or per head ``[1, H, 1, 1]``
     against ``[batch, H, seq, head_dim]``."""
     return scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1, 1)
 
 
-def _number(x):
-    """A scalar or per-head value as fp8ptq.json holds it: a float, or a list of floats."""
-    x = torch.as_tensor(x, dtype=torch.float32)
-    return float(x) if x.dim() == 0 else x.tolist()
-
-
-def attention_scales_from_report(report: dict) -> dict[str, dict[str, float]]:
-    """Per attention module ``{"q_scale", "k_scale", "v_scale", "p_scale"}`` from a ``freeze``
-    report (e.g. ``QuantizeResult.extras["taps"]``, where the taps object itself is not kept)."""
-    out: dict[str, dict[str, float]] = {}
-    for tap, entry in report.items():
-        module, _, role = tap.rpartition(":")
-        if entry.get("kind") == "attention" and role in ATTENTION_ROLES:
-            out.setdefault(module, {})[f"{role}_scale"] = float(entry["scale"])
-    return out
-
-
-def kv_scales_from_report(report: dict) -> dict[str, dict[str, float | list[float]]]:
-    """``{attention module: {"k_scale", "v_scale"}}`` from a ``freeze`` report: the attention
-    taps' K / V scales, or the KV-cache taps' (a list of one per KV head with ``head``)."""
-    out = {a: {"k_scale": s["k_scale"], "v_scale": s["v_scale"]}
-           for a, s in attention_scales_from_report(report).items()}
-    for tap, entry in report.items():
-        module, _, role = tap.rpartition(":")
-        if entry.get("kind") == "kv" and role in KV_ROLES:
-            out.setdefault(module, {})[f"{role}_scale"] = entry["scale"]
-    return out
-
-
-def kv_granularity_from_report(report: dict | None) -> str | None:
-    """``"tensor"`` / ``"head"`` when ``report`` holds KV-cache taps, else None."""
-    return next((e.get("granularity", "tensor") for e in (report or {}).values()
-                 if e.get("kind") == "kv"), None)
+def _kv_heads(module: nn.Module) -> int:
+    """The KV heads of an attention module (0: unknown): its config's ``num_key_value_heads``
+    (``num_attention_heads`` without GQA), as compressed-tensors' ``get_num_kv_heads`` reads
+    it."""
+    cfg = getattr(module, "config", None)
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 0)
+    return int(heads or 0)
 
 
 __all__ = ["ActivationTaps", "attention_scales_from_report", "kv_scales_from_report",
-           "kv_granularity_from_report", "model_taps",
+           "kv_granularity_from_report", "model_taps", "KV_OBSERVER", "KV_ROLES",
            "ATTN_IMPLEMENTATION", "fp8ptq_eager_attention", "register_attention_function"]

@@ -170,9 +170,11 @@ class Layout:
         return tensors, None, "tensors <attention>.k_scale / .v_scale (all taps: fp8ptq.json)"
 
     def quantization_config(self, model: nn.Module, modules: Sequence[ModuleDesc], *,
-                            kv_scheme: dict | None = None, tool_version: str = "") -> dict:
+                            kv_scheme: dict | None = None, attention_targets: Sequence[str] = (),
+                            tool_version: str = "") -> dict:
         """config.json ``quantization_config``. ``model`` gives the structure only (it may be
-        on the meta device, with its GEMMs not yet wrapped)."""
+        on the meta device, with its GEMMs not yet wrapped); ``attention_targets``: the
+        attention classes FP8 attention quantizes (their query scales written)."""
         raise NotImplementedError
 
     # -- reading ------------------------------------------------------------------------------

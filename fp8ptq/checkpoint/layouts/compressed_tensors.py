@@ -30,6 +30,7 @@ from torch import nn
 from ...errors import DataError, Fp8ptqError, first_line
 from ...formats import get_format
 from ...nn.quant_experts import ProjectionQuant
+from ...taps.tap_report import query_modules_from_report
 from ...taps.taps import KV_OBSERVER, kv_granularity_from_report
 from ..expect import SCALE_DTYPES, Expect, dtype_name
 from ..experts_io import checkpoint_keys, ct_problem, ct_tensors, pop_ct_tensors, router_modules
@@ -91,6 +92,25 @@ def kv_cache_scheme(granularity: str) -> dict:
     return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
             "strategy": "attn_head" if granularity == "head" else "tensor", "dynamic": False,
             "observer": KV_OBSERVER}
+
+
+ATTENTION_GROUP = "attention"  # llm-compressor's examples name the group so
+
+
+def attention_group(targets, kv_scheme: dict):
+    """The config group of FP8 attention as llm-compressor 0.14 writes it
+    (vllm-project/llm-compressor examples/quantization_attention/llama3_attention.py:
+    ``QuantizationScheme(targets=["LlamaAttention"], input_activations=QuantizationArgs(
+    num_bits=8, type="float", strategy="tensor" | "attn_head"))``): the attention classes as
+    targets, no weights, the KV cache's arguments as ``input_activations`` (compressed-tensors
+    quantization/lifecycle/initialize.py ``initialize_attn_qparams`` gives ``q_scale``,
+    ``k_scale`` and ``v_scale`` from them, ``_validate_attention_scheme`` refuses weights and
+    output activations) and ``format: dense`` (what compressed-tensors'
+    ``infer_module_format`` gives a module without weights)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=list(targets), input_activations=QuantizationArgs(
+        **kv_scheme), format="dense")
 
 
 def _cached_attention(module: nn.Module) -> bool:
@@ -186,9 +206,14 @@ class CompressedTensorsLayout(Layout):
         granularity = kv_granularity_from_report(report)
         if granularity is not None:  # --kv-cache: written as vLLM reads it, whatever
             # compressed-tensors' own KV-cached-attention detection says on this stack
-            return tensors, kv_cache_scheme(granularity), (
-                "kv_cache_scheme + tensors <attention>.k_scale / .v_scale "
-                f"({'[num_key_value_heads, 1, 1]' if granularity == 'head' else '[1]'})")
+            head = granularity == "head"
+            note = ("kv_cache_scheme + tensors <attention>.k_scale / .v_scale "
+                    f"({'[num_key_value_heads, 1, 1]' if head else '[1]'})")
+            if query_modules_from_report(report):
+                q_shape = "[num_attention_heads, 1, 1]" if head else "[1]"
+                note += (", FP8 attention: a config group on the attention classes + "
+                         f"<attention>.q_scale ({q_shape})")
+            return tensors, kv_cache_scheme(granularity), note
         fmt = get_format(next(iter(report.values()))["format"])
         kv_type = ct_type(fmt)
         if kv_type is None:
@@ -202,10 +227,12 @@ class CompressedTensorsLayout(Layout):
                   "strategy": "tensor", "dynamic": False}
         return tensors, scheme, "kv_cache_scheme + tensors <attention>.k_scale / .v_scale"
 
-    def quantization_config(self, model, modules, *, kv_scheme=None, tool_version=""):
+    def quantization_config(self, model, modules, *, kv_scheme=None, attention_targets=(),
+                            tool_version=""):
         """One config group per distinct scheme; a single group targets the class ``Linear``
         and ignores the Linear modules left unquantized (lm_head, routers...), several groups
-        name their modules exactly."""
+        name their modules exactly. FP8 attention adds the group ``attention`` (see
+        ``attention_group``)."""
         from compressed_tensors.quantization import (
             QuantizationArgs,
             QuantizationConfig,
@@ -235,6 +262,8 @@ class CompressedTensorsLayout(Layout):
                 input_activations=None if g["input_activations"] is None else
                 QuantizationArgs(**g["input_activations"]))
             for i, (key, g) in enumerate(groups.items())}
+        if attention_targets:
+            schemes[ATTENTION_GROUP] = attention_group(attention_targets, kv_scheme)
         formats = {g["format"] for g in groups.values()}
         config = QuantizationConfig(
             config_groups=schemes, quant_method="compressed-tensors",

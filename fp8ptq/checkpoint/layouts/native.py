@@ -58,7 +58,8 @@ class NativeLayout(Layout):
     def experts_facts(self, desc, *, model_type=None) -> dict:
         return {"checkpoint_keys": None}
 
-    def quantization_config(self, model, modules, *, kv_scheme=None, tool_version="") -> dict:
+    def quantization_config(self, model, modules, *, kv_scheme=None, attention_targets=(),
+                            tool_version="") -> dict:
         return {"quant_method": "fp8ptq", "format": LAYOUT_NATIVE, "version": tool_version,
                 "metadata": META_NAME, "load_with": "fp8ptq.load(path)"}
 
