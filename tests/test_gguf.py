@@ -74,7 +74,14 @@ def test_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf, "GGUFReader", counted_reader)
     monkeypatch.setattr(gguf, "get_tensor_name_map", counted_names)
+    real_open = gguf_convert.open_gguf  # the checked parse (a truncated file's one line)
+
+    def counted_open(path):
+        parses.append(str(path))
+        return real_open(path)
+
     monkeypatch.setattr(gguf_convert, "GGUFReader", counted_reader)
+    monkeypatch.setattr(gguf_convert, "open_gguf", counted_open)
     load = hf_gguf.load_gguf_checkpoint
     out = convert_gguf(gguf_file, tmp_path / "conv")
     assert parses == [str(gguf_file)] and len(tables) == 1
