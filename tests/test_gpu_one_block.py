@@ -312,3 +312,13 @@ def test_a_model_larger_than_the_gpu_is_not_loaded_whole_onto_it(tmp_path, monke
     monkeypatch.setattr(job, "gpu_free_bytes", lambda device: 80 * 2**30)
     monkeypatch.setattr(job, "load_model", lambda *a, **k: "loaded")
     assert job.load(str(folder), Recipe(), device="cuda") == "loaded"
+
+
+def test_the_report_prints_predicted_and_measured_peaks():
+    """The quantize report's ``memory:`` line: each predicted peak beside the measured one."""
+    from fp8ptq.cli.quantize_report import memory_line
+    line = memory_line({"predicted_gpu_mb": 4300.4, "peak_gpu_mb": 3990.2,
+                        "predicted_rss_mb": 2100.0, "peak_rss_mb": 1800.7})
+    assert line == ("memory: GPU 3990 MiB measured / 4300 predicted, "
+                    "host 1801 MiB measured / 2100 predicted")
+    assert memory_line({"predicted_gpu_mb": 10.0}) == "memory: GPU - MiB measured / 10 predicted"
