@@ -386,7 +386,7 @@ CASES = {
     "max-memory-gpu-on-cpu": (flags_case("--max-memory", "0=20GiB,cpu=64GiB"), 2,
                               "GPU budget but the run is on the CPU"),
     "max-memory-other-gpu": (flags_case("--max-memory", "1=20GiB", "--device", "cuda"), 2,
-                             "--device cuda requested"),
+                             "names GPU 1 but the run computes on GPU 0"),
     "max-memory-bad-size": (flags_case("--max-memory", "4 bananas"), 2, "--max-memory"),
     "eval-max-memory-alone": (flags_case("--max-memory", "4GB", command="eval"), 2,
                               "needs --device-map"),

@@ -13,6 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fake_cuda import fake_cuda
+from fp8ptq.algorithms.gptq import experts as gptq_experts
 from fp8ptq.config.plan import build_plan
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
@@ -142,10 +143,14 @@ def test_activations_on_the_gpu_cost_what_the_prediction_says(tmp_path, host_rea
 @pytest.mark.slow
 def test_moe_experts_one_block_at_a_time_on_the_gpu(tmp_path, host_reads, monkeypatch):
     """A Qwen3-MoE-shaped model (eight fused experts a layer): every expert quantized, one
-    block on the GPU at a time. (The quantized experts' own forward reads its routing back to
-    the host, which fake tensors cannot: it stands in with an output of the right shape.)"""
+    block on the GPU at a time. (The quantized experts' own forward and expert GPTQ's routed
+    rows read the routing back to the host, which fake tensors cannot: an output of the right
+    shape and every row stand in.)"""
     monkeypatch.setattr(QuantExperts, "forward",
                         lambda self, hidden, *a, **k: torch.zeros_like(hidden))
+    # expert GPTQ picks each expert's routed rows by a boolean mask: every row by index here
+    monkeypatch.setattr(gptq_experts, "_rows_by_expert", lambda idx, num, _all: [
+        (e, torch.arange(idx.shape[0], device=idx.device)) for e in range(num)])
     folder = saved(tmp_path, "qwen3_moe", num_hidden_layers=3)
     result, loader, writer, mode, need = run_on_gpu(folder, Recipe(dtype="bfloat16", **TOKENS))
     assert writer.strays == [] and loader.max_resident == 1

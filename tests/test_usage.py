@@ -84,8 +84,10 @@ with timed(seconds, "load"):
 with timed(seconds, "quantize"):
     y = torch.ones(2**10)
 first = (time_line(seconds), usage(seconds)["peak_rss_stage"])
+import resource
+peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # past every earlier stage's
 with timed(seconds, "write"):
-    z = torch.ones(600 * 2**18); del z
+    z = torch.ones((peak_kib + 200 * 1024) * 256); del z
 print(json.dumps([before, *first, time_line(seconds), peak_stage()]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
