@@ -5,7 +5,7 @@ device) and planned whole (``build_plan``: ``--skip`` globs, first/last, routers
 see full names); everything outside the repeated blocks (embeddings, final norm, head) is loaded
 from the source safetensors (``fp8ptq.io.weights``: transformers' conversion mapping, so per-expert
 MoE tensors become the fused experts), the calibration batches run once up to block 0
-(``fp8ptq.execution.block_inputs``), then for each block: load its tensors -> ``quantize_model`` on
+(``fp8ptq.model.block_inputs``), then for each block: load its tensors -> ``quantize_model`` on
 that block alone with its part of the plan and the recorded inputs as its calibration batches (so
 every calibrator, best-of, pow2-search, SmoothQuant, GPTQ, taps, fused experts, works per block
 unchanged; under torchrun each rank runs its share and the statistics are reduced per block)

@@ -24,7 +24,7 @@ on the same batch with the same weights (``tests/test_gptq_sequential.py``). Wha
   called again in the same forward (which recording rules out: only modules called once are
   kept);
 - in a unit's last group, only when a forward of the whole unit follows (a block's outputs
-  for the next block: ``fp8ptq.execution.block_inputs.run_block`` replays them and recomputes only
+  for the next block: ``fp8ptq.model.block_inputs.run_block`` replays them and recomputes only
   ``down_proj`` and what follows it); otherwise nothing;
 - at most ``budget`` bytes (what the sequential activation budget leaves beside the block
   inputs held in memory): past it a batch recomputes, as before.

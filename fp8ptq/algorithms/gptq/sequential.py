@@ -13,7 +13,7 @@ groups, in the order the block runs them (q/k/v, then o, then gate/up, then down
 very same tensor are one group, with one Hessian), and each group's Hessian is gathered with
 every earlier group already quantized, activations included (a ``QuantGemm`` simulates its input
 quantization). Cost and memory stay those of one block: the calibration batches run once up to
-block 0 (``fp8ptq.execution.block_inputs``: in memory up to a budget, spilled to files beyond),
+block 0 (``fp8ptq.model.block_inputs``: in memory up to a budget, spilled to files beyond),
 then per block one partial forward per group (stopped at the group's input) and one forward through
 the quantized block to make the next block's inputs (plus one forward of a single sequence
 that finds the groups). Each forward replays what the one before it finished and the
