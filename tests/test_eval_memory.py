@@ -13,9 +13,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fp8ptq.evals import compare
+from fp8ptq.evals import wikitext as prefix_effect_module
 from fp8ptq.evals.harness import ChunkedLogitsMixin, make_lm
 from fp8ptq.evals.wikitext import evaluate_wikitext, prefix_effect, wikitext_detokenizer
-from fp8ptq.model import lm_head
+from fp8ptq.model import gemm32, lm_head
 from fp8ptq.sensitivity import probes
 from fp8ptq.sensitivity.probes import PerplexityProbe
 from tiny_models import tiny
@@ -164,3 +166,22 @@ def test_perplexity_probe_scores_without_the_batch_logits(monkeypatch):
     assert max(e.self_cpu_memory_usage for e in prof.events()
                if e.name != "[memory]") >= BATCH * CONTEXT * VOCAB * 4
     assert abs(plain - want) <= 1e-7 * want  # the same loss, through float64
+
+
+def test_prefix_note_runs_the_evaluations_float32_gemms(word_tokenizer, monkeypatch, tmp_path):
+    """The note scores two windows of the baseline, which ran through torch's own bf16 GEMMs
+    (40% of a SmolLM2 three-model comparison on a CPU without fast bf16 kernels) while the
+    evaluation itself runs them in float32 (``float32_gemms``): now under the same mode."""
+    model = tiny("llama", vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                 num_attention_heads=2, intermediate_size=32, max_position_embeddings=CONTEXT,
+                 tie_word_embeddings=True).to(torch.bfloat16)
+    word_tokenizer.pad_token = word_tokenizer.eos_token
+    wiki = tmp_path / "wiki.test.raw"
+    wiki.write_text(" \n = Fox = \n \n " + " ".join(["the quick brown fox"] * 40) + " \n")
+    monkeypatch.setattr(gemm32, "wanted", lambda dtype, force=None: True)
+    seen = []
+    monkeypatch.setattr(prefix_effect_module, "prefix_effect",
+                        lambda lm, text: seen.append(getattr(gemm32._active, "on", False)) or 1.0)
+    assert compare.prefix_notes(model, word_tokenizer, "auto",
+                                {"data": {"wikitext": str(wiki)}, "seq_len": 64}) == []
+    assert seen == [True]

@@ -8,7 +8,7 @@ import torch
 from fp8ptq.algorithms.gptq.asym import AsymmetricCollector
 from fp8ptq.algorithms.gptq.replay import _replayer
 from fp8ptq.algorithms.gptq.sink import SinkCollector
-from fp8ptq.observe.hessian import HessianCollector
+from fp8ptq.observe.hessian import HessianCollector, gram
 
 
 def _linears(widths):
@@ -118,3 +118,24 @@ def test_a_model_quantized_with_float32_sums_is_nearly_the_float64_one():
             same += int((a.weight_codes == b.weight_codes).sum())
             total += a.weight_codes.numel()
     assert total > 0 and same / total > 0.99
+
+
+@pytest.mark.parametrize("width", [100, 256, 576, 600, 1536])
+def test_gram_is_the_full_product_bit_for_bit(width):
+    """The upper-block-triangle product is the one GEMM's values exactly, at widths that split
+    into whole blocks, a ragged last block, and none (too narrow to split)."""
+    x = torch.randn(777, width, generator=torch.Generator().manual_seed(width))
+    out = torch.full((width, width), float("nan"))
+    assert torch.equal(gram(x, out), torch.mm(x.T, x))
+
+
+def test_gram_is_what_the_collector_sums():
+    """A 1,536-input GEMM (the split path) gets float64 sums of the gram products."""
+    lin = torch.nn.Linear(1536, 8)
+    col = HessianCollector({"lin": lin})
+    xs = [torch.randn(3, 64, 1536, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with col.observing(), torch.no_grad():
+        for x in xs:
+            lin(x)
+    want = sum(torch.mm(x.reshape(-1, 1536).T, x.reshape(-1, 1536)).double() for x in xs)
+    assert torch.equal(col.sums["lin"], want)

@@ -33,9 +33,11 @@ def run_batch(model: nn.Module, batch, *, logits: bool = True):
 
 # Tokens one statistics-pass forward runs at once (``micro_batches``). A forward's activations
 # and their allocator churn scale with its tokens, so smaller forwards lower the calibration
-# peak (docs/results/speed.md, "Other figures behind code comments"), while GEMMs of M = 1024 rows
-# are still large enough to run at full speed.
-MICRO_TOKENS = 1024
+# peak (docs/results/speed.md, "Other figures behind code comments"). 2048, not 1024: at two
+# threads the pass over 1,024-token pieces took 1.07x the whole-batch forward (more, shorter
+# parallel regions), over 2,048-token pieces 0.97x (docs/results/speed.md, "The statistics
+# pass against the forward").
+MICRO_TOKENS = 2048
 
 
 def micro_batches(batch, tokens: int | None = None, multiple: int = 1) -> list:
