@@ -2,7 +2,7 @@
 
 Same model, same tokens; paired differences per seed.
 
-    python benchmarks/llmc_vs_default.py [smollm2|minilm] [--schemes FP8_DYNAMIC,FP8_BLOCK]
+    python benchmarks/llmc_vs_default.py [smollm2|gemma|minilm] [--schemes FP8_DYNAMIC,FP8_BLOCK]
         [--seeds 0,1,2] [--num-samples 64] [--articles 5] [--questions 3335]
         [--threads 2] [--steps quantize,eval,report] [--tools fp8ptq,llmc]
         [--variant NAME=FLAGS ...] [--out out/llmc-vs-default]
@@ -76,6 +76,7 @@ from fp8ptq.evals import report  # noqa: E402
 from fp8ptq.evals.stats import Records, paired_interval  # noqa: E402
 from fp8ptq.execution import job  # noqa: E402
 from fp8ptq.io.data import build_calibration_set  # noqa: E402
+from fp8ptq.io.loading import gguf_folder  # noqa: E402
 
 # llm-compressor scheme -> (its GPTQ recipe, fp8ptq's flags on top of the default, row tag)
 SCHEMES = {"FP8_DYNAMIC": ("GPTQ-FP8_DYNAMIC", [], ""),
@@ -110,6 +111,11 @@ SCORES = {
                      "SmolLM2-135M (Q4_1 GGUF dequantized to a float32 folder, the source of "
                      "both tools; float32 throughout)",
                      "WikiText-2 test, articles {first}-{last}, context 2048, word perplexity"),
+    "gemma": Score("wikitext", "wikitext.word_perplexity", True,
+                   "gemma-3-270m (Q4_K_M GGUF of `fetch-gemma-270m.sh` dequantized to a float32 "
+                   "folder, the source of both tools; float32 throughout)",
+                   "WikiText-2 test, articles {first}-{last}, context 2048, word perplexity",
+                   ": gemma-3-270m"),
     "minilm": Score("squad", "squad.f1", False,
                     "MiniLM fine-tuned for SQuAD (float32 folder, the source of both tools)",
                     "SQuAD v1.1 held-out split, questions {first}-{last}, F1", ": MiniLM SQuAD"),
@@ -431,8 +437,11 @@ def main(argv=None) -> str | None:
     py = Path(args.llmc_python)
     llmc = cl.llmc_version(py) if "llmc" in tools or "report" in steps else ""
     spec = MODELS[args.model]
-    src = (cl.hf_folder(assets / spec["spec"], Path(args.out).resolve() / "smollm2-hf")
-           if args.model == "smollm2" else assets / spec["spec"])
+    src = assets / spec["spec"]
+    if args.model == "smollm2":  # transformers' own dequantizing, as first measured
+        src = cl.hf_folder(src, Path(args.out).resolve() / "smollm2-hf")
+    elif src.suffix == ".gguf":  # fp8ptq's cached float32 folder of it
+        src = gguf_folder(src)
     if llmc:
         print(f"running {llmc} from {py}", flush=True)
     seeds = [int(x) for x in args.seeds.split(",")]

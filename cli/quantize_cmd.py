@@ -10,7 +10,9 @@ from fp8ptq.execution.budget import parse_budget
 from fp8ptq.execution.quantize import quantize, target_request
 from fp8ptq.formats import get_format
 from fp8ptq.io.loading import check_model_spec
+from fp8ptq.io.source import weights_on_disk
 from fp8ptq.observe import distributed
+from fp8ptq.runtime.usage import bound_heap, heap_threshold
 
 from .help_format import EXAMPLE_MODEL, OneScreenCommand, example
 from .options import build_recipe, loading_from, loading_options, note_source, recipe_options
@@ -77,11 +79,15 @@ def command(model, fmt, output, force, device, as_json, runtime, sequential, pro
     if flags.get("device_map") is None:  # (with it: accelerate's, as on eval and sensitivity)
         budget = parse_budget(flags.get("max_memory"), device)
         flags["max_memory"] = None
+    # a host budget, the run's or accelerate's (with --device-map): the heap stays bounded
+    budgeted = (budget.host is not None) if budget is not None else bool(flags.get("max_memory"))
     load_options = loading_from(flags)
     recipe = build_recipe(flags, model=model, format=get_format(fmt).name if fmt else None)
     request = target_request(recipe, target_delta, fallback_format, target_level, target_data,
                              target_tokens, sequential, target_verify_tokens, target_metric)
     check_model_spec(model)  # a missing model is reported before the calibration data
+    # a small model on a roomy machine: the heap keeps mid-sized tensors (no pages zeroed afresh)
+    bound_heap(heap_threshold(weights_on_disk(model), budgeted))
     note_source(model)  # another tool's FP8 checkpoint: dequantized on load
     with progress_bars(enabled=not as_json and distributed.launched_rank() == 0) as bars:
         report = quantize(model, recipe, output, force=force, device=device,

@@ -11,7 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from fp8ptq.runtime.usage import _glibc_version, _thp_mode, hugepage_env, time_line, timed, usage
+from fp8ptq.io.source import GGUF_EXPANSION, weights_on_disk
+from fp8ptq.runtime import usage as usage_module
+from fp8ptq.runtime.usage import (
+    MMAP_THRESHOLD,
+    ROOMY_MMAP_THRESHOLD,
+    _glibc_version,
+    _thp_mode,
+    available_bytes,
+    heap_threshold,
+    hugepage_env,
+    time_line,
+    timed,
+    usage,
+)
 
 pytestmark = pytest.mark.slow  # every test here runs over ~5 s (see pyproject.toml)
 
@@ -229,3 +242,54 @@ def test_fp8ptq_quantize_reexecutes_once_before_torch(tmp_path):
                          text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert log.read_text().split() == ["-"]
+
+
+def test_heap_threshold_is_roomy_only_for_a_small_model_and_no_budget():
+    """The bounded 1 MiB heap under a host budget, for an unknown model size or free memory,
+    and for a model whose weights are large beside the free memory; 32 MiB otherwise."""
+    gib = 1 << 30
+    assert heap_threshold(gib, available=64 * gib) == ROOMY_MMAP_THRESHOLD
+    assert heap_threshold(gib, budgeted=True, available=64 * gib) == MMAP_THRESHOLD
+    assert heap_threshold(None, available=64 * gib) == MMAP_THRESHOLD
+    assert heap_threshold(16 * gib, available=64 * gib) == MMAP_THRESHOLD  # an 8B in bf16
+    assert heap_threshold(gib, available=8 * gib + (4 << 30) - 1) == MMAP_THRESHOLD
+    assert heap_threshold(gib, available=8 * gib + (4 << 30)) == ROOMY_MMAP_THRESHOLD
+
+
+def test_available_bytes_reads_memavailable(tmp_path):
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemAvailable:   12000000 kB\n")
+    assert available_bytes(str(info)) == 12000000 * 1024
+    info.write_text("MemTotal:       24000000 kB\n")
+    assert available_bytes(str(info)) is None
+    assert available_bytes(str(tmp_path / "absent")) is None
+
+
+def test_weights_on_disk_from_file_sizes(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"\0" * 100)
+    assert weights_on_disk(str(tmp_path / "m.gguf")) == 100 * GGUF_EXPANSION
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\0" * 300)
+    assert weights_on_disk(str(folder)) == 300
+    assert weights_on_disk("org/model") is None  # a hub id: not looked up
+
+
+@pytest.mark.parametrize("budget", [None, "4GiB"])
+def test_quantize_command_sets_the_heap_threshold(budget, monkeypatch, tmp_path):
+    """``fp8ptq quantize`` of a small model on a roomy machine raises the threshold to 32 MiB,
+    and keeps the bounded heap under ``--max-memory``."""
+    from click.testing import CliRunner
+
+    from fp8ptq.cli import quantize_cmd
+    seen = []
+    monkeypatch.setattr(quantize_cmd, "bound_heap", seen.append)
+    monkeypatch.setattr(quantize_cmd, "quantize", lambda *a, **k: None)
+    monkeypatch.setattr(usage_module, "available_bytes", lambda: 64 << 30)
+    (tmp_path / "m.gguf").write_bytes(b"\0" * 1000)
+    args = ["quantize", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "out")]
+    res = CliRunner().invoke(quantize_cmd.command, args[1:] + (["--max-memory", budget]
+                                                               if budget else []))
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert seen == [MMAP_THRESHOLD if budget else ROOMY_MMAP_THRESHOLD]

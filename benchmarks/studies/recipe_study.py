@@ -212,6 +212,11 @@ MODELS = {
                 "task": "wikitext", "data": "wikitext-2-raw/wiki.test.raw", "seq_len": 2048},
     "minilm": {"spec": "models/minilm-squad", "task": "squad",
                "data": "squad-v1.1/dev-heldout.json", "seq_len": None},
+    # the second causal LM family, outside the assets: ``bash ../shared/assets/
+    # fetch-gemma-270m.sh`` prints where it put the GGUF (FP8PTQ_GEMMA overrides)
+    "gemma": {"spec": os.environ.get("FP8PTQ_GEMMA", str(
+                  Path("~/.cache/fp8ptq-assets/gemma-3-270m-q4_k_m.gguf").expanduser())),
+              "task": "wikitext", "data": "wikitext-2-raw/wiki.test.raw", "seq_len": 2048},
 
 }
 

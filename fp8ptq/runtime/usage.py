@@ -94,6 +94,47 @@ def bound_heap(threshold: int = MMAP_THRESHOLD) -> bool:
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
 
 
+# A roomier threshold for a run whose model is small beside the machine's free memory
+# (``heap_threshold``): tensors under 32 MiB come from the heap arenas and are reused, not
+# mapped and zeroed by the kernel afresh on every allocation.
+ROOMY_MMAP_THRESHOLD = 32 << 20
+# ... taken when free memory is at least this many times the model's weights, plus ROOMY_SPARE
+ROOMY_FACTOR, ROOMY_SPARE = 8, 4 << 30
+
+
+def heap_threshold(weight_bytes: int | None, budgeted: bool = False,
+                   available: int | None = None) -> int:
+    """The mmap threshold for a quantize run: ``MMAP_THRESHOLD`` (1 MiB, the bounded heap)
+    under a host budget (``budgeted``: ``--max-memory``, the peak must stay inside it) or when
+    the model's size (``weight_bytes``) or the free memory is unknown; ``ROOMY_MMAP_THRESHOLD``
+    when the free memory (``available``, default ``available_bytes()``) holds ``ROOMY_FACTOR``
+    times the weights plus ``ROOMY_SPARE``.
+
+    Why: with every tensor of 1 MiB or more mapped afresh, the kernel zeroes its pages on first
+    touch, and a sequential GPTQ quantize of SmolLM2 (the default recipe, 64 x 512 tokens, one
+    thread) spent 67 of ~400 CPU seconds in the kernel. At 32 MiB the demo's two quantize runs
+    side by side took 297-300 s instead of 339 s at a peak RSS of 1.82-1.87 GB instead of 1.28
+    GB (docs/results/speed.md, "Main job: work removed"): memory a machine with room to spare
+    can give, and one near its limit cannot."""
+    if budgeted or weight_bytes is None:
+        return MMAP_THRESHOLD
+    available = available_bytes() if available is None else available
+    if available is None or available < ROOMY_FACTOR * weight_bytes + ROOMY_SPARE:
+        return MMAP_THRESHOLD
+    return ROOMY_MMAP_THRESHOLD
+
+
+def available_bytes(path: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to a new process (``MemAvailable``), or
+    None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -225,6 +266,7 @@ def timed(seconds: dict[str, float], key: str):
             _PEAK.update(mb=mb, stage=key)
 
 
-__all__ = ["HUGEPAGE_COMMANDS", "bound_heap", "command_name", "exec_with_hugepages",
+__all__ = ["HUGEPAGE_COMMANDS", "ROOMY_MMAP_THRESHOLD", "available_bytes", "bound_heap",
+           "heap_threshold", "command_name", "exec_with_hugepages",
            "hugepage_env", "hugepages_for", "peak_gpu_mb", "peak_rss_mb", "peak_stage",
            "release_free_memory", "time_line", "timed", "usage"]
