@@ -35,6 +35,7 @@ BLOCKS = {
     "calib-size": "studies.md",  # studies/calib_size_study.py
     "llmc-compare": "llm-compressor.md",  # llmc_vs_default.py
     "llmc-compare-minilm": "llm-compressor.md",  # llmc_vs_default.py minilm
+    "llmc-compare-gemma": "llm-compressor.md",  # llmc_vs_default.py gemma
     "error-budget": "llm-compressor.md",  # studies/error_budget.py
     "squad-budget": "llm-compressor.md",  # studies/squad_budget.py
     "llmc-reading": "llm-compressor.md",  # by hand
