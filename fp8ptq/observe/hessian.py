@@ -133,9 +133,11 @@ class HessianCollector:
         x2 = x.detach().reshape(-1, x.shape[-1]).float()
         if self.diagonal:
             self._add(self.sums, owner, x2.square().sum(dim=0))
-        elif self.on_device and self.dtype == torch.float32 and owner in self.sums:
+        elif self.on_device and self.dtype == torch.float32 and owner in self.sums \
+                and x2.device.type != "cpu":
             # float32 sums where the inputs are (a GPU's): the GEMM adds into them, with no
-            # ``in x in`` product beside them (822 MB for an 8B ``down_proj``)
+            # ``in x in`` product beside them (822 MB for an 8B ``down_proj``); on the CPU the
+            # half-arithmetic ``gram`` and an add are faster
             self.sums[owner].addmm_(x2.T, x2)
         else:
             self._add(self.sums, owner, self._product(x2, x2))
