@@ -13,6 +13,7 @@ from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
 from fp8ptq.execution import strategy
 from fp8ptq.io.weights import build_empty
+from fp8ptq.model.forward import MICRO_TOKENS
 from tiny_models import invoke, tiny
 
 
@@ -71,9 +72,11 @@ def test_estimate_counts_the_weights_blocks_and_calibration(src):
                                                       + 4 * 32 * 128)  # float32 logits
     long = strategy.estimate(model, Recipe(act_granularity="tensor", num_samples=8, seq_len=512,
                                         batch_size=8))
-    # a batch of 8 x 512 runs through a block in micro-batches of 2 x 512 tokens
-    assert long.parts["block_forward_bytes"] == (4 * (1024 * (6 * 64 + 2 * 128)
-                                                      + 2 * 4 * 512 ** 2) + 4096 * 64 * 2)
+    # a batch of 8 x 512 runs through a block in micro-batches of MICRO_TOKENS (4 x 512) tokens
+    rows = MICRO_TOKENS // 512
+    assert rows == 4
+    assert long.parts["block_forward_bytes"] == (4 * (rows * 512 * (6 * 64 + 2 * 128)
+                                                      + rows * 4 * 512 ** 2) + 4096 * 64 * 2)
     # GPTQ's float64 sums: in run order one group's (the MLP's down_proj reads 128 features),
     # else a block's, one per distinct input (q/k/v share one, gate/up one; o and down read
     # 64 and 128) and the whole model's in memory; plus the sweep's working memory for the
