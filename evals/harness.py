@@ -14,6 +14,7 @@ from lm_eval.tasks import TaskManager
 from fp8ptq.errors import UsageError
 from fp8ptq.io.data import START_TOKENS, start_ids
 from fp8ptq.model import lm_head
+from fp8ptq.runtime.usage import available_bytes
 
 
 @dataclass
@@ -153,11 +154,8 @@ def auto_batch_size(model, seq_len: int, budget_fraction: float = 0.25) -> int:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 1024)
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 16)
     per_sequence = seq_len * (hidden * 4 * 12 + heads * seq_len * 4 * 2)
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f
-                         if line.startswith("MemAvailable"))
-    except (OSError, StopIteration, ValueError):
+    avail = available_bytes()
+    if avail is None:
         return 8
     return int(max(1, min(64, budget_fraction * avail // max(per_sequence, 1))))
 

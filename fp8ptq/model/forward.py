@@ -34,9 +34,9 @@ def run_batch(model: nn.Module, batch, *, logits: bool = True):
 # Tokens one statistics-pass forward runs at once (``micro_batches``). A forward's activations
 # and their allocator churn scale with its tokens, so smaller forwards lower the calibration
 # peak (docs/results/speed.md, "Other figures behind code comments"). 2048, not 1024: at two
-# threads the pass over 1,024-token pieces took 1.07x the whole-batch forward (more, shorter
-# parallel regions), over 2,048-token pieces 0.97x (docs/results/speed.md, "The statistics
-# pass against the forward").
+# threads the same forward split into 1,024-token pieces took 1.09x the whole-batch forward's
+# CPU time (more, shorter parallel regions), into 2,048-token pieces 0.98x
+# (docs/results/speed.md, "Main job: work removed (2026-11-28)").
 MICRO_TOKENS = 2048
 
 

@@ -59,8 +59,9 @@ def gram(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     ``x`` multiplied with every block from their own on (one GEMM per block row, into the rows
     of ``out``) do 55-65% of the arithmetic; each element is still one dot product over the
     same rows in the same order, so the result is bit for bit ``torch.mm(x.T, x)`` (tested).
-    The Hessian products were a quarter of a sequential GPTQ quantize of SmolLM2 on the CPU
-    (docs/results/speed.md, "Sequential GPTQ's speed"). Narrow inputs take the one GEMM."""
+    The Hessian products were a fifth of a sequential GPTQ quantize of SmolLM2 on the CPU
+    (docs/results/speed.md, "Main job: work removed (2026-11-28)"). Narrow inputs take the
+    one GEMM."""
     d = x.shape[1]
     if d < 2 * GRAM_BLOCK:
         return torch.mm(x.T, x, out=out)

@@ -112,7 +112,7 @@ def heap_threshold(weight_bytes: int | None, budgeted: bool = False,
 
     Why: with every tensor of 1 MiB or more mapped afresh, the kernel zeroes its pages on first
     touch, and a sequential GPTQ quantize of SmolLM2 (the default recipe, 64 x 512 tokens, one
-    thread) spent 67 of ~400 CPU seconds in the kernel. At 32 MiB the demo's two quantize runs
+    thread) spent 67 of 397 CPU seconds in the kernel. At 32 MiB the demo's two quantize runs
     side by side took 297-300 s instead of 339 s at a peak RSS of 1.82-1.87 GB instead of 1.28
     GB (docs/results/speed.md, "Main job: work removed"): memory a machine with room to spare
     can give, and one near its limit cannot."""
