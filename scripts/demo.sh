@@ -13,10 +13,21 @@ ASSETS=${FP8PTQ_ASSETS:-../shared/assets}
 MODEL=$ASSETS/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf
 CALIB=$ASSETS/calib/wiki-paragraphs.txt
 OUT=${FP8PTQ_OUT:-out}
-# FP8PTQ_SKIP_INSTALL=1: the checkout is installed already (pip's resolve alone is ~12 s of
-# CPU before anything else starts)
-[ -n "${FP8PTQ_SKIP_INSTALL:-}" ] || python3 -m pip install -q -c constraints.txt -e .
 mkdir -p "$OUT"
+# set-up: pip's resolve alone is ~12 s of CPU even when nothing changed, so it runs only when
+# `fp8ptq` does not import from this checkout or pyproject.toml / constraints.txt changed since
+# the last install from here ($OUT/.installed). FP8PTQ_SKIP_INSTALL=1: never.
+stamp=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+installed() {
+  [ "$(cat "$OUT/.installed" 2>/dev/null)" = "$stamp" ] && command -v fp8ptq > /dev/null &&
+    python3 -c 'import importlib.util as u, os, sys
+s = u.find_spec("fp8ptq")
+sys.exit(not (s and os.path.samefile(s.origin, "fp8ptq/__init__.py")))' 2> /dev/null
+}
+if [ -z "${FP8PTQ_SKIP_INSTALL:-}" ] && ! installed; then
+  python3 -m pip install -q -c constraints.txt -e .
+  echo "$stamp" > "$OUT/.installed"
+fi
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed run stops its sibling
 
 quantize() {  # FORMAT: the default recipe into $OUT/smollm2-FORMAT; the log shown if it fails

@@ -57,6 +57,25 @@ def test_conversion_equals_transformers_gguf_loader(any_gguf, tmp_path):
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == ref(text).input_ids
 
 
+def test_checked_parse_reads_what_gguf_reads(any_gguf):
+    """The checked reader (plain-array slices of the mapping, not memmap objects) parses the
+    very fields and tensors gguf's own reader does: names, types, every part, every tensor's
+    bytes, dtype and shape."""
+    path = any_gguf[0]
+    mine, ref = gguf_convert.open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(mine.fields) == list(ref.fields)
+    for name, f in ref.fields.items():
+        g = mine.fields[name]
+        assert g.types == f.types and g.data == f.data and len(g.parts) == len(f.parts), name
+        for a, b in zip(g.parts, f.parts):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+    assert len(mine.tensors) == len(ref.tensors) > 0
+    for t, r in zip(mine.tensors, ref.tensors):
+        assert (t.name, t.tensor_type, list(t.shape)) == (r.name, r.tensor_type, list(r.shape))
+        assert t.data.dtype == r.data.dtype and t.data.shape == r.data.shape
+        assert t.data.tobytes() == r.data.tobytes(), t.name
+
+
 def test_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
     """The config, the processor's config, the name map and the tokenizer are read from one
     parse of the file (they used to parse it four times), gguf's name table is built once

@@ -256,3 +256,33 @@ def test_a_sweep_with_the_gpu_step_gives_the_cpu_codes(monkeypatch):
     monkeypatch.setattr(sweep, "_column_step",
                         lambda f, kw, device: real(f, kw, torch.device("cuda")))
     assert torch.equal(gptq_codes(W, X.T @ X, S, fmt, act_order=True, block=16), want)
+
+
+def test_shared_factors_factor_one_hessian_once(monkeypatch):
+    """Inside ``shared_factors`` a second sweep on the very same Hessian (a group's q/k/v)
+    reuses the first one's inverse Cholesky factor, with the same codes; a Hessian modified
+    in between, another one, or a sweep outside factors again."""
+    from fp8ptq.algorithms.gptq import sweep
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(300, 64, generator=g)
+    H, H2 = (X.T @ X).double(), (X[:150].T @ X[:150]).double()
+    W = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    S = torch.full((8, 64), 0.01)
+    fmt = get_format("e4m3")
+    want = [gptq_codes(w, H, S, fmt, act_order=True) for w in W]
+    calls = []
+    real = sweep._inverse_cholesky
+    monkeypatch.setattr(sweep, "_inverse_cholesky", lambda *a: calls.append(1) or real(*a))
+    with sweep.shared_factors():
+        got = [gptq_codes(w, H, S, fmt, act_order=True) for w in W]
+        assert len(calls) == 1
+        gptq_codes(W[0], H2, S, fmt, act_order=True)
+        assert len(calls) == 2
+        gptq_codes(W[0], H2, S, fmt, act_order=False)  # another column order
+        assert len(calls) == 3
+        H2.mul_(2.0)  # modified in place: factored again
+        gptq_codes(W[0], H2, S, fmt, act_order=False)
+        assert len(calls) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    gptq_codes(W[0], H, S, fmt, act_order=True)
+    assert len(calls) == 5

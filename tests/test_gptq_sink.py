@@ -236,3 +236,29 @@ def test_hessian_replaces_the_plain_sum():
     h = got.hessian("lin")
     assert "lin" not in got.sums and got.nbytes == before == h.numel() * 8
     assert torch.equal(h, plain.addmm(first[1].T, first[1], alpha=2.0 / first.shape[1]))
+
+
+def test_aim_solves_once_per_input_with_the_same_targets(monkeypatch):
+    """The sink-aware target's ``A^-1 Q_B^T`` depends on the input alone: q and k (one input)
+    share one Cholesky and solve, and each gets the ``W*`` it would get alone."""
+    from fp8ptq.algorithms.gptq import sink as sink_module
+    x = sink_inputs(2)
+    lins = {n: torch.nn.Linear(x.shape[-1], 3, bias=False) for n in ("q", "k")}
+
+    def collected():
+        c = SinkCollector(lins, {"q": per_token}, 1.0)
+        with c.observing(), torch.inference_mode():
+            for lin in lins.values():
+                lin(x)
+        return c
+
+    w = {n: torch.randn(3, x.shape[-1], dtype=torch.float64) for n in lins}
+    alone = {n: collected().aim(n, w[n], 0.01) for n in lins}
+    calls = []
+    real = sink_module.damped_cholesky
+    monkeypatch.setattr(sink_module, "damped_cholesky",
+                        lambda *a: calls.append(1) or real(*a))
+    c = collected()
+    shared = {n: c.aim(n, w[n], 0.01) for n in lins}
+    assert len(calls) == 1
+    assert all(torch.equal(shared[n], alone[n]) for n in lins)

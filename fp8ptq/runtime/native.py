@@ -204,6 +204,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8ptq_row_absmax.restype = None
     lib.fp8ptq_decode.argtypes = [p, p, i64, i64, p, i32, i32, p, i32, i32]
     lib.fp8ptq_decode.restype = None
+    lib.fp8ptq_gptq_block.argtypes = [ctypes.POINTER(FormatTables), p, p, p, i64, p, p, p, i64,
+                                      i64, p]
+    lib.fp8ptq_gptq_block.restype = None
     lib.fp8ptq_advise_huge.argtypes = [p, i64]
     lib.fp8ptq_advise_huge.restype = None
 
@@ -339,3 +342,18 @@ def observe(x2d: torch.Tensor, channel_amax: torch.Tensor, histogram: torch.Tens
     if rc != 0:
         raise MemoryError("fp8ptq native observer: out of memory")
     return int(nonfinite.value)
+
+
+def gptq_block(tables: FormatTables, values: torch.Tensor, W1: torch.Tensor, U1: torch.Tensor,
+               S1: torch.Tensor, err: torch.Tensor, codes: torch.Tensor,
+               scratch: torch.Tensor) -> None:
+    """One block of GPTQ's column loop in C (``csrc/codec.c``, ``fp8ptq_gptq_block``): the
+    same bits as ``fp8ptq.algorithms.gptq.sweep._column_loop``. All float32 on the CPU except
+    ``codes`` (uint8): ``W1`` [b, rows] (updated), ``S1``, ``err``, ``codes`` [b, rows]
+    contiguous; ``U1`` [b, b] with unit column stride (a view of the whole factor); ``values``
+    the format's 256 code values; ``scratch`` [rows]. Checked by the caller
+    (``sweep._native_loop``)."""
+    b, rows = W1.shape
+    library().fp8ptq_gptq_block(ctypes.byref(tables), values.data_ptr(), W1.data_ptr(),
+                                U1.data_ptr(), U1.stride(0), S1.data_ptr(), err.data_ptr(),
+                                codes.data_ptr(), b, rows, scratch.data_ptr())

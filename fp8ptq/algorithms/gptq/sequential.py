@@ -50,7 +50,7 @@ from .asym import AsymmetricCollector, input_quantizer
 from .experts import ExpertSteps, QuantizeExperts
 from .replay import PartialForwards
 from .sink import SinkCollector
-from .sweep import factored_on_host
+from .sweep import factored_on_host, shared_factors
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
 Quantize = Callable[[object, "torch.Tensor | None", "torch.Tensor | None"], None]
@@ -267,20 +267,27 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
         elif partial is not None:
             partial.clear()  # this group changes without a forward that records past it
         facts["groups"] += 1
-        for t in group:
-            h = hessians.hessian(t.name) if hessians and t.name in gptq else None
-            aim = None
-            if h is not None and floats.aim is not None:
-                w0 = weight_2d(t.module).detach()
-                # float64 (float32 for sink-aware GPTQ on a GPU: its Hessians are float32)
-                w0 = w0.float() if w0.is_cuda and floats.aim.sink else w0.double()
-                # each collector computes its own ``W*`` (the sink's from its kept rows)
-                aim = hessians.aim(t.name, w0, floats.aim.damp)
-                facts["aim_correction"].append(
-                    float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
-                del w0  # a float64 copy of the weight: not kept through the sweep
-            quantize(t, h, aim)
+        with shared_factors():  # the group's GEMMs share one input, so one H~ and one factor
+            _quantize_group(group, hessians, gptq, floats, quantize, facts)
     return partial
+
+
+def _quantize_group(group: list, hessians, gptq: set[str], floats, quantize: Callable,
+                    facts: dict) -> None:
+    """Each target of one group, in turn: its Hessian, sink-aware ``W*`` and sweep."""
+    for t in group:
+        h = hessians.hessian(t.name) if hessians and t.name in gptq else None
+        aim = None
+        if h is not None and floats.aim is not None:
+            w0 = weight_2d(t.module).detach()
+            # float64 (float32 for sink-aware GPTQ on a GPU: its Hessians are float32)
+            w0 = w0.float() if w0.is_cuda and floats.aim.sink else w0.double()
+            # each collector computes its own ``W*`` (the sink's from its kept rows)
+            aim = hessians.aim(t.name, w0, floats.aim.damp)
+            facts["aim_correction"].append(
+                float((aim - w0).norm() / max(float(w0.norm()), 1e-30)))
+            del w0  # a float64 copy of the weight: not kept through the sweep
+        quantize(t, h, aim)
 
 
 def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:

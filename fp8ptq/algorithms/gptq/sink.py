@@ -56,6 +56,7 @@ class SinkCollector(HessianCollector):
         # owner -> [(call index, [2, rows, features]: the inputs x and their rounding q)]
         self.first_rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._tilde: dict[str, torch.Tensor | None] = {}  # owner -> H~, once asked for
+        self._solved: dict[tuple, torch.Tensor] = {}  # (owner, damp, dtype, device) -> [n, in]
 
     def _accumulate(self, name: str, owner: str, x: torch.Tensor) -> None:
         super()._accumulate(name, owner, x)
@@ -139,8 +140,11 @@ class SinkCollector(HessianCollector):
         dead = torch.diagonal(H) == 0  # inputs always zero: W0's column is kept there
         Q = rows[1].masked_fill(dead.unsqueeze(0), 0.0)  # [n, in]
         low = (w @ (rows[0] - rows[1]).T).mul_(2.0 * self.weight / rows.shape[1])  # [out, n]
-        L = damped_cholesky(H, damp, dt)
-        return torch.addmm(w, low, torch.cholesky_solve(Q.T.contiguous(), L).T).to(w0.device)
+        key = (owner, damp, dt, dev)
+        if key not in self._solved:  # A^-1 Q_B^T: the same for every GEMM of the input
+            self._solved[key] = torch.cholesky_solve(Q.T.contiguous(),
+                                                     damped_cholesky(H, damp, dt)).T
+        return torch.addmm(w, low, self._solved[key]).to(w0.device)
 
 
 __all__ = ["SinkCollector"]

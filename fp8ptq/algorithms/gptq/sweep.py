@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 
 from fp8ptq.formats import FormatSpec, decode, encode, torch_dtype
+from fp8ptq.formats.binades import native_tables
+from fp8ptq.runtime import native
 
 from . import fused
 
@@ -94,18 +96,7 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     agree on the codes except where a value sits within float32 rounding of a code boundary and
     the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
-    # a Hessian too large for the GPU's budget (``host_factoring``) is factored where it is,
-    # on the host; the inverse factor alone comes to the GPU
-    H = H.detach() if factored_on_host(H.shape[0], dev) else H.detach().to(dev)
-    hdiag = torch.diagonal(H).double()
-    perm = torch.argsort(hdiag, descending=True) if act_order else None
-    # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
-    # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
-    # first); the sweep in float32 like the reference code: its error terms are far
-    # below a code's step, and float32 halves the sweep's memory traffic
-    U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).float().to(dev)
-    hdiag = hdiag.to(dev)
-    perm = None if perm is None else perm.to(dev)
+    hdiag, perm, U = _factor(H, damp, act_order, dev)
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
@@ -126,6 +117,53 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     if perm is not None:
         codes = codes.index_select(1, torch.argsort(perm))
     return codes.contiguous()
+
+
+def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device):
+    """``(diag H, the sweep's column order or None, U)`` on ``dev``, U the float32 inverse
+    Cholesky factor; the same objects again for the same ``H`` inside ``shared_factors``."""
+    cache = _FACTORS.get()
+    # (inference tensors keep no version counter; the collectors never modify a Hessian)
+    key = (id(H), 0 if H.is_inference() else H._version, damp, act_order, str(dev))
+    hit = None if cache is None else cache.get(key)
+    if hit is not None and hit[0] is H:
+        return hit[1:]
+    h = H
+    # a Hessian too large for the GPU's budget (``host_factoring``) is factored where it is,
+    # on the host; the inverse factor alone comes to the GPU
+    H = H.detach() if factored_on_host(H.shape[0], dev) else H.detach().to(dev)
+    hdiag = torch.diagonal(H).double()
+    perm = torch.argsort(hdiag, descending=True) if act_order else None
+    # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
+    # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
+    # first); the sweep in float32 like the reference code: its error terms are far
+    # below a code's step, and float32 halves the sweep's memory traffic
+    U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).float().to(dev)
+    got = (hdiag.to(dev), None if perm is None else perm.to(dev), U)
+    if cache is not None:
+        cache.clear()  # one factor kept at a time: a group's targets come in turn
+        cache[key] = (h, *got)
+    return got
+
+
+# the factors ``shared_factors`` keeps (None: outside it)
+_FACTORS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("gptq_factors",
+                                                                       default=None)
+
+
+@contextmanager
+def shared_factors():
+    """Within: ``gptq_codes`` called again with the very Hessian tensor (same object, not
+    modified since) and the same dampening and order reuses its inverse Cholesky factor
+    instead of factoring again: the same bits. Sequential GPTQ holds it around a group of
+    GEMMs fed one input (q/k/v, gate/up), whose collector hands each the same ``H~``: 4
+    factorizations per Llama block instead of 7. The one factor kept is one the sweep holds
+    anyway; it is dropped on leaving."""
+    token = _FACTORS.set({})
+    try:
+        yield
+    finally:
+        _FACTORS.reset(token)
 
 
 # inputs of the widest Hessian a GPU factors itself (None: every one); wider ones are factored
@@ -188,7 +226,9 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
     cols, rows = Wt.shape
     codes = torch.empty(cols, rows, dtype=torch.uint8, device=Wt.device)
     kernel = fused_block(fmt, kw, Wt, block)
-    step = None if kernel is not None else _column_step(fmt, kw, Wt.device)
+    loop = None if kernel is not None else native_loop(fmt, kw, Wt, St)
+    step = None if kernel is not None or loop is not None else \
+        _column_step(fmt, kw, Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
@@ -199,7 +239,9 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
                 kernel.run(W1, U1, S1, err, codes[i1:i2])
             except fused.Unavailable:
                 kernel, step = None, _column_step(fmt, kw, Wt.device)
-        if kernel is None:
+        if kernel is None and loop is not None:
+            loop(W1, U1, S1, err, codes[i1:i2])
+        elif kernel is None:
             _column_loop(W1, U1, S1, err, codes[i1:i2], step)
         Wt[i2:].addmm_(U[i1:i2, i2:].T, err, alpha=-1)
     return codes.T
@@ -214,6 +256,33 @@ def _column_loop(W1, U1, S1, err, code_rows, step) -> None:
         step(w, S1[i], code_rows[i], e)
         e.div_(d[i])
         W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1)  # rank-1, no outer-product temporary
+
+
+def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
+    """``loop(W1, U1, S1, err, code_rows)``: a block's column loop as one call of the C kernel
+    (``native.gptq_block``), the same bits as ``_column_loop`` with ``_column_step``'s generic
+    step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` (the torch
+    step divides by float64 ones in float64), the C kernels built, an 8-bit format
+    the kernels hold exactly, any rounding but stochastic (its draws are the torch path's).
+    None: the torch loop. Why: ~10 small torch ops per column, and their dispatch, were
+    most of a CPU sweep's time (SmolLM2's 150,000 columns: ~28 s of a 5-minute quantize,
+    docs/results/speed.md, "Main job: work removed (2026-11-28)")."""
+    if Wt.device.type != "cpu" or Wt.dtype != torch.float32 or St.dtype != torch.float32 \
+            or not native.supports(Wt):
+        return None
+    rounding = kw.get("rounding") or fmt.rounding
+    values = fmt.layout.values
+    tables = native_tables(fmt, rounding) if rounding != "stochastic" else None
+    if tables is None or values.numel() != 256:
+        return None
+    values = values.to(torch.float32).contiguous()
+    scratch = torch.empty(Wt.shape[1], dtype=torch.float32)
+
+    def loop(W1, U1, S1, err, code_rows):
+        if U1.stride(1) != 1:
+            U1 = U1.contiguous()
+        native.gptq_block(tables, values, W1, U1, S1.contiguous(), err, code_rows, scratch)
+    return loop
 
 
 def fused_block(fmt: FormatSpec, kw: dict, Wt: torch.Tensor,

@@ -181,3 +181,41 @@ void fp8ptq_quantize(const fmt_t *fmt, const void *src, int32_t src_dtype, void 
                cols > 0 ? cols : 1, fmt, group};
     parallel(&j, pick(&j), n, nthreads, 16);
 }
+
+/* One block of GPTQ's column loop (fp8ptq.algorithms.gptq.sweep._column_loop) in one call, on
+ * the TRANSPOSED weight: ``w`` [b, rows] float32 (row i: weight column i of the block, updated
+ * in place), ``u`` the block's [b, b] upper Cholesky factor of H^-1 (row stride ``ldu``),
+ * ``s`` [b, rows] the scales, ``err`` [b, rows] out: each column's rounding error over its
+ * pivot, ``codes`` [b, rows] out; ``values`` the format's 256 code values (decode), ``y`` a
+ * [rows] scratch row. Per column, the torch loop's operations in its order, so the codes and
+ * errors are the same bits: y = w / s; codes = encode(y) (this file's kernel for the format);
+ * e = (w - values[code] * s) / pivot; every later column w_k += (-u_ik) * e as one-thread
+ * ``addr_`` computes it (MKL's ``sger``): a fused multiply-add (one rounding) on each row's
+ * first rows - rows % 16 values, a product then a sum on the rest (bit for bit on every size,
+ * offset and row count probed; an x86 CPU with AVX2). Why: the loop issues ~10 small torch
+ * ops per column, and their dispatch, not their arithmetic, was most of the sweep's time on
+ * a CPU. */
+void fp8ptq_gptq_block(const fmt_t *fmt, const float *values, float *w, const float *u,
+                       int64_t ldu, const float *s, float *err, uint8_t *codes, int64_t b,
+                       int64_t rows, float *y) {
+    job_t j = {y, DT_F32, NULL, OUT_CODES, NULL, 0, 0, NULL, rows, rows, fmt, 0};
+    range_fn fn = pick(&j);
+    const int64_t body = rows - rows % 16;  /* the rank-1 update's fused multiply-adds */
+    for (int64_t i = 0; i < b; i++) {
+        float *wi = w + i * rows, *ei = err + i * rows;
+        const float *si = s + i * rows;
+        uint8_t *ci = codes + i * rows;
+        for (int64_t r = 0; r < rows; r++) y[r] = wi[r] / si[r];
+        j.dst = ci;
+        fn(&j, 0, rows);
+        const float pivot = u[i * ldu + i];
+        for (int64_t r = 0; r < rows; r++) ei[r] = (wi[r] - values[ci[r]] * si[r]) / pivot;
+        for (int64_t k = i + 1; k < b; k++) {
+            const float uk = -u[i * ldu + k];
+            float *wk = w + k * rows;
+            int64_t r = 0;
+            for (; r < body; r++) wk[r] = fmaf(uk, ei[r], wk[r]);
+            for (; r < rows; r++) wk[r] = wk[r] + uk * ei[r];
+        }
+    }
+}
