@@ -106,10 +106,13 @@ class ChunkedLogitsMixin:
         body, head = self._body_and_head()
         chunk = lm_head.positions_per_chunk(head, self.CHUNK_ELEMENTS)
         size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else 1)
-        inputs_of = [(ctx + cont)[-(self.max_length + 1):][:-1] for _, ctx, cont in requests]
+        order = sorted(range(len(requests)),
+                       key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         out: list = [None] * len(requests)
-        for idx in batches_by_length([len(x) for x in inputs_of], size):
-            inputs = [inputs_of[i] for i in idx]
+        for start in range(0, len(order), size):
+            idx = order[start:start + size]
+            inputs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1]
+                      for i in idx]
             width = max(len(x) for x in inputs)
             batch = torch.zeros(len(idx), width, dtype=torch.long, device=self.device)
             for b, x in enumerate(inputs):
@@ -133,24 +136,6 @@ class ChunkedLogitsMixin:
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], out[i])
         return out
-
-
-PAD_SLACK = 0.9  # a batch takes sequences of at least this fraction of its longest one
-
-
-def batches_by_length(lengths: list[int], size: int) -> list[list[int]]:
-    """Indices of ``lengths`` in batches of at most ``size``, longest first, a batch closed
-    early where the next sequence is shorter than ``PAD_SLACK`` of the batch's longest: each
-    batch is padded to its longest, and a document's last rolling window is mostly shorter
-    (SmolLM2's first 2 WikiText-2 articles: 3 windows of 2,048 tokens and one of 577, which
-    padded in their batch made the evaluation compute 8,192 positions for 6,721)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        if not out or len(out[-1]) == size or lengths[i] < PAD_SLACK * lengths[out[-1][0]]:
-            out.append([])
-        out[-1].append(i)
-    return out
 
 
 class ChunkedHFLM(ChunkedLogitsMixin, HFLM):

@@ -185,35 +185,3 @@ def test_prefix_note_runs_the_evaluations_float32_gemms(word_tokenizer, monkeypa
     assert compare.prefix_notes(model, word_tokenizer, "auto",
                                 {"data": {"wikitext": str(wiki)}, "seq_len": 64}) == []
     assert seen == [True]
-
-
-def test_batches_pad_little_and_keep_every_request_once():
-    """Longest first, at most ``size`` a batch, and no sequence padded by more than 10% of its
-    batch's width: a document's short last window gets a batch of its own."""
-    from fp8ptq.evals.harness import batches_by_length
-    lengths = [2047, 576, 2047, 2047, 30, 1900, 2047]
-    got = batches_by_length(lengths, 4)
-    assert sorted(i for b in got for i in b) == list(range(len(lengths)))
-    assert [[lengths[i] for i in b] for b in got] == [[2047, 2047, 2047, 2047], [1900], [576],
-                                                      [30]]
-    for b in got:
-        assert len(b) <= 4 and min(lengths[i] for i in b) >= 0.9 * max(lengths[i] for i in b)
-    assert batches_by_length([], 8) == []
-
-
-def test_split_batches_score_as_one_batch(word_tokenizer):
-    """The same log-likelihoods whether a short request shares the long ones' padded batch
-    or not (batch size 1 is the reference: nothing padded)."""
-    model = tiny("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                 num_attention_heads=2, intermediate_size=32, max_position_embeddings=256)
-    word_tokenizer.pad_token = word_tokenizer.eos_token
-    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
-    ids = word_tokenizer(text).input_ids
-    requests = [(None, ids[:1], ids[1:200]), (None, ids[:1], ids[1:40]),
-                (None, ids[:1], ids[1:190])]
-    alone = make_lm(model, word_tokenizer, batch_size=1, seq_len=256)._loglikelihood_tokens(
-        requests)
-    batched = make_lm(model, word_tokenizer, batch_size=8, seq_len=256)._loglikelihood_tokens(
-        requests)
-    for (a, ga), (b, gb) in zip(alone, batched):
-        assert abs(a - b) <= 1e-5 * abs(a) and ga == gb
