@@ -352,7 +352,7 @@ def gptq_block(tables: FormatTables, values: torch.Tensor, W1: torch.Tensor, U1:
     ``codes`` (uint8): ``W1`` [b, rows] (updated), ``S1``, ``err``, ``codes`` [b, rows]
     contiguous; ``U1`` [b, b] with unit column stride (a view of the whole factor); ``values``
     the format's 256 code values; ``scratch`` [rows]. Checked by the caller
-    (``sweep._native_loop``)."""
+    (``sweep.native_loop``)."""
     b, rows = W1.shape
     library().fp8ptq_gptq_block(ctypes.byref(tables), values.data_ptr(), W1.data_ptr(),
                                 U1.data_ptr(), U1.stride(0), S1.data_ptr(), err.data_ptr(),
