@@ -286,3 +286,66 @@ def test_shared_factors_factor_one_hessian_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     gptq_codes(W[0], H, S, fmt, act_order=True)
     assert len(calls) == 5
+
+
+def _textbook_gptq64(W, H, S, fmt, damp):
+    """Algorithm 1 of Frantar et al. 2022 without lazy blocks, all in float64: the reference a
+    float64 sweep must reproduce."""
+    W = W.double().clone()
+    n = W.shape[1]
+    A = H.double() + damp * torch.diagonal(H).double().mean() * torch.eye(n, dtype=torch.float64)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(A)), upper=True)
+    S = S.double()
+    codes = torch.empty(W.shape, dtype=torch.uint8)
+    for i in range(n):
+        codes[:, i] = encode((W[:, i] / S[:, i]).float(), fmt)
+        err = (W[:, i] - decode(codes[:, i], fmt).double() * S[:, i]) / U[i, i]
+        W[:, i + 1:] -= err[:, None] * U[i, i + 1:][None, :]
+    return codes
+
+
+def test_float64_sweep_is_the_textbook_algorithm_in_float64(monkeypatch):
+    """``sweep_dtype=float64`` (``--gptq-sweep-dtype float64``) carries the weight copy, the
+    factor, the scales and the errors in float64: its codes are the unblocked float64
+    algorithm's, code for code, across several 128-column blocks; the float32 sweep is the
+    same algorithm within float32 rounding (a few codes at rounding boundaries may differ)."""
+    from fp8ptq.algorithms.gptq import sweep
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(2048, 16, generator=g) @ torch.randn(16, 300, generator=g)
+    X += 0.01 * torch.randn(2048, 300, generator=g)
+    H = (X.T @ X).double()
+    W = torch.randn(64, 300, generator=g) * 0.05
+    fmt = get_format("e4m3")
+    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
+    want = _textbook_gptq64(W, H, S, fmt, 0.01)
+    seen = []
+    real = sweep._sweep
+    monkeypatch.setattr(sweep, "_sweep", lambda Wt, St, U, *a: seen.append(
+        (Wt.dtype, St.dtype, U.dtype)) or real(Wt, St, U, *a))
+    got64 = gptq_codes(W, H, S, fmt, damp=0.01, sweep_dtype=torch.float64)
+    assert torch.equal(got64, want)
+    got32 = gptq_codes(W, H, S, fmt, damp=0.01)
+    assert float((got32 != want).float().mean()) < 0.001  # a handful of boundary codes
+    assert seen == [(torch.float64,) * 3, (torch.float32,) * 3]
+
+
+def test_the_recipe_selects_the_float64_sweep(monkeypatch):
+    """``gptq_sweep_dtype`` reaches the sweep of every GEMM (the CLI's
+    ``--gptq-sweep-dtype``), and the model's codes change only where float32's rounding
+    flips one."""
+    from fp8ptq.algorithms.gptq import sweep
+    seen = []
+    real = sweep.gptq_codes
+
+    def spy(*a, **kw):
+        seen.append(kw.get("sweep_dtype"))
+        return real(*a, **kw)
+    import fp8ptq.steps.quantize_module as qm
+    monkeypatch.setattr(qm, "gptq_codes", spy)
+    model = tiny("llama")
+    r = Recipe(format="e4m3", weight_calib="gptq", gptq_sweep_dtype="float64")
+    quantize_model(model, r, token_batches(IDS, 2))
+    assert seen and set(seen) == {torch.float64}
+    for key in ("gptq_sweep_dtype", "gptq_hessian_dtype"):  # a recipe file's typo
+        with pytest.raises(UsageError, match=key):
+            Recipe(format="e4m3", **{key: "bfloat16"}).check_values()

@@ -113,6 +113,12 @@ class Recipe(BaseModel):
     gptq_hessian_dtype: str = flag(
         "auto", "GPTQ: accumulate the Hessian sums (and factor them) in this dtype [auto: "
         "float32 on a GPU, float64 on the CPU].", choices=("auto", "float64", "float32"))
+    # the column sweep's dtype (weight copy, inverse factor, errors): float32 like the reference
+    # code; float64 was no better on either family (docs/results/studies.md, "Two families for
+    # every default")
+    gptq_sweep_dtype: str = flag(
+        "float32", "GPTQ: run the column sweep in this dtype [float32].",
+        choices=("float32", "float64"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(
@@ -293,6 +299,8 @@ class Recipe(BaseModel):
         _choice("dtype", self.dtype, DTYPES)
         _choice("act_calib", self.act_calib, calibrators.names("activation"))
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
+        for key in ("gptq_hessian_dtype", "gptq_sweep_dtype"):
+            _choice(key, getattr(self, key), flag_spec(type(self).model_fields[key])["choices"])
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)
         for key in ("block_size", "act_group_size", "num_samples", "seq_len", "batch_size",

@@ -4,6 +4,8 @@ their block (``fp8ptq.algorithms.gptq.experts``); the others are rounded to near
 
 from __future__ import annotations
 
+import torch
+
 from ..algorithms.gptq.experts import ExpertRounding, Feed, gptq_experts
 from ..config.plan import ModulePlan, QuantPlan, needs_full_hessian
 from ..nn.fused import unify_fused
@@ -20,7 +22,8 @@ def sweep_experts(model, e: ModulePlan, plan: QuantPlan, gran, w_calib, stats: d
         e.weight_format, gran, w_calib, sweep=needs_full_hessian(e), damp=recipe.gptq_damp,
         act_order=recipe.gptq_act_order, block=recipe.gptq_block, rounding=recipe.rounding,
         pow2=recipe.scale_pow2, all_tokens=recipe.gptq_all_experts,
-        dtype=recipe.hessian_dtype_on(getattr(e.module, e.info.projections[0]).device))
+        dtype=recipe.hessian_dtype_on(getattr(e.module, e.info.projections[0]).device),
+        sweep_dtype=getattr(torch, recipe.gptq_sweep_dtype))
 
     def build(round_first):
         swept[e.name] = quantize_experts_module(

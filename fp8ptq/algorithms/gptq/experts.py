@@ -143,6 +143,7 @@ class ExpertRounding:
     pow2: bool = False
     all_tokens: bool = False
     dtype: torch.dtype = torch.float64
+    sweep_dtype: torch.dtype = torch.float32
 
 
 def round_expert(w2d: torch.Tensor, hessian: torch.Tensor, r: ExpertRounding, what: str,
@@ -155,7 +156,7 @@ def round_expert(w2d: torch.Tensor, hessian: torch.Tensor, r: ExpertRounding, wh
     w = w2d.detach().float()
     expanded = r.gran.expand(scale, w)
     codes = gptq_codes(w, hessian, expanded, r.fmt, damp=r.damp, act_order=r.act_order,
-                       block=r.block, rounding=r.rounding)
+                       block=r.block, rounding=r.rounding, sweep_dtype=r.sweep_dtype)
     deq = decode(codes, r.fmt) * expanded
     return QuantizedWeight(codes, scale, float(w.abs().max()), sqnr_db(w, deq))
 

@@ -84,7 +84,8 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, order: torch.Tensor | None =
 
 def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt: FormatSpec,
                *, damp: float = 0.01, act_order: bool = False, block: int = BLOCK,
-               rounding: str | None = None) -> torch.Tensor:
+               rounding: str | None = None,
+               sweep_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Codes (uint8, [out, in]) of ``W`` quantized column by column with error compensation.
 
     ``scale_matrix`` [out, in]: the scale of every weight (the granularity's scales expanded);
@@ -94,19 +95,24 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``); the
     sweep is float32, so a GPU and a CPU
     agree on the codes except where a value sits within float32 rounding of a code boundary and
-    the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
+    the two devices' GEMMs summed in another order (rare; the GPU tier bounds it).
+    ``sweep_dtype`` float64 (``gptq_sweep_dtype``): the weight copy, the inverse factor, the
+    scales and the errors in float64, for the comparison that keeps float32 the default
+    (the torch loop: no C or Triton kernel takes float64)."""
     dev = W.device
-    hdiag, perm, U = _factor(H, damp, act_order, dev)
+    hdiag, perm, U = _factor(H, damp, act_order, dev, sweep_dtype)
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
     # one block of columns at a time.
     src = W.detach().T if perm is None else W.detach().T.index_select(0, perm)
-    Wt = torch.empty(src.shape, dtype=torch.float32, device=dev).copy_(src)
+    Wt = torch.empty(src.shape, dtype=sweep_dtype, device=dev).copy_(src)
     del src
     dead = hdiag == 0  # inputs that were always zero: any weight is free there
     Wt.masked_fill_((dead if perm is None else dead.index_select(0, perm)).unsqueeze(1), 0.0)
     St = scale_matrix.detach().to(dev).expand_as(W).T  # [in, out], a view
+    if sweep_dtype != torch.float32:
+        St = St.to(sweep_dtype)
     kw = {"rounding": rounding} if rounding else {}
     with _sweep_threads(dev):
         # plain tensor math: a torch-function mode around the caller (the quantize stage's
@@ -119,12 +125,14 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     return codes.contiguous()
 
 
-def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device):
-    """``(diag H, the sweep's column order or None, U)`` on ``dev``, U the float32 inverse
-    Cholesky factor; the same objects again for the same ``H`` inside ``shared_factors``."""
+def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device,
+            dtype: torch.dtype = torch.float32):
+    """``(diag H, the sweep's column order or None, U)`` on ``dev``, U the inverse Cholesky
+    factor in ``dtype`` (the sweep's: float32 unless ``gptq_sweep_dtype`` says float64); the
+    same objects again for the same ``H`` inside ``shared_factors``."""
     cache = _FACTORS.get()
     # (inference tensors keep no version counter; the collectors never modify a Hessian)
-    key = (id(H), 0 if H.is_inference() else H._version, damp, act_order, str(dev))
+    key = (id(H), 0 if H.is_inference() else H._version, damp, act_order, str(dev), dtype)
     hit = None if cache is None else cache.get(key)
     if hit is not None and hit[0] is H:
         return hit[1:]
@@ -138,7 +146,7 @@ def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device):
     # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
     # first); the sweep in float32 like the reference code: its error terms are far
     # below a code's step, and float32 halves the sweep's memory traffic
-    U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).float().to(dev)
+    U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).to(dtype).to(dev)
     got = (hdiag.to(dev), None if perm is None else perm.to(dev), U)
     if cache is not None:
         cache.clear()  # one factor kept at a time: a group's targets come in turn
@@ -233,7 +241,7 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
-        err = torch.empty(i2 - i1, rows, dtype=torch.float32, device=Wt.device)
+        err = torch.empty(i2 - i1, rows, dtype=Wt.dtype, device=Wt.device)
         if kernel is not None:  # the block's column loop as one kernel (``fused``)
             try:
                 kernel.run(W1, U1, S1, err, codes[i1:i2])
@@ -289,7 +297,7 @@ def fused_block(fmt: FormatSpec, kw: dict, Wt: torch.Tensor,
                 block: int) -> fused.BlockSweep | None:
     """The one-kernel block sweep (``fused``) where it runs: a CUDA weight with Triton,
     round-half-to-even, blocks of at most 256 columns (the tile lives in registers)."""
-    if block > 256 or not fused.wanted(fmt, kw, Wt):
+    if block > 256 or Wt.dtype != torch.float32 or not fused.wanted(fmt, kw, Wt):
         return None
     return fused.BlockSweep(fmt, Wt.device)
 
@@ -317,13 +325,13 @@ def _column_step(fmt: FormatSpec, kw: dict, device: torch.device):
         def step(w, s, code_row, err_row):
             q = torch.div(w, s).clamp_(-m, m).to(dt)
             code_row.copy_(q.view(torch.uint8))
-            torch.sub(w, q.float().mul_(s), out=err_row)
+            torch.sub(w, q.to(w.dtype).mul_(s), out=err_row)
         return step
 
     def generic(w, s, code_row, err_row):
         c = encode((w / s).float(), fmt, **kw)
         code_row.copy_(c)
-        torch.sub(w, decode(c, fmt).mul_(s), out=err_row)
+        torch.sub(w, decode(c, fmt).to(w.dtype).mul_(s), out=err_row)
     return generic
 
 
