@@ -300,10 +300,12 @@ def test_replay_records_what_a_later_forward_can_use_only():
 
 
 def test_next_block_inputs_replay_attention_and_gate_up(monkeypatch):
-    """The forward that makes block 1's inputs replays block 0's attention and gate/up as the
-    down_proj group's forward recorded them (only down_proj runs again), so block 0's
-    attention runs twice per batch (the o_proj and gate/up groups' forwards) where
-    recomputing runs it four times; bit for bit the same codes either way
+    """Block 0's attention is entered twice per batch: the q/k/v forward stops at its q_proj,
+    the o_proj forward runs it to o_proj. The gate/up forward runs only o_proj, on the input
+    the o_proj forward stopped on (the attention's tail GEMM), the down_proj forward replays
+    the attention's output, and the forward that makes block 1's inputs runs only down_proj
+    (the MLP's tail) on its recorded input. Recomputing enters it five times per batch, plus
+    once in the forward that finds the groups; bit for bit the same codes either way
     (``test_replayed_partial_forwards_change_no_bit``)."""
     recipe = Recipe(format="e4m3", act_granularity="token", weight_calib="gptq",
                     dtype="float32")
@@ -324,7 +326,26 @@ def test_next_block_inputs_replay_attention_and_gate_up(monkeypatch):
         quantize_model(model, recipe, BATCHES)
         monkeypatch.setattr(type(attn), "forward", cls_forward)
         counts[budget] = len(runs)
-    assert counts[0] - counts[1 << 30] == 2 * len(BATCHES), counts
+    assert counts[1 << 30] == 2 * len(BATCHES) + 1, counts
+    assert counts[0] == 5 * len(BATCHES) + 1, counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_tails_are_the_modules_that_return_a_gemms_own_output(arch):
+    """``PartialForwards.probe`` finds the modules whose output is the very tensor their last
+    GEMM returned: a Llama block's attention (``o_proj``, beside its weights' None) and MLP
+    (``down_proj``); GPT-2's attention and MLP end in a dropout and BERT's in a residual
+    LayerNorm, so neither has one (their replays stay the plain ones)."""
+    from fp8ptq.algorithms.gptq.replay import PartialForwards
+
+    model = tiny(arch).float().eval()
+    partial = PartialForwards(model, 1 << 30)
+    with partial.probe(), torch.inference_mode():
+        run_batch(model, {"input_ids": IDS[:2]}, logits=False)
+    layers = len(model.model.layers) if arch == "llama" else 0
+    want = {f"model.layers.{i}.{m}": t for i in range(layers)
+            for m, t in (("self_attn", ("o_proj", 2)), ("mlp", ("down_proj", 0)))}
+    assert partial.tails == want
 
 
 @pytest.mark.parametrize("arch", ["llama", "bert"])

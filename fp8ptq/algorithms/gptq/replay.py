@@ -29,6 +29,15 @@ on the same batch with the same weights (``tests/test_gptq_sequential.py``). Wha
 - at most ``budget`` bytes (what the sequential activation budget leaves beside the block
   inputs held in memory): past it a batch recomputes, as before.
 Not used with asymmetric GPTQ's float stream.
+
+One more kind of record: a module whose output is its last GEMM's (a Llama attention returns
+``o_proj``'s output, an MLP ``down_proj``'s; ``tails``, learnt in the forward that finds the
+groups, from the very tensor objects returned) is replayed as that GEMM applied to the input it
+was stopped on in the previous forward, when that GEMM was the group just quantized: the gate/up
+forward then runs ``o_proj`` on the recorded attention output instead of the q/k/v replay,
+rotary and attention again, and the forward that makes the next block's inputs runs
+``down_proj`` on its recorded input. The same bits: everything inside the module before that
+GEMM ran with the weights it had when recorded.
 """
 
 from __future__ import annotations
@@ -70,12 +79,62 @@ class PartialForwards:
         self.wanted = costly - sole
         self.kept: dict[int, dict[str, object]] = {}  # batch -> {module name: output}
         self.replayed = 0  # module outputs replayed (for tests and the report)
+        # module name -> (attribute of the GEMM child whose output it returns, the output's
+        # form: 0 that tensor, n a tuple of n with the rest None); see ``probe``
+        self.tails: dict[str, tuple[str, int]] = {}
 
     def clear(self) -> None:
         self.kept.clear()
 
     def _bytes(self) -> int:
-        return sum(output_nbytes(o) for outs in self.kept.values() for o in outs.values())
+        return sum(output_nbytes(o.x if isinstance(o, _Tail) else o)
+                   for outs in self.kept.values() for o in outs.values())
+
+    @contextmanager
+    def probe(self):
+        """Within: one whole forward of the unit (the one that finds the groups) teaches
+        ``tails``: the modules called once whose output (or a tuple's first element, the
+        others None) is the very tensor a GEMM-holding direct child called once returned."""
+        names = {m: n for n, m in self.unit.named_modules() if n}
+        returned: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (tensor, last returner)
+        calls: dict[str, int] = {}
+        found: dict[str, tuple[str, int]] = {}
+
+        def on_done(module, _args, output):
+            name = names.get(module)
+            if name is None:
+                return
+            calls[name] = calls.get(name, 0) + 1
+            arity, first = _tail_form(output)
+            if first is None:
+                return
+            child = returned.get(id(first))
+            if child is not None and child[0] is first and \
+                    child[1].rpartition(".")[0] == name and \
+                    _gemm_like(self.unit.get_submodule(child[1])):
+                found[name] = (child[1].rpartition(".")[2], arity)
+            returned[id(first)] = (first, name)
+
+        handle = nn.modules.module.register_module_forward_hook(on_done)
+        try:
+            yield
+        finally:
+            handle.remove()
+        self.tails = {n: t for n, t in found.items()
+                      if calls.get(n) == 1 and calls.get(f"{n}.{t[0]}") == 1}
+
+    def _tail_of(self, module: nn.Module) -> str | None:
+        """The module (name) whose output is ``module``'s, where ``module`` is its tail GEMM
+        (``tails``; a ``QuantGemm``'s inner ``Linear`` stands for the wrapper), else None."""
+        name = next((n for n, m in self.unit.named_modules() if m is module), None)
+        while name:
+            parent, _, attr = name.rpartition(".")
+            if self.tails.get(parent, (None,))[0] == attr:
+                return parent
+            if not parent or len(list(self.unit.get_submodule(parent).children())) != 1:
+                return None
+            name = parent  # the sole child of a wrapper: the wrapper is the GEMM
+        return None
 
     def run(self, j: int, stop_group: list[nn.Module], fn, record: bool = True) -> None:
         """``fn`` with the outputs recorded for batch ``j`` replayed; ``record``: keep what
@@ -84,6 +143,9 @@ class PartialForwards:
         done: dict[str, object] = {}  # name -> output copy, of modules done before the entry
         calls: dict[str, int] = {}
         entered: list[bool] = []
+        # a lone stop GEMM that is its parent's tail: its input, recorded on entry
+        owner = self._tail_of(stop_group[0]) if record and len(stop_group) == 1 else None
+        tail: list = []
 
         def on_done(module, _args, output):
             name = self.names.get(module)
@@ -94,9 +156,11 @@ class PartialForwards:
             if record and not entered and name in self.wanted:
                 done[name] = _copy(output)
 
-        def on_enter(_module, _args):
+        def on_enter(_module, args):
             if not entered:
                 entered.append(True)
+                if owner is not None and args and torch.is_tensor(args[0]):
+                    tail.append(args[0].clone())
 
         handles = [nn.modules.module.register_module_forward_hook(on_done)]
         handles += [m.register_forward_pre_hook(on_enter, prepend=True) for m in stop_group]
@@ -106,7 +170,10 @@ class PartialForwards:
             finally:
                 for h in handles:
                     h.remove()
-        self._keep(j, done, calls)
+        if tail:
+            # the owner runs as its tail GEMM next time: nothing inside it is needed
+            done = {n: o for n, o in done.items() if not n.startswith(owner + ".")}
+        self._keep(j, done, calls, (owner, _Tail(self.tails[owner], tail[0])) if tail else None)
 
     @contextmanager
     def replaying(self, j: int):
@@ -122,7 +189,7 @@ class PartialForwards:
         for name, out in replay.items():
             m = self.unit.get_submodule(name)
             saved.append((m, m.__dict__.get("forward")))
-            m.forward = _replayer(out)
+            m.forward = _tail_replayer(m, out) if isinstance(out, _Tail) else _replayer(out)
             self.replayed += 1
         try:
             yield
@@ -133,14 +200,52 @@ class PartialForwards:
                 else:
                     m.forward = old
 
-    def _keep(self, j: int, done: dict, calls: dict) -> None:
-        """The outermost recordable modules called once, within the budget."""
+    def _keep(self, j: int, done: dict, calls: dict, tail=None) -> None:
+        """The outermost recordable modules called once, and ``tail`` (name, ``_Tail``),
+        within the budget."""
         ok = {n: out for n, out in done.items() if out is not None and calls[n] == 1}
         outer = {n: out for n, out in ok.items()
                  if not any(n.startswith(p + ".") for p in ok if p != n)}
-        size = sum(output_nbytes(o) for o in outer.values())
+        if tail is not None:
+            outer[tail[0]] = tail[1]
+        size = sum(output_nbytes(o.x if isinstance(o, _Tail) else o) for o in outer.values())
         if outer and self._bytes() + size <= self.budget:
             self.kept[j] = outer
+
+
+def _gemm_like(module: nn.Module) -> bool:
+    """A GEMM, or a wrapper whose sole child is one (a ``QuantGemm``)."""
+    children = list(module.children())
+    return is_gemm(module) or (len(children) == 1 and _gemm_like(children[0]))
+
+
+class _Tail:
+    """A tail record: the module's output is its child GEMM ``attr`` applied to ``x``, in the
+    form ``arity`` (0: that tensor; n: a tuple of n, the rest None)."""
+
+    __slots__ = ("attr", "arity", "x")
+
+    def __init__(self, tail: tuple[str, int], x: torch.Tensor):
+        (self.attr, self.arity), self.x = tail, x
+
+
+def _tail_form(output) -> tuple[int, torch.Tensor | None]:
+    """(form, the tensor a tail GEMM would have returned) of a module output: a tensor, or a
+    tuple whose first element is a tensor and the rest None; else (0, None)."""
+    if torch.is_tensor(output):
+        return 0, output
+    if isinstance(output, tuple) and output and torch.is_tensor(output[0]) \
+            and all(o is None for o in output[1:]):
+        return len(output), output[0]
+    return 0, None
+
+
+def _tail_replayer(module: nn.Module, rec: _Tail):
+    """A ``forward`` that runs the module's tail GEMM (as it is now) on the recorded input."""
+    def forward(*_args, **_kwargs):
+        out = getattr(module, rec.attr)(rec.x)
+        return out if rec.arity == 0 else (out, *([None] * (rec.arity - 1)))
+    return forward
 
 
 def _replayer(out):

@@ -249,7 +249,8 @@ def _quantize_unit(unit: nn.Module, targets: list, gptq: set[str], batches: list
     # what one group's forward computed before reaching that group, replayed in the next
     # group's (``fp8ptq.algorithms.gptq.replay``); not beside asymmetric GPTQ's float stream
     partial = None if floats.unit is not None else PartialForwards(unit, reuse_budget)
-    groups = _groups_in_run_order(unit, targets, batches)
+    groups = _groups_in_run_order(unit, targets, batches,
+                                  partial.probe if partial is not None else nullcontext)
     for g, group in enumerate(groups):
         if experts is not None and _is_experts(group[0]):  # alone in its group
             experts.run(unit, _entry(group[0]), batches, partial, facts,
@@ -290,7 +291,8 @@ def _quantize_group(group: list, hessians, gptq: set[str], floats, quantize: Cal
         quantize(t, h, aim)
 
 
-def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[list]:
+def _groups_in_run_order(unit: nn.Module, targets: list, batches: list,
+                         watch=nullcontext) -> list[list]:
     """Targets in the order one forward reaches them, those fed the same input tensor in one
     group; targets that forward never reaches come last, one each.
 
@@ -298,18 +300,19 @@ def _groups_in_run_order(unit: nn.Module, targets: list, batches: list) -> list[
     the first batch alone (1/8 of a default batch: this forward ran once per block over a
     whole batch, ~6% of a block's forwards at 16 batches, half at 2). Only where that
     sequence leaves a target unreached (a routed expert) does the whole batch run, as
-    before."""
+    before. ``watch``: a context the forward runs in (``PartialForwards.probe``)."""
     example = next((b for b in batches if b is not None), None)
     if example is None:
         return [[t] for t in targets]
     first = micro_batches(example, tokens=1)[0]
-    groups, seen = _run_order(unit, targets, first)
+    groups, seen = _run_order(unit, targets, first, watch)
     if len(seen) < len(targets) and first is not example:
-        groups, seen = _run_order(unit, targets, example)
+        groups, seen = _run_order(unit, targets, example, watch)
     return groups + [[t] for t in targets if t.name not in seen]
 
 
-def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set[str]]:
+def _run_order(unit: nn.Module, targets: list, example,
+               watch=nullcontext) -> tuple[list[list], set[str]]:
     """(groups in call order, names reached) of one forward of ``example``."""
     order: list[tuple[object, list]] = []  # (input tensor, targets) in call order
     seen: set[str] = set()
@@ -328,7 +331,7 @@ def _run_order(unit: nn.Module, targets: list, example) -> tuple[list[list], set
 
     handles = [t.module.register_forward_pre_hook(hook_for(t)) for t in targets]
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), watch():
             run_batch(unit, example, logits=False)
     finally:
         for h in handles:
