@@ -139,3 +139,28 @@ def test_gram_is_what_the_collector_sums():
             lin(x)
     want = sum(torch.mm(x.reshape(-1, 1536).T, x.reshape(-1, 1536)).double() for x in xs)
     assert torch.equal(col.sums["lin"], want)
+
+
+def test_bf16_inputs_are_upcast_into_one_kept_buffer():
+    """bf16 inputs (a bf16 calibration forward) are upcast into one float32 buffer kept for the
+    pass, not a fresh tensor per batch, and their sums are exactly those of ``x.float()``;
+    the buffer goes when the pass ends."""
+    lin = torch.nn.Linear(64, 8).bfloat16()
+    col = HessianCollector({"lin": lin})
+    xs = [torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(i)).bfloat16()
+          for i in range(3)]
+    ptrs = []
+    real = col._product
+
+    def spy(a, b):
+        ptrs.append(a.data_ptr())
+        return real(a, b)
+    col._product = spy
+    with col.observing(), torch.no_grad():
+        for x in xs:
+            lin(x)
+        assert len(col._buffers) == 2  # the upcast and the product
+    assert len(set(ptrs)) == 1 and not col._buffers
+    want = sum(torch.mm(x.reshape(-1, 64).float().T, x.reshape(-1, 64).float()).double()
+               for x in xs)
+    assert torch.equal(col.sums["lin"], want)
