@@ -17,9 +17,10 @@ block 0 (``fp8ptq.model.block_inputs``: in memory up to a budget, spilled to fil
 then per block one partial forward per group (stopped at the group's input) and one forward through
 the quantized block to make the next block's inputs (plus one forward of a single sequence
 that finds the groups). Each forward replays what the one before it finished and the
-quantization in between did not change (``fp8ptq.algorithms.gptq.replay``): the forward that makes
-the next block's inputs recomputes only ``down_proj`` and what follows it. Only one group's Hessians
-are held at once.
+quantization in between did not change (``fp8ptq.algorithms.gptq.replay``), and runs a module
+whose output is its last GEMM's as that GEMM on the input the forward before stopped on: a Llama
+block's attention core runs once per batch, and the forward that makes the next block's inputs
+runs only ``down_proj`` and what follows it. Only one group's Hessians are held at once.
 
 Models without repeated blocks are one unit (the whole model, one forward per group). GEMMs
 outside the blocks (a quantized ``lm_head``) keep the one-pass Hessian of the float model.
