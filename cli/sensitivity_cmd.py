@@ -73,9 +73,8 @@ def _output_path(path: str | None, suffix: str | None = None) -> str | None:
               help="Length of each perplexity window.")
 @click.option("--eval-batch-size", type=int, default=4, show_default=True)
 @click.option("--target-delta", default="1%", show_default=True,
-              help="Allowed total delta for the suggestion: VALUE (perplexity points) or VALUE% "
-                   "(of the baseline perplexity); with --metric sqnr the logits' noise / signal "
-                   "ratio (1% = 20 dB).")
+              help="Allowed total delta: VALUE (perplexity points) or VALUE% of the "
+                   "baseline (sqnr: noise/signal, 1% = 20 dB).")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows in the table.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write every module, format and measurement here.")
