@@ -346,6 +346,9 @@ def test_the_recipe_selects_the_float64_sweep(monkeypatch):
     r = Recipe(format="e4m3", weight_calib="gptq", gptq_sweep_dtype="float64")
     quantize_model(model, r, token_batches(IDS, 2))
     assert seen and set(seen) == {torch.float64}
+    default = Recipe(format="e4m3")  # auto: float64 on the CPU, the Triton sweep's on a GPU
+    assert default.sweep_dtype_on("cpu") == torch.float64
+    assert default.sweep_dtype_on("cuda") == torch.float32
     for key in ("gptq_sweep_dtype", "gptq_hessian_dtype"):  # a recipe file's typo
         with pytest.raises(UsageError, match=key):
             Recipe(format="e4m3", **{key: "bfloat16"}).check_values()

@@ -299,19 +299,28 @@ def test_quantized_model_does_not_depend_on_the_path(fmt, act_granularity):
     assert _same(run(model, IDS), ref_logits)
 
 
-def _addr_is_the_kernels_rule() -> bool:
-    """Whether this torch's one-thread ``addr_`` (MKL's ``sger`` on an AVX2 x86 CPU) computes
-    ``w + (-u) * e`` as the C block loop does: fused multiply-adds on each row's first
-    ``n - n % 16`` values, a product then a sum on the rest."""
+def _addr_is_the_kernels_rule(dtype=torch.float32) -> bool:
+    """Whether this torch's one-thread ``addr_`` (MKL's ``sger`` / ``dger`` on an AVX2 x86 CPU)
+    computes ``w + (-u) * e`` as the C block loop does: fused multiply-adds on each row's first
+    ``n - n % 16`` values (float32; ``n - n % 8`` in float64), a product then a sum on the rest.
+    The fused reference: float32 through float64 (exact products), float64 through exact
+    fractions."""
+    from fractions import Fraction
     g = torch.Generator().manual_seed(5)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for n in (100, 300):
-            w, u, e = (torch.randn(s, generator=g) for s in ((9, n), (9,), (n,)))
+            w, u, e = (torch.randn(s, generator=g, dtype=dtype) for s in ((9, n), (9,), (n,)))
             got = w.clone().addr_(u, e, alpha=-1)
-            fused = (w.double() - u.double()[:, None] * e.double()).float()
-            k = n - n % 16
+            if dtype == torch.float32:
+                fused = (w.double() - u.double()[:, None] * e.double()).float()
+                k = n - n % 16
+            else:
+                fused = torch.tensor([[float(Fraction(a) - Fraction(b) * Fraction(c))
+                                       for a, c in zip(row.tolist(), e.tolist())]
+                                      for row, b in zip(w, u.tolist())], dtype=dtype)
+                k = n - n % 8
             want = torch.cat([fused[:, :k], (w - u[:, None] * e)[:, k:]], 1)
             if not torch.equal(got, want):
                 return False
@@ -323,11 +332,13 @@ def _addr_is_the_kernels_rule() -> bool:
 @needs_native
 @pytest.mark.parametrize("name,rounding", [(n, None) for n in preset_names()] +
                          [("e4m3", "half_away"), ("e3m4", None), ("e5m2b10", None)])
-def test_gptq_block_loop_gives_the_torch_loops_codes(name, rounding, monkeypatch):
-    """The C block loop (``sweep.native_loop``) against the torch column loop it replaces, on a
-    sweep with act-order whose row length (100) is not a multiple of 16 and whose last block is
-    partial: the same codes bit for bit where torch's rank-1 update is the kernel's arithmetic
-    (checked here on this CPU), else the same codes but for a few near a rounding boundary."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gptq_block_loop_gives_the_torch_loops_codes(name, rounding, dtype, monkeypatch):
+    """The C block loop (``sweep.native_loop``) against the torch column loop it replaces, in
+    float32 and float64 sweeps, with act-order, a row length (100) that is not a multiple of
+    16 and a partial last block: the same codes bit for bit where torch's rank-1 update is the
+    kernel's arithmetic (checked here on this CPU), else the same codes but for a few near a
+    rounding boundary."""
     from fp8ptq.algorithms.gptq import sweep
     g = torch.Generator().manual_seed(3)
     fmt = get_format(name)
@@ -335,13 +346,13 @@ def test_gptq_block_loop_gives_the_torch_loops_codes(name, rounding, monkeypatch
     H = (X.T @ X).double()
     W = torch.randn(100, 300, generator=g) * 0.05
     S = (W.abs().amax(1, keepdim=True) / fmt.layout.max).expand_as(W)
-    kw = {"act_order": True, "rounding": rounding}
-    assert sweep.native_loop(fmt, {"rounding": rounding} if rounding else {}, W.T, S.T) \
-        is not None
+    kw = {"act_order": True, "rounding": rounding, "sweep_dtype": dtype}
+    assert sweep.native_loop(fmt, {"rounding": rounding} if rounding else {}, W.T.to(dtype),
+                             S.T.to(dtype)) is not None
     native_codes = sweep.gptq_codes(W, H, S, fmt, **kw)
     monkeypatch.setattr(sweep, "native_loop", lambda *_: None)
     torch_codes = sweep.gptq_codes(W, H, S, fmt, **kw)
-    if _addr_is_the_kernels_rule():
+    if _addr_is_the_kernels_rule(dtype):
         assert torch.equal(native_codes, torch_codes)
     else:
         assert (native_codes != torch_codes).float().mean() < 1e-3
@@ -349,11 +360,12 @@ def test_gptq_block_loop_gives_the_torch_loops_codes(name, rounding, monkeypatch
 
 def test_gptq_block_loop_only_where_it_holds_the_bits(monkeypatch):
     """The torch loop runs for stochastic rounding (its draws are torch's), a narrower-than-8-bit
-    format, a float64 sweep, float64 scales and with the kernels off."""
+    format, scales of another dtype than the sweep's and with the kernels off."""
     from fp8ptq.algorithms.gptq import sweep
     w, e4m3 = torch.zeros(4, 32), get_format("e4m3")
     if native.available():
         assert sweep.native_loop(e4m3, {}, w, w) is not None
+        assert sweep.native_loop(e4m3, {}, w.double(), w.double()) is not None
     assert sweep.native_loop(e4m3, {"rounding": "stochastic"}, w, w) is None
     assert sweep.native_loop(get_format("e2m1"), {}, w, w) is None
     assert sweep.native_loop(e4m3, {}, w.double(), w) is None

@@ -113,12 +113,13 @@ class Recipe(BaseModel):
     gptq_hessian_dtype: str = flag(
         "auto", "GPTQ: accumulate the Hessian sums (and factor them) in this dtype [auto: "
         "float32 on a GPU, float64 on the CPU].", choices=("auto", "float64", "float32"))
-    # the column sweep's dtype (weight copy, inverse factor, errors): float32 like the reference
-    # code; float64 was no better on either family (docs/results/studies.md, "Two families for
-    # every default")
+    # the column sweep's dtype (weight copy, inverse factor, errors); auto: float64 on the CPU,
+    # better than float32 on both families over five seeds (docs/results/studies.md, "Two
+    # families for every default"), and float32 on a GPU, where the one-kernel Triton sweep is
+    # float32 (``sweep_dtype_on``)
     gptq_sweep_dtype: str = flag(
-        "float32", "GPTQ: run the column sweep in this dtype [float32].",
-        choices=("float32", "float64"))
+        "auto", "GPTQ: run the column sweep in this dtype [auto: float64 on the CPU, float32 "
+        "on a GPU].", choices=("auto", "float64", "float32"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(
@@ -343,6 +344,15 @@ class Recipe(BaseModel):
         ``device`` (``auto``: float32 on a GPU, float64 elsewhere)."""
         import torch  # the recipe module itself stays importable without torch
         name = self.gptq_hessian_dtype
+        if name == "auto":
+            name = "float64" if torch.device(device).type == "cpu" else "float32"
+        return getattr(torch, name)
+
+    def sweep_dtype_on(self, device):
+        """``gptq_sweep_dtype`` as the torch dtype of a column sweep on ``device`` (``auto``:
+        float64 on the CPU, float32 elsewhere)."""
+        import torch
+        name = self.gptq_sweep_dtype
         if name == "auto":
             name = "float64" if torch.device(device).type == "cpu" else "float32"
         return getattr(torch, name)

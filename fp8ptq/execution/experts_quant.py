@@ -4,8 +4,6 @@ their block (``fp8ptq.algorithms.gptq.experts``); the others are rounded to near
 
 from __future__ import annotations
 
-import torch
-
 from ..algorithms.gptq.experts import ExpertRounding, Feed, gptq_experts
 from ..config.plan import ModulePlan, QuantPlan, needs_full_hessian
 from ..nn.fused import unify_fused
@@ -18,12 +16,12 @@ def sweep_experts(model, e: ModulePlan, plan: QuantPlan, gran, w_calib, stats: d
     entry goes to ``swept``, with the facts of the sweep under ``gptq`` (experts swept per
     projection, those left rounded to nearest, the Hessians' peak bytes)."""
     recipe = plan.recipe
+    device = getattr(e.module, e.info.projections[0]).device
     rounding = ExpertRounding(
         e.weight_format, gran, w_calib, sweep=needs_full_hessian(e), damp=recipe.gptq_damp,
         act_order=recipe.gptq_act_order, block=recipe.gptq_block, rounding=recipe.rounding,
         pow2=recipe.scale_pow2, all_tokens=recipe.gptq_all_experts,
-        dtype=recipe.hessian_dtype_on(getattr(e.module, e.info.projections[0]).device),
-        sweep_dtype=getattr(torch, recipe.gptq_sweep_dtype))
+        dtype=recipe.hessian_dtype_on(device), sweep_dtype=recipe.sweep_dtype_on(device))
 
     def build(round_first):
         swept[e.name] = quantize_experts_module(

@@ -207,6 +207,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fp8ptq_gptq_block.argtypes = [ctypes.POINTER(FormatTables), p, p, p, i64, p, p, p, i64,
                                       i64, p]
     lib.fp8ptq_gptq_block.restype = None
+    lib.fp8ptq_gptq_block64.argtypes = lib.fp8ptq_gptq_block.argtypes
+    lib.fp8ptq_gptq_block64.restype = None
     lib.fp8ptq_advise_huge.argtypes = [p, i64]
     lib.fp8ptq_advise_huge.restype = None
 
@@ -348,12 +350,14 @@ def gptq_block(tables: FormatTables, values: torch.Tensor, W1: torch.Tensor, U1:
                S1: torch.Tensor, err: torch.Tensor, codes: torch.Tensor,
                scratch: torch.Tensor) -> None:
     """One block of GPTQ's column loop in C (``csrc/codec.c``, ``fp8ptq_gptq_block``): the
-    same bits as ``fp8ptq.algorithms.gptq.sweep._column_loop``. All float32 on the CPU except
-    ``codes`` (uint8): ``W1`` [b, rows] (updated), ``S1``, ``err``, ``codes`` [b, rows]
+    same bits as ``fp8ptq.algorithms.gptq.sweep._column_loop``. All float32 (or all float64:
+    ``fp8ptq_gptq_block64``) on the CPU except ``codes`` (uint8) and ``scratch`` (float32):
+    ``W1`` [b, rows] (updated), ``S1``, ``err``, ``codes`` [b, rows]
     contiguous; ``U1`` [b, b] with unit column stride (a view of the whole factor); ``values``
     the format's 256 code values; ``scratch`` [rows]. Checked by the caller
     (``sweep.native_loop``)."""
     b, rows = W1.shape
-    library().fp8ptq_gptq_block(ctypes.byref(tables), values.data_ptr(), W1.data_ptr(),
-                                U1.data_ptr(), U1.stride(0), S1.data_ptr(), err.data_ptr(),
-                                codes.data_ptr(), b, rows, scratch.data_ptr())
+    kernel = library().fp8ptq_gptq_block64 if W1.dtype == torch.float64 else \
+        library().fp8ptq_gptq_block
+    kernel(ctypes.byref(tables), values.data_ptr(), W1.data_ptr(), U1.data_ptr(), U1.stride(0),
+           S1.data_ptr(), err.data_ptr(), codes.data_ptr(), b, rows, scratch.data_ptr())

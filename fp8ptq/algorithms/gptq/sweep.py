@@ -92,13 +92,12 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     ``H`` [in, in]: sum of x x^T over the calibration rows (any positive multiple works; not
     modified). Everything runs on ``W``'s device: the Hessian (kept on the CPU by the collector,
     where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
-    GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``); the
-    sweep is float32, so a GPU and a CPU
-    agree on the codes except where a value sits within float32 rounding of a code boundary and
-    the two devices' GEMMs summed in another order (rare; the GPU tier bounds it).
-    ``sweep_dtype`` float64 (``gptq_sweep_dtype``): the weight copy, the inverse factor, the
-    scales and the errors in float64, for the comparison that keeps float32 the default
-    (the torch loop: no C or Triton kernel takes float64)."""
+    GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``).
+    ``sweep_dtype``: the dtype of the weight copy, the inverse factor, the scales and the
+    errors (``Recipe.sweep_dtype_on``: float64 on the CPU, through the C block loop; float32 on
+    a GPU, the Triton kernel's). A float32 sweep on a GPU and on a CPU agree on the codes
+    except where a value sits within float32 rounding of a code boundary and the two devices'
+    GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
     hdiag, perm, U = _factor(H, damp, act_order, dev, sweep_dtype)
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
@@ -144,8 +143,9 @@ def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device,
     perm = torch.argsort(hdiag, descending=True) if act_order else None
     # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
     # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
-    # first); the sweep in float32 like the reference code: its error terms are far
-    # below a code's step, and float32 halves the sweep's memory traffic
+    # first); U in the sweep's dtype: float64 on the CPU by default (``gptq_sweep_dtype``:
+    # better perplexity than float32 on both families over five seeds, though the layer
+    # output error showed no difference), float32 on a GPU like the reference code
     U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).to(dtype).to(dev)
     got = (hdiag.to(dev), None if perm is None else perm.to(dev), U)
     if cache is not None:
@@ -269,21 +269,22 @@ def _column_loop(W1, U1, S1, err, code_rows, step) -> None:
 def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
     """``loop(W1, U1, S1, err, code_rows)``: a block's column loop as one call of the C kernel
     (``native.gptq_block``), the same bits as ``_column_loop`` with ``_column_step``'s generic
-    step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` (the torch
-    step divides by float64 ones in float64), the C kernels built, an 8-bit format
+    step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` or a float64
+    one with float64 scales (``fp8ptq_gptq_block64``; a float32 sweep's torch step divides by
+    float64 scales in float64), the C kernels built, an 8-bit format
     the kernels hold exactly, any rounding but stochastic (its draws are the torch path's).
     None: the torch loop. Why: ~10 small torch ops per column, and their dispatch, were
     most of a CPU sweep's time (SmolLM2's 150,000 columns: ~28 s of a 5-minute quantize,
     docs/results/speed.md, "Main job: work removed (2026-11-28)")."""
-    if Wt.device.type != "cpu" or Wt.dtype != torch.float32 or St.dtype != torch.float32 \
-            or not native.supports(Wt):
+    if Wt.device.type != "cpu" or Wt.dtype not in (torch.float32, torch.float64) \
+            or St.dtype != Wt.dtype or not native.supports(Wt.new_empty(0, dtype=torch.float32)):
         return None
     rounding = kw.get("rounding") or fmt.rounding
     values = fmt.layout.values
     tables = native_tables(fmt, rounding) if rounding != "stochastic" else None
     if tables is None or values.numel() != 256:
         return None
-    values = values.to(torch.float32).contiguous()
+    values = values.to(Wt.dtype).contiguous()
     scratch = torch.empty(Wt.shape[1], dtype=torch.float32)
 
     def loop(W1, U1, S1, err, code_rows):
