@@ -2,7 +2,7 @@
 error each leaves, per GEMM, against the GEMM's input width.
 
     python benchmarks/studies/sweep_precision.py MODEL [--num-samples 32] [--seeds 0]
-        [--heldout-tokens 4096] [--out out/sweep-precision] [--assets ../shared/assets]
+        [--heldout-tokens 4096] [--sink 1] [--out out/sweep-precision] [--assets ../shared/assets]
 
 The mechanism check behind the sweep's precision (``fp8ptq.algorithms.gptq.sweep``): the float
 model's one-pass Hessians of every GEMM inside the blocks (``H = 2 X^T X`` of the calibration
@@ -12,15 +12,18 @@ GEMM the default's channel max scales and act-order GPTQ with each sweep, and th
 error on the held-out rows ``tr(D G D^T) / tr(W G W^T)``, ``D = W - Q``, exactly (no sampling).
 Precisions:
 
-- ``float32``: the library's sweep (float64 Cholesky factor, float32 column loop and block
-  updates);
-- ``float64``: the same loop with the weight, the factor and the errors in float64;
+- ``float32``: the library's float32 sweep (a GPU's; float64 Cholesky factor, float32 column
+  loop and block updates);
+- ``float64``: the same loop with the weight, the factor and the errors in float64 (the CPU's
+  default from 2026-11-29);
 - ``mixed``: the float32 column loop inside each 128-column block, the weight master copy and the
   block-to-block error feedback (``W[i2:] -= U^T E``) in float64.
 
 If float32 loses because of accumulated rounding, its excess error over float64 grows with the
 input width (more columns fed back into each weight); if not, the two differ by codes flipped at
-rounding boundaries, a perturbation of either sign. Written to ``--out/report.json``.
+rounding boundaries, a perturbation of either sign. ``--sink W``: the sweeps run on sink-aware
+GPTQ's Hessian ``H + 2 W mean(x1 x1^T)`` (``x1``: each window's first-token input), the one the
+default recipe sweeps on. Written to ``--out/report.json``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ def gram_hooks(model, grams: dict, key: str, keep: set[int]):
                 entry = grams.setdefault(full, {})
                 entry[key] = entry.get(key, 0) + x2.T @ x2
                 entry[key + "_rows"] = entry.get(key + "_rows", 0) + x2.shape[0]
+                first = x.detach()[:, 0].double()  # each window's first token (the sink)
+                entry[key + "_first"] = entry.get(key + "_first", 0) + first.T @ first
+                entry[key + "_seqs"] = entry.get(key + "_seqs", 0) + first.shape[0]
             handles.append(mod.register_forward_pre_hook(hook))
     return handles
 
@@ -181,6 +187,9 @@ def main() -> None:
     ap.add_argument("--assets", default=str(ROOT.parent / "shared" / "assets"))
     ap.add_argument("--synthetic", default="",
                     help="input widths of synthetic GEMMs (comma list) instead of MODEL's")
+    ap.add_argument("--sink", type=float, default=0.0,
+                    help="sweep on sink-aware GPTQ's H~ = H + 2 SINK mean(x1 x1^T) (x1: each "
+                         "window's first-token input, unrounded) instead of H")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.synthetic:
@@ -221,6 +230,8 @@ def main() -> None:
         for name, entry in grams.items():
             src = grams[entry["alias"]] if "alias" in entry else entry
             H = 2 * src["H"] / src["H_rows"]
+            if args.sink:  # sink-aware GPTQ's Hessian (``fp8ptq.algorithms.gptq.sink``)
+                H = H + 2 * args.sink * src["H_first"] / src["H_seqs"]
             G = src["G"] / src["G_rows"]
             W = model.get_submodule(name).weight.detach().float()
             S = (W.abs().amax(1, keepdim=True) / fmt.layout.max).clamp_min(1e-12).expand_as(W)
@@ -238,6 +249,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     report = {"model": args.model, "num_samples": args.num_samples, "seeds": args.seeds,
+              "sink": args.sink,
               "heldout_tokens": int(held.numel()), "start_ids": start,
               "machine": f"{platform.machine()} {platform.processor()}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
