@@ -318,15 +318,20 @@ def test_float64_sweep_is_the_textbook_algorithm_in_float64(monkeypatch):
     fmt = get_format("e4m3")
     S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
     want = _textbook_gptq64(W, H, S, fmt, 0.01)
-    seen = []
-    real = sweep._sweep
-    monkeypatch.setattr(sweep, "_sweep", lambda Wt, St, U, *a: seen.append(
-        (Wt.dtype, St.dtype, U.dtype)) or real(Wt, St, U, *a))
+    seen = set()  # (weight block, factor block, scales, errors) dtypes of every block loop
+    from fp8ptq.runtime import native
+    real_c, real_torch = native.gptq_block, sweep._column_loop
+    monkeypatch.setattr(native, "gptq_block", lambda t, v, W1, U1, S1, err, *a: seen.add(
+        (W1.dtype, U1.dtype, S1.dtype, err.dtype)) or real_c(t, v, W1, U1, S1, err, *a))
+    monkeypatch.setattr(sweep, "_column_loop", lambda W1, U1, S1, err, *a: seen.add(
+        (W1.dtype, U1.dtype, S1.dtype, err.dtype)) or real_torch(W1, U1, S1, err, *a))
     got64 = gptq_codes(W, H, S, fmt, damp=0.01, sweep_dtype=torch.float64)
     assert torch.equal(got64, want)
+    assert seen == {(torch.float64,) * 4}
+    seen.clear()
     got32 = gptq_codes(W, H, S, fmt, damp=0.01)
     assert float((got32 != want).float().mean()) < 0.001  # a handful of boundary codes
-    assert seen == [(torch.float64,) * 3, (torch.float32,) * 3]
+    assert seen == {(torch.float32,) * 4}
 
 
 def test_the_recipe_selects_the_float64_sweep(monkeypatch):

@@ -360,15 +360,16 @@ def test_gptq_block_loop_gives_the_torch_loops_codes(name, rounding, dtype, monk
 
 def test_gptq_block_loop_only_where_it_holds_the_bits(monkeypatch):
     """The torch loop runs for stochastic rounding (its draws are torch's), a narrower-than-8-bit
-    format, scales of another dtype than the sweep's and with the kernels off."""
+    format, a float32 sweep with float64 scales and with the kernels off."""
     from fp8ptq.algorithms.gptq import sweep
     w, e4m3 = torch.zeros(4, 32), get_format("e4m3")
     if native.available():
         assert sweep.native_loop(e4m3, {}, w, w) is not None
+        # a float64 sweep takes its scales to float64 a block at a time: any scale dtype
         assert sweep.native_loop(e4m3, {}, w.double(), w.double()) is not None
+        assert sweep.native_loop(e4m3, {}, w.double(), w) is not None
     assert sweep.native_loop(e4m3, {"rounding": "stochastic"}, w, w) is None
     assert sweep.native_loop(get_format("e2m1"), {}, w, w) is None
-    assert sweep.native_loop(e4m3, {}, w.double(), w) is None
     assert sweep.native_loop(e4m3, {}, w, w.double()) is None
     with native.disabled():
         assert sweep.native_loop(e4m3, {}, w, w) is None

@@ -60,6 +60,15 @@ def flag_spec(info) -> dict | None:
     return extra.get("flag") if isinstance(extra, dict) else None
 
 
+def _auto_dtype(name: str, device):
+    """A dtype field's torch dtype on ``device``: ``auto`` is float64 on the CPU (host memory is
+    cheap) and float32 elsewhere."""
+    import torch  # the recipe module itself stays importable without torch
+    if name == "auto":
+        name = "float64" if torch.device(device).type == "cpu" else "float32"
+    return getattr(torch, name)
+
+
 class Recipe(BaseModel):
     """Every field is one line: its type (checked, with a plain message, from the annotation),
     its default and a comment; a field the commands take as a flag is declared with ``flag``
@@ -342,20 +351,12 @@ class Recipe(BaseModel):
     def hessian_dtype_on(self, device):
         """``gptq_hessian_dtype`` as the torch dtype the Hessian collectors sum in on
         ``device`` (``auto``: float32 on a GPU, float64 elsewhere)."""
-        import torch  # the recipe module itself stays importable without torch
-        name = self.gptq_hessian_dtype
-        if name == "auto":
-            name = "float64" if torch.device(device).type == "cpu" else "float32"
-        return getattr(torch, name)
+        return _auto_dtype(self.gptq_hessian_dtype, device)
 
     def sweep_dtype_on(self, device):
         """``gptq_sweep_dtype`` as the torch dtype of a column sweep on ``device`` (``auto``:
         float64 on the CPU, float32 elsewhere)."""
-        import torch
-        name = self.gptq_sweep_dtype
-        if name == "auto":
-            name = "float64" if torch.device(device).type == "cpu" else "float32"
-        return getattr(torch, name)
+        return _auto_dtype(self.gptq_sweep_dtype, device)
 
     @property
     def skip_patterns(self) -> list[str]:

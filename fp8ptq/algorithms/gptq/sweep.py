@@ -110,8 +110,6 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     dead = hdiag == 0  # inputs that were always zero: any weight is free there
     Wt.masked_fill_((dead if perm is None else dead.index_select(0, perm)).unsqueeze(1), 0.0)
     St = scale_matrix.detach().to(dev).expand_as(W).T  # [in, out], a view
-    if sweep_dtype != torch.float32:
-        St = St.to(sweep_dtype)
     kw = {"rounding": rounding} if rounding else {}
     with _sweep_threads(dev):
         # plain tensor math: a torch-function mode around the caller (the quantize stage's
@@ -241,6 +239,8 @@ def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
+        if Wt.dtype == torch.float64:  # a float64 sweep's scales, a block at a time
+            S1 = S1.double()
         err = torch.empty(i2 - i1, rows, dtype=Wt.dtype, device=Wt.device)
         if kernel is not None:  # the block's column loop as one kernel (``fused``)
             try:
@@ -269,15 +269,17 @@ def _column_loop(W1, U1, S1, err, code_rows, step) -> None:
 def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
     """``loop(W1, U1, S1, err, code_rows)``: a block's column loop as one call of the C kernel
     (``native.gptq_block``), the same bits as ``_column_loop`` with ``_column_step``'s generic
-    step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` or a float64
-    one with float64 scales (``fp8ptq_gptq_block64``; a float32 sweep's torch step divides by
-    float64 scales in float64), the C kernels built, an 8-bit format
+    step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` (its torch
+    step divides by float64 ones in float64) or a float64 one (``fp8ptq_gptq_block64``), the C
+    kernels built, an 8-bit format
     the kernels hold exactly, any rounding but stochastic (its draws are the torch path's).
     None: the torch loop. Why: ~10 small torch ops per column, and their dispatch, were
     most of a CPU sweep's time (SmolLM2's 150,000 columns: ~28 s of a 5-minute quantize,
     docs/results/speed.md, "Main job: work removed (2026-11-28)")."""
+    # (a float64 sweep takes its scales to float64 block by block, exactly: any float dtype)
     if Wt.device.type != "cpu" or Wt.dtype not in (torch.float32, torch.float64) \
-            or St.dtype != Wt.dtype or not native.supports(Wt.new_empty(0, dtype=torch.float32)):
+            or (Wt.dtype == torch.float32 and St.dtype != torch.float32) \
+            or not native.supports(Wt.new_empty(0, dtype=torch.float32)):
         return None
     rounding = kw.get("rounding") or fmt.rounding
     values = fmt.layout.values

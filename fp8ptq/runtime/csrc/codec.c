@@ -194,57 +194,37 @@ void fp8ptq_quantize(const fmt_t *fmt, const void *src, int32_t src_dtype, void 
  * first rows - rows % 16 values, a product then a sum on the rest (bit for bit on every size,
  * offset and row count probed; an x86 CPU with AVX2). Why: the loop issues ~10 small torch
  * ops per column, and their dispatch, not their arithmetic, was most of the sweep's time on
- * a CPU. */
-void fp8ptq_gptq_block(const fmt_t *fmt, const float *values, float *w, const float *u,
-                       int64_t ldu, const float *s, float *err, uint8_t *codes, int64_t b,
-                       int64_t rows, float *y) {
-    job_t j = {y, DT_F32, NULL, OUT_CODES, NULL, 0, 0, NULL, rows, rows, fmt, 0};
-    range_fn fn = pick(&j);
-    const int64_t body = rows - rows % 16;  /* the rank-1 update's fused multiply-adds */
-    for (int64_t i = 0; i < b; i++) {
-        float *wi = w + i * rows, *ei = err + i * rows;
-        const float *si = s + i * rows;
-        uint8_t *ci = codes + i * rows;
-        for (int64_t r = 0; r < rows; r++) y[r] = wi[r] / si[r];
-        j.dst = ci;
-        fn(&j, 0, rows);
-        const float pivot = u[i * ldu + i];
-        for (int64_t r = 0; r < rows; r++) ei[r] = (wi[r] - values[ci[r]] * si[r]) / pivot;
-        for (int64_t k = i + 1; k < b; k++) {
-            const float uk = -u[i * ldu + k];
-            float *wk = w + k * rows;
-            int64_t r = 0;
-            for (; r < body; r++) wk[r] = fmaf(uk, ei[r], wk[r]);
-            for (; r < rows; r++) wk[r] = wk[r] + uk * ei[r];
-        }
+ * a CPU. Written once for the element type T of the sweep: ``FMA`` its fused multiply-add,
+ * ``LANES`` the unit of the row prefix MKL's ``?ger`` fuses. */
+#define GPTQ_BLOCK(NAME, T, FMA, LANES)                                                         \
+    void NAME(const fmt_t *fmt, const T *values, T *w, const T *u, int64_t ldu, const T *s,     \
+              T *err, uint8_t *codes, int64_t b, int64_t rows, float *y) {                      \
+        job_t j = {y, DT_F32, NULL, OUT_CODES, NULL, 0, 0, NULL, rows, rows, fmt, 0};           \
+        range_fn fn = pick(&j);                                                                 \
+        const int64_t body = rows - rows % (LANES);                                             \
+        for (int64_t i = 0; i < b; i++) {                                                       \
+            T *wi = w + i * rows, *ei = err + i * rows;                                         \
+            const T *si = s + i * rows;                                                         \
+            uint8_t *ci = codes + i * rows;                                                     \
+            for (int64_t r = 0; r < rows; r++) y[r] = (float)(wi[r] / si[r]);                   \
+            j.dst = ci;                                                                         \
+            fn(&j, 0, rows);                                                                    \
+            const T pivot = u[i * ldu + i];                                                     \
+            for (int64_t r = 0; r < rows; r++) ei[r] = (wi[r] - values[ci[r]] * si[r]) / pivot; \
+            for (int64_t k = i + 1; k < b; k++) {                                               \
+                const T uk = -u[i * ldu + k];                                                   \
+                T *wk = w + k * rows;                                                           \
+                int64_t r = 0;                                                                  \
+                for (; r < body; r++) wk[r] = FMA(uk, ei[r], wk[r]);                            \
+                for (; r < rows; r++) wk[r] = wk[r] + uk * ei[r];                               \
+            }                                                                                   \
+        }                                                                                       \
     }
-}
+
+GPTQ_BLOCK(fp8ptq_gptq_block, float, fmaf, 16)
 
 /* The same block loop in float64 (``gptq_sweep_dtype`` float64, the CPU's default): ``w``,
  * ``u``, ``s``, ``err`` and ``values`` float64; y = (float)(w / s) is the codec's float32 input
  * (the torch loop's ``(w / s).float()``). One-thread ``addr_`` on float64 (MKL's ``dger``) fuses
  * the multiply-add on each row's first rows - rows % 8 values (probed as for ``sger``). */
-void fp8ptq_gptq_block64(const fmt_t *fmt, const double *values, double *w, const double *u,
-                         int64_t ldu, const double *s, double *err, uint8_t *codes, int64_t b,
-                         int64_t rows, float *y) {
-    job_t j = {y, DT_F32, NULL, OUT_CODES, NULL, 0, 0, NULL, rows, rows, fmt, 0};
-    range_fn fn = pick(&j);
-    const int64_t body = rows - rows % 8;
-    for (int64_t i = 0; i < b; i++) {
-        double *wi = w + i * rows, *ei = err + i * rows;
-        const double *si = s + i * rows;
-        uint8_t *ci = codes + i * rows;
-        for (int64_t r = 0; r < rows; r++) y[r] = (float)(wi[r] / si[r]);
-        j.dst = ci;
-        fn(&j, 0, rows);
-        const double pivot = u[i * ldu + i];
-        for (int64_t r = 0; r < rows; r++) ei[r] = (wi[r] - values[ci[r]] * si[r]) / pivot;
-        for (int64_t k = i + 1; k < b; k++) {
-            const double uk = -u[i * ldu + k];
-            double *wk = w + k * rows;
-            int64_t r = 0;
-            for (; r < body; r++) wk[r] = fma(uk, ei[r], wk[r]);
-            for (; r < rows; r++) wk[r] = wk[r] + uk * ei[r];
-        }
-    }
-}
+GPTQ_BLOCK(fp8ptq_gptq_block64, double, fma, 8)
