@@ -9,6 +9,8 @@ import torch
 
 FORMATS = ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "hfp8", "int8"]  # round half to even
 LAYOUTS = ["tensor", "channel", "block"]
+# a float64 column loop: float64 storage, and float32 storage (mixed)
+PRECISIONS = {"float64": (torch.float64, torch.float64), "mixed": (torch.float32, torch.float64)}
 
 
 def problem(out_features=48, in_features=200, seed=0):
@@ -38,7 +40,8 @@ def both_ways(W, H, S, fmt, **kw):
     os.environ["FP8PTQ_GPTQ_TRITON"] = "0"
     loop = sweep.gptq_codes(W, H, S, fmt, **kw)
     os.environ["FP8PTQ_GPTQ_TRITON"] = "1"
-    took = sweep.fused_block(fmt, {}, W, 128) is not None
+    precision = sweep.Precision.of(kw.get("sweep_dtype", torch.float32))
+    took = sweep.fused_block(fmt, {}, W.to(precision.storage), 128, precision.loop) is not None
     return loop, sweep.gptq_codes(W, H, S, fmt, **kw), took
 
 
@@ -65,6 +68,15 @@ def main():
                                            act_order=act_order)
             out[f"layout/{layout}/{act_order}"] = {"fused": took,
                                                    "differ": int((loop != kernel).sum())}
+    from fp8ptq.algorithms.gptq.sweep import Precision
+    for label, precision in PRECISIONS.items():
+        for name in ("e4m3", "e5m2", "int8"):
+            fmt = get_format(name)
+            W, H = problem(seed=3)
+            loop, kernel, took = both_ways(W, H, scales(W, fmt, "block"), fmt, act_order=True,
+                                           sweep_dtype=Precision(*precision))
+            out[f"dtype/{label}/{name}"] = {"fused": took, "differ": int((loop != kernel).sum()),
+                                            "codes": loop.numel()}
     W, H = problem(seed=2)
     S = scales(W, e4m3, "channel")
     _, kernel, _ = both_ways(W, H, S, e4m3)

@@ -347,13 +347,16 @@ def test_the_recipe_selects_the_float64_sweep(monkeypatch):
         return real(*a, **kw)
     import fp8ptq.steps.quantize_module as qm
     monkeypatch.setattr(qm, "gptq_codes", spy)
-    model = tiny("llama")
-    r = Recipe(format="e4m3", weight_calib="gptq", gptq_sweep_dtype="float64")
-    quantize_model(model, r, token_batches(IDS, 2))
-    assert seen and set(seen) == {torch.float64}
+    f32, f64 = torch.float32, torch.float64
+    for name, want in (("float64", (f64, f64)), ("mixed", (f32, f64))):
+        seen.clear()
+        r = Recipe(format="e4m3", weight_calib="gptq", gptq_sweep_dtype=name)
+        quantize_model(tiny("llama"), r, token_batches(IDS, 2))
+        assert seen and set(seen) == {want}
     default = Recipe(format="e4m3")  # auto: float64 on the CPU, the Triton sweep's on a GPU
-    assert default.sweep_dtype_on("cpu") == torch.float64
-    assert default.sweep_dtype_on("cuda") == torch.float32
+    assert default.sweep_dtype_on("cpu") == (f64, f64)
+    assert default.sweep_dtype_on("cuda") == (f32, f32)
+    assert Recipe(format="e4m3", gptq_sweep_dtype="mixed").sweep_dtype_on("cuda") == (f32, f64)
     for key in ("gptq_sweep_dtype", "gptq_hessian_dtype"):  # a recipe file's typo
         with pytest.raises(UsageError, match=key):
             Recipe(format="e4m3", **{key: "bfloat16"}).check_values()

@@ -20,7 +20,7 @@ import torch
 from fake_cuda import CUDA, fake_cuda
 from fp8ptq.algorithms.gptq import fused, sweep
 from fp8ptq.formats import get_format
-from fused_cases import FORMATS, LAYOUTS, problem, scales
+from fused_cases import FORMATS, LAYOUTS, PRECISIONS, problem, scales
 
 _no_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton runs the fused sweep (its interpreter here)")
@@ -60,6 +60,18 @@ def test_kernel_gives_the_torch_loops_codes_for_every_scale_layout(cases, layout
 
 
 @needs_triton
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("name", ["e4m3", "e5m2", "int8"])
+def test_float64_kernel_gives_the_cpu_float64_loops_codes(cases, precision, name):
+    """The float64 tile (``LOOP64``; ``gptq_sweep_dtype`` float64, and mixed's float32
+    storage) against the CPU's float64 loop: the same codes but at rounding boundaries, where
+    the CPU fuses part of the rank-one update's multiply-adds and the kernel rounds each."""
+    case = cases[f"dtype/{precision}/{name}"]
+    assert case["fused"], "the sweep did not take the kernel"
+    assert case["differ"] <= case["codes"] // 1000
+
+
+@needs_triton
 def test_kernel_codes_carry_the_error_feedback(cases):
     """Not round-to-nearest in disguise: the kernel's codes are GPTQ's, and lower the layer's
     output error (tr((W - Q) H (W - Q)^T)) well below plain rounding with the same scales."""
@@ -80,6 +92,10 @@ def test_what_the_kernel_does_not_take(monkeypatch):
     assert not fused.wanted(get_format("hif8"), {}, W)  # rounds half away from zero
     assert not fused.wanted(e4m3, {"rounding": "stochastic"}, W)
     assert sweep.fused_block(e4m3, {}, W, 512) is None  # the tile would not fit in registers
+    assert sweep.fused_block(e4m3, {}, W, 256) is not None
+    assert sweep.fused_block(e4m3, {}, W, 256, torch.float64) is None  # twice the registers
+    assert sweep.fused_block(e4m3, {}, W.double(), 128) is not None
+    assert sweep.fused_block(e4m3, {}, W.half(), 128) is None
     monkeypatch.setenv("FP8PTQ_GPTQ_TRITON", "0")
     assert not fused.wanted(e4m3, {}, W)
 

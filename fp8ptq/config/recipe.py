@@ -124,11 +124,12 @@ class Recipe(BaseModel):
         "float32 on a GPU, float64 on the CPU].", choices=("auto", "float64", "float32"))
     # the column sweep's dtype (weight copy, inverse factor, errors); auto: float64 on the CPU,
     # better than float32 on both families over five seeds (docs/results/studies.md, "Two
-    # families for every default"), and float32 on a GPU, where the one-kernel Triton sweep is
-    # float32 (``sweep_dtype_on``)
+    # families for every default"), and float32 on a GPU (``sweep_dtype_on``); mixed: float32
+    # storage, each 128-column block's loop in float64 (``sweep.Precision``)
     gptq_sweep_dtype: str = flag(
-        "auto", "GPTQ: run the column sweep in this dtype [auto: float64 on the CPU, float32 "
-        "on a GPU].", choices=("auto", "float64", "float32"))
+        "auto", "GPTQ: run the column sweep in this dtype; mixed: float32 storage, float64 "
+        "inside each block [auto: float64 on the CPU, float32 on a GPU].",
+        choices=("auto", "float64", "float32", "mixed"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
     gptq_sequential: bool = flag(
@@ -354,9 +355,14 @@ class Recipe(BaseModel):
         return _auto_dtype(self.gptq_hessian_dtype, device)
 
     def sweep_dtype_on(self, device):
-        """``gptq_sweep_dtype`` as the torch dtype of a column sweep on ``device`` (``auto``:
-        float64 on the CPU, float32 elsewhere)."""
-        return _auto_dtype(self.gptq_sweep_dtype, device)
+        """``gptq_sweep_dtype`` as the ``(storage, loop)`` torch dtypes of a column sweep on
+        ``device`` (``sweep.Precision``'s fields; ``auto``: float64 on the CPU, float32
+        elsewhere; ``mixed``: float32, float64)."""
+        import torch
+        if self.gptq_sweep_dtype == "mixed":
+            return torch.float32, torch.float64
+        dtype = _auto_dtype(self.gptq_sweep_dtype, device)
+        return dtype, dtype
 
     @property
     def skip_patterns(self) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..algorithms.gptq.sweep import gptq_codes
+from ..algorithms.gptq.sweep import Precision, gptq_codes
 from ..calibrators.registry import weight_entry
 from ..config.plan import ModulePlan
 from ..config.recipe import Recipe
@@ -105,7 +105,7 @@ def quantize_target(model, t: Target, recipe, gran, w_calib, a_calib, stats, cho
         codes = gptq_codes(w2d, hessian, gran.expand(w_scale, w2d), t.weight_format,
                            damp=recipe.gptq_damp, act_order=recipe.gptq_act_order,
                            block=recipe.gptq_block, rounding=recipe.rounding,
-                           sweep_dtype=recipe.sweep_dtype_on(w2d.device))
+                           sweep_dtype=Precision(*recipe.sweep_dtype_on(w2d.device)))
         deq = decode(codes, t.weight_format) * gran.expand(w_scale, w2d)
         w_amax, w_sqnr = float(w2d.abs().max()), sqnr_db(w2d, deq)
     else:

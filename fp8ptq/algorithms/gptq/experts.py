@@ -49,7 +49,7 @@ from ...model.forward import run_batch
 from ...model.lean import lean_forwards
 from ...observe import distributed
 from .replay import PartialForwards
-from .sweep import gptq_codes
+from .sweep import Precision, gptq_codes
 
 # feed(module, observe): every calibration batch run up to ``module``'s entry, where
 # ``observe(args, kwargs)`` sees the arguments it is called with; the forward stops there
@@ -143,7 +143,7 @@ class ExpertRounding:
     pow2: bool = False
     all_tokens: bool = False
     dtype: torch.dtype = torch.float64
-    sweep_dtype: torch.dtype = torch.float32
+    sweep_dtype: tuple = (torch.float32, torch.float32)  # ``sweep.Precision``'s fields
 
 
 def round_expert(w2d: torch.Tensor, hessian: torch.Tensor, r: ExpertRounding, what: str,
@@ -156,7 +156,7 @@ def round_expert(w2d: torch.Tensor, hessian: torch.Tensor, r: ExpertRounding, wh
     w = w2d.detach().float()
     expanded = r.gran.expand(scale, w)
     codes = gptq_codes(w, hessian, expanded, r.fmt, damp=r.damp, act_order=r.act_order,
-                       block=r.block, rounding=r.rounding, sweep_dtype=r.sweep_dtype)
+                       block=r.block, rounding=r.rounding, sweep_dtype=Precision(*r.sweep_dtype))
     deq = decode(codes, r.fmt) * expanded
     return QuantizedWeight(codes, scale, float(w.abs().max()), sqnr_db(w, deq))
 

@@ -22,6 +22,13 @@ multiply-add is (computed in float64, where the float32 product is exact). So ea
 torch loop's float32 arithmetic, in its order, and the codes are the loop's bit for bit (the
 interpreter tests check it on every format and scale layout).
 
+A float64 column loop (``gptq_sweep_dtype`` float64, or mixed: float32 storage) is the same
+kernel with the tile in float64 (``LOOP64``): ``w / s`` in float64 (IEEE division), rounded to
+float32 for the codec's arithmetic as the CPU's float64 loop does (``fp8ptq_gptq_block64``),
+the error and the rank-one update in float64. There the product is not exact, so the kernel
+rounds it and the difference apart (``enable_fp_fusion=False``) where the CPU loop fuses some:
+the codes agree with the CPU's float64 loop except at rounding boundaries (tested).
+
 Triton is imported only when a CUDA sweep asks for it; without it (or with
 ``FP8PTQ_GPTQ_TRITON=0``) the torch loop runs. Tests run the kernel on a CPU through Triton's
 interpreter (``TRITON_INTERPRET=1``) against the torch loop.
@@ -40,6 +47,7 @@ from fp8ptq.formats import FormatSpec, encode
 from fp8ptq.formats.binades import binade_tables
 
 BLOCK_R = 32  # output rows per program: a 128 x 32 float32 tile is 32 registers a thread
+BLOCK_R64 = 16  # a float64 loop's: its 128 x 16 tile the same registers
 
 
 def wanted(fmt: FormatSpec, kw: dict, weight: torch.Tensor) -> bool:
@@ -70,10 +78,13 @@ class BlockSweep:
     block), ``U1`` [width, width] its part of the inverse Hessian's Cholesky factor, ``S1``
     [width, rows] the scales (any strides, broadcast views included), ``err`` [width, rows]
     filled with each column's error divided by its pivot, ``code_rows`` [width, rows] uint8
-    filled with the codes."""
+    filled with the codes. ``loop_dtype``: the column loop's arithmetic (float64: the tile in
+    float64 whatever ``W1``'s and ``U1``'s dtype; ``S1`` and ``err`` then float64)."""
 
-    def __init__(self, fmt: FormatSpec, device: torch.device):
+    def __init__(self, fmt: FormatSpec, device: torch.device,
+                 loop_dtype: torch.dtype = torch.float32):
         self.fmt = fmt
+        self.loop64 = loop_dtype == torch.float64
         tables = binade_tables(fmt).to(device) if fmt.is_float else None
         ones = torch.ones(256, dtype=torch.float32, device=device)
         # integer formats: spacing 1 everywhere, so the same rounding is round-half-to-even
@@ -88,7 +99,8 @@ class BlockSweep:
             self.values = torch.empty(W1.shape, dtype=torch.float32, device=W1.device)
         values = self.values[:width]
         kernel = _kernel()
-        grid = (-(-rows // BLOCK_R),)
+        block_r = BLOCK_R64 if self.loop64 else BLOCK_R
+        grid = (-(-rows // block_r),)
         try:
             # Triton launches on the current CUDA device: a weight placed on another GPU (a
             # device map over several) is swept where it lives
@@ -96,7 +108,8 @@ class BlockSweep:
                 kernel[grid](W1, U1, S1, values, err, self.step, self.inv_step, rows, width,
                              W1.stride(0), U1.stride(0), S1.stride(0), S1.stride(1),
                              values.stride(0), err.stride(0), self.qmax, WIDTH=_pow2(width),
-                             BLOCK_R=BLOCK_R, num_warps=4, enable_fp_fusion=False)
+                             BLOCK_R=block_r, LOOP64=self.loop64, num_warps=4,
+                             enable_fp_fusion=False)
         except Exception as e:  # noqa: BLE001 - a kernel Triton cannot build here
             _FAILED.append(e)
             warnings.warn(f"GPTQ's fused Triton sweep failed to run ({type(e).__name__}: "
@@ -135,17 +148,21 @@ def _kernel():
     @triton.jit
     def block_sweep(w_ptr, u_ptr, s_ptr, v_ptr, e_ptr, step_ptr, inv_ptr, rows, width,
                     sw, su, ss_c, ss_r, sv, se, qmax,
-                    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr):
+                    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, LOOP64: tl.constexpr):
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.arange(0, WIDTH)
         rmask = r < rows
         tile = tl.load(w_ptr + c[:, None] * sw + r[None, :],
                        mask=(c[:, None] < width) & rmask[None, :], other=0.0)
+        tile = tile.to(tl.float64) if LOOP64 else tile.to(tl.float32)
         for i in range(0, WIDTH):  # a constant trip count; columns past ``width`` are masked
             live = rmask & (i < width)
             w = tl.sum(tl.where(c[:, None] == i, tile, 0.0), axis=0)  # column i, [BLOCK_R]
-            s = tl.load(s_ptr + i * ss_c + r * ss_r, mask=live, other=1.0)
-            v = tl.div_rn(w, s)
+            s = tl.load(s_ptr + i * ss_c + r * ss_r, mask=live, other=1.0).to(tile.dtype)
+            if LOOP64:  # the codec's float32 input, rounded once from the float64 quotient
+                v = (w / s).to(tl.float32)
+            else:
+                v = tl.div_rn(w, s)
             a = tl.minimum(tl.abs(v), qmax)  # saturate (max is on the grid: stays there)
             field = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
             y = a * tl.load(inv_ptr + field)  # exact: a power of two
@@ -155,14 +172,19 @@ def _kernel():
             up = (frac > 0.5) | ((frac == 0.5) & odd)
             qa = (whole + up.to(tl.float32)) * tl.load(step_ptr + field)
             q = tl.where(v.to(tl.int32, bitcast=True) < 0, -qa, qa)  # the sign, -0 included
-            pivot = tl.load(u_ptr + i * su + i + r * 0, mask=live, other=1.0)
-            e = tl.div_rn(w - q * s, pivot)
-            tl.store(v_ptr + i * sv + r, q, mask=live)
-            tl.store(e_ptr + i * se + r, e, mask=live)
+            pivot = tl.load(u_ptr + i * su + i + r * 0, mask=live, other=1.0).to(tile.dtype)
             h = tl.load(u_ptr + i * su + c, mask=(c > i) & (c < width), other=0.0)
-            # as ``addr_`` does (a fused multiply-add: one rounding), the same in Triton's
-            # interpreter, whose ``fma`` rounds twice: the float32 product is exact in float64
-            tile = (tile.to(tl.float64) - h[:, None].to(tl.float64) * e[None, :].to(tl.float64)
-                    ).to(tl.float32)
+            tl.store(v_ptr + i * sv + r, q, mask=live)
+            if LOOP64:
+                e = (w - q.to(tl.float64) * s) / pivot
+                tile = tile - h.to(tl.float64)[:, None] * e[None, :]
+            else:
+                e = tl.div_rn(w - q * s, pivot)
+                # as ``addr_`` does (a fused multiply-add: one rounding), the same in Triton's
+                # interpreter, whose ``fma`` rounds twice: the float32 product is exact in
+                # float64
+                tile = (tile.to(tl.float64) - h[:, None].to(tl.float64)
+                        * e[None, :].to(tl.float64)).to(tl.float32)
+            tl.store(e_ptr + i * se + r, e.to(e_ptr.dtype.element_ty), mask=live)
 
     return block_sweep

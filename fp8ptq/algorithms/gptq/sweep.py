@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import math
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,23 @@ from fp8ptq.runtime import native
 from . import fused
 
 BLOCK = 128
+
+
+class Precision(NamedTuple):
+    """The sweep's two dtypes. ``storage``: the weight copy and the inverse factor, the sweep's
+    memory (weight-sized and ``in x in``) and the block-to-block error feedback (``W[i2:] -=
+    U^T E``). ``loop``: each block's column loop, its copy of the block's columns, factor
+    block, scales and errors (at most 128 x 128 plus 128 rows: registers on a GPU). float64 /
+    float64 is the CPU default (``gptq_sweep_dtype`` auto), float32 / float32 the reference
+    code's, and float32 / float64 (``mixed``) float64's rounding inside the block at float32's
+    memory."""
+    storage: torch.dtype
+    loop: torch.dtype
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | Precision) -> Precision:
+        """``dtype`` as a precision: one dtype is both."""
+        return dtype if isinstance(dtype, Precision) else cls(dtype, dtype)
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, order: torch.Tensor | None = None,
@@ -85,7 +103,7 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, order: torch.Tensor | None =
 def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt: FormatSpec,
                *, damp: float = 0.01, act_order: bool = False, block: int = BLOCK,
                rounding: str | None = None,
-               sweep_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               sweep_dtype: torch.dtype | Precision = torch.float32) -> torch.Tensor:
     """Codes (uint8, [out, in]) of ``W`` quantized column by column with error compensation.
 
     ``scale_matrix`` [out, in]: the scale of every weight (the granularity's scales expanded);
@@ -94,18 +112,19 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     where host memory is cheap) and the scales are moved there, so a GPU weight is swept on the
     GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``).
     ``sweep_dtype``: the dtype of the weight copy, the inverse factor, the scales and the
-    errors (``Recipe.sweep_dtype_on``: float64 on the CPU, through the C block loop; float32 on
-    a GPU, the Triton kernel's). A float32 sweep on a GPU and on a CPU agree on the codes
-    except where a value sits within float32 rounding of a code boundary and the two devices'
-    GEMMs summed in another order (rare; the GPU tier bounds it)."""
+    errors, or a ``Precision`` (``Recipe.sweep_dtype_on``: float64 on the CPU, through the C
+    block loop; float32 on a GPU, the Triton kernel's). A sweep on a GPU and on a CPU agree on
+    the codes except where a value sits within rounding of a code boundary and the two
+    devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
-    hdiag, perm, U = _factor(H, damp, act_order, dev, sweep_dtype)
+    precision = Precision.of(sweep_dtype)
+    hdiag, perm, U = _factor(H, damp, act_order, dev, precision.storage)
     # the one weight-sized copy the sweep updates: W TRANSPOSED (a column of W is a
     # contiguous row), its rows in the sweep's order (act-order: the columns with the largest
     # input energy first). The scales stay the caller's (an expanded view: no copy), gathered
     # one block of columns at a time.
     src = W.detach().T if perm is None else W.detach().T.index_select(0, perm)
-    Wt = torch.empty(src.shape, dtype=sweep_dtype, device=dev).copy_(src)
+    Wt = torch.empty(src.shape, dtype=precision.storage, device=dev).copy_(src)
     del src
     dead = hdiag == 0  # inputs that were always zero: any weight is free there
     Wt.masked_fill_((dead if perm is None else dead.index_select(0, perm)).unsqueeze(1), 0.0)
@@ -116,7 +135,7 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
         # float32 GEMM mode) has nothing to do here, and its Python dispatch on each of the
         # sweep's ~10 small ops per column is a measurable share of the sweep
         with torch._C.DisableTorchFunction():
-            codes = _sweep(Wt, St, U, fmt, block, kw, perm)
+            codes = _sweep(Wt, St, U, fmt, block, kw, perm, precision.loop)
     if perm is not None:
         codes = codes.index_select(1, torch.argsort(perm))
     return codes.contiguous()
@@ -221,37 +240,43 @@ def _sweep_threads(device: torch.device):
         torch.set_num_threads(threads)
 
 
-def _sweep(Wt, St, U, fmt, block, kw, order) -> torch.Tensor:
+def _sweep(Wt, St, U, fmt, block, kw, order, loop_dtype=None) -> torch.Tensor:
     """The column loop of Algorithm 1 with lazy block updates, on the TRANSPOSED weight ``Wt``
     [in, out] (updated in place), so each step reads, encodes and updates contiguous memory
     (several times faster on a CPU than strided columns). ``St`` [in, out]: the scales in the
     weight's own column order; ``order``: the sweep's column order (a tensor on ``Wt``'s
     device; None: as they are), applied to the scales one block at a time so that no step of
     the column loop reads a value back to the host (a GPU sweep then queues its kernels without
-    a sync)."""
+    a sync). ``loop_dtype``: the column loop's (None: ``Wt``'s); a wider one than ``Wt``'s
+    runs each block on a copy of its columns in that dtype, and only the errors, rounded to
+    ``Wt``'s dtype, leave the block (``Precision``: mixed)."""
     cols, rows = Wt.shape
+    loop_dtype = loop_dtype or Wt.dtype
     codes = torch.empty(cols, rows, dtype=torch.uint8, device=Wt.device)
-    kernel = fused_block(fmt, kw, Wt, block)
-    loop = None if kernel is not None else native_loop(fmt, kw, Wt, St)
+    kernel = fused_block(fmt, kw, Wt, block, loop_dtype)
+    loop = None if kernel is not None else native_loop(fmt, kw, Wt, St, loop_dtype)
     step = None if kernel is not None or loop is not None else \
         _column_step(fmt, kw, Wt.device)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
         W1, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # W1: a view, updated in place
         S1 = St[i1:i2] if order is None else St.index_select(0, order[i1:i2])
-        if Wt.dtype == torch.float64:  # a float64 sweep's scales, a block at a time
+        if loop_dtype == torch.float64:  # a float64 loop's scales, a block at a time
             S1 = S1.double()
-        err = torch.empty(i2 - i1, rows, dtype=Wt.dtype, device=Wt.device)
+        err = torch.empty(i2 - i1, rows, dtype=loop_dtype, device=Wt.device)
         if kernel is not None:  # the block's column loop as one kernel (``fused``)
             try:
                 kernel.run(W1, U1, S1, err, codes[i1:i2])
             except fused.Unavailable:
                 kernel, step = None, _column_step(fmt, kw, Wt.device)
-        if kernel is None and loop is not None:
-            loop(W1, U1, S1, err, codes[i1:i2])
-        elif kernel is None:
-            _column_loop(W1, U1, S1, err, codes[i1:i2], step)
-        Wt[i2:].addmm_(U[i1:i2, i2:].T, err, alpha=-1)
+        if kernel is None:
+            if loop_dtype != Wt.dtype:  # mixed: the block's columns in the wider dtype
+                W1, U1 = W1.to(loop_dtype), U1.to(loop_dtype)
+            if loop is not None:
+                loop(W1, U1, S1, err, codes[i1:i2])
+            else:
+                _column_loop(W1, U1, S1, err, codes[i1:i2], step)
+        Wt[i2:].addmm_(U[i1:i2, i2:].T, err.to(Wt.dtype), alpha=-1)
     return codes.T
 
 
@@ -266,19 +291,22 @@ def _column_loop(W1, U1, S1, err, code_rows, step) -> None:
         W1[i + 1:].addr_(U1[i, i + 1:], e, alpha=-1)  # rank-1, no outer-product temporary
 
 
-def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
+def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor,
+                dtype: torch.dtype | None = None):
     """``loop(W1, U1, S1, err, code_rows)``: a block's column loop as one call of the C kernel
     (``native.gptq_block``), the same bits as ``_column_loop`` with ``_column_step``'s generic
     step (tested), where it runs: a float32 CPU sweep with float32 scales ``St`` (its torch
     step divides by float64 ones in float64) or a float64 one (``fp8ptq_gptq_block64``), the C
     kernels built, an 8-bit format
     the kernels hold exactly, any rounding but stochastic (its draws are the torch path's).
+    ``dtype``: the column loop's (None: ``Wt``'s; float64 over a float32 ``Wt``: mixed).
     None: the torch loop. Why: ~10 small torch ops per column, and their dispatch, were
     most of a CPU sweep's time (SmolLM2's 150,000 columns: ~28 s of a 5-minute quantize,
     docs/results/speed.md, "Main job: work removed (2026-11-28)")."""
-    # (a float64 sweep takes its scales to float64 block by block, exactly: any float dtype)
-    if Wt.device.type != "cpu" or Wt.dtype not in (torch.float32, torch.float64) \
-            or (Wt.dtype == torch.float32 and St.dtype != torch.float32) \
+    # (a float64 loop takes its scales to float64 block by block, exactly: any float dtype)
+    dtype = dtype or Wt.dtype
+    if Wt.device.type != "cpu" or dtype not in (torch.float32, torch.float64) \
+            or (dtype == torch.float32 and St.dtype != torch.float32) \
             or not native.supports(Wt.new_empty(0, dtype=torch.float32)):
         return None
     rounding = kw.get("rounding") or fmt.rounding
@@ -286,7 +314,7 @@ def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
     tables = native_tables(fmt, rounding) if rounding != "stochastic" else None
     if tables is None or values.numel() != 256:
         return None
-    values = values.to(Wt.dtype).contiguous()
+    values = values.to(dtype).contiguous()
     scratch = torch.empty(Wt.shape[1], dtype=torch.float32)
 
     def loop(W1, U1, S1, err, code_rows):
@@ -296,13 +324,18 @@ def native_loop(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, St: torch.Tensor):
     return loop
 
 
-def fused_block(fmt: FormatSpec, kw: dict, Wt: torch.Tensor,
-                block: int) -> fused.BlockSweep | None:
+def fused_block(fmt: FormatSpec, kw: dict, Wt: torch.Tensor, block: int,
+                loop_dtype: torch.dtype | None = None) -> fused.BlockSweep | None:
     """The one-kernel block sweep (``fused``) where it runs: a CUDA weight with Triton,
-    round-half-to-even, blocks of at most 256 columns (the tile lives in registers)."""
-    if block > 256 or Wt.dtype != torch.float32 or not fused.wanted(fmt, kw, Wt):
+    round-half-to-even, blocks of at most 256 columns (the tile lives in registers; 128 for a
+    float64 loop, whose tile takes twice the registers)."""
+    loop_dtype = loop_dtype or Wt.dtype
+    widest = 256 if loop_dtype == torch.float32 else 128
+    if block > widest or Wt.dtype not in (torch.float32, torch.float64) \
+            or loop_dtype not in (torch.float32, torch.float64) \
+            or not fused.wanted(fmt, kw, Wt):
         return None
-    return fused.BlockSweep(fmt, Wt.device)
+    return fused.BlockSweep(fmt, Wt.device, loop_dtype)
 
 
 def _column_step(fmt: FormatSpec, kw: dict, device: torch.device):
