@@ -154,6 +154,37 @@ def test_the_fused_gptq_sweep_gives_the_torch_loops_codes_faster(monkeypatch):
     assert seconds["1"] < seconds["0"] / 3
 
 
+@pytest.mark.parametrize("precision", ["float64", "mixed"])
+def test_the_fused_float64_sweep_gives_the_cpus_float64_codes(precision):
+    """The float64 tile (``LOOP64``: ``gptq_sweep_dtype`` float64, and mixed's float32
+    storage) compiled for the GPU against the CPU's float64 C loop on one 1024 x 4096 layer
+    with act-order: nearly the same codes (the devices' GEMMs and fused multiply-adds round
+    differently), the same output error within 1%."""
+    from fp8ptq.algorithms.gptq import sweep
+    from fp8ptq.formats import get_format
+    fmt = get_format("e4m3")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    W = torch.randn(1024, 4096, device="cuda", generator=g)
+    X = torch.randn(8192, 4096, device="cuda", generator=g) * torch.linspace(
+        0.1, 3.0, 4096, device="cuda")
+    H = (X.T @ X).double()
+    S = (W.abs().amax(1, keepdim=True) / fmt.calibration_max).expand_as(W)
+    f32, f64 = torch.float32, torch.float64
+    dtypes = sweep.Precision(f64, f64) if precision == "float64" else sweep.Precision(f32, f64)
+    assert sweep.fused_block(fmt, {}, W.to(dtypes.storage), 128, dtypes.loop) is not None
+    t0 = time.perf_counter()
+    gpu = sweep.gptq_codes(W, H, S, fmt, act_order=True, sweep_dtype=dtypes).cpu()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    cpu = sweep.gptq_codes(W.cpu(), H.cpu(), S.cpu(), fmt, act_order=True, sweep_dtype=dtypes)
+    differ = float((gpu != cpu).float().mean())
+    print(f"GPTQ {precision} sweep 1024 x 4096 on {torch.cuda.get_device_name()}: "
+          f"{seconds:.3f} s with compilation; {differ:.2e} of codes differ from the CPU's")
+    assert differ <= 1e-3
+    Wc, Sc, Hc = W.cpu().double(), S.cpu().double(), H.cpu()
+    assert abs(output_error(Wc, gpu, Sc, Hc, fmt) / output_error(Wc, cpu, Sc, Hc, fmt) - 1) < 0.01
+
+
 def _layer(act: str, weight_gran: str) -> QuantGemm:
     from fp8ptq.formats import encode_scaled, get_format
     from fp8ptq.formats.granularity import weight_granularity

@@ -18,7 +18,7 @@ from fp8ptq.config.plan import build_plan
 from fp8ptq.config.recipe import Recipe
 from fp8ptq.errors import UsageError
 from fp8ptq.execution import strategy, streaming
-from fp8ptq.execution.budget import Budget, gpu_need, parse_budget
+from fp8ptq.execution.budget import Budget, gpu_need, parse_budget, sweep_bytes
 from fp8ptq.formats import get_format
 from fp8ptq.formats.weight_quant import half_layout
 from fp8ptq.io import weight_map
@@ -286,6 +286,26 @@ def test_gpu_prediction_grows_with_the_widest_gemm(tmp_path):
         meta = build_empty(folder, torch.bfloat16)
         totals.append(gpu_need(meta, recipe, build_plan(meta, recipe), False)["total"])
     assert totals[1] - totals[0] >= 4 * (512 ** 2 - 256 ** 2)
+
+
+def test_gpu_prediction_counts_the_sweeps_storage_dtype(tmp_path):
+    """A float64 sweep holds its inverse factor and weight copy in float64: the sweep part
+    grows by exactly their second 4 bytes an element; mixed (float32 storage, float64 block
+    loops in registers) costs what float32 does."""
+    folder = saved(tmp_path, "llama", intermediate_size=512)
+    meta = build_empty(folder, torch.bfloat16)
+    sweeps = {}
+    for name in ("float32", "mixed", "float64"):
+        recipe = Recipe(calib_data="x.txt", dtype="bfloat16", gptq_sweep_dtype=name, **GPTQ)
+        sweeps[name] = gpu_need(meta, recipe, build_plan(meta, recipe), False)["sweep"]
+    out, k = 64, 512  # the tiny Llama's down_proj, the widest GEMM; float32 sums, sink-aware
+    assert sweeps["mixed"] == sweeps["float32"] == sweep_bytes(out, k, 4, 4, True, store=4)
+    assert sweeps["float64"] == sweep_bytes(out, k, 4, 4, True, store=8) > sweeps["float32"]
+    # where the sweep phase is the peak (an 8B down_proj: 4,096 x 14,336), float64 adds the
+    # factor's and the weight copy's second 4 bytes
+    out, k = 4096, 14336
+    assert sweep_bytes(out, k, 4, 4, True, store=8) - sweep_bytes(out, k, 4, 4, True) \
+        == 4 * k * k + 4 * out * k
 
 
 def test_out_of_memory_on_the_gpu_is_one_error_line(tmp_path, word_tokenizer, monkeypatch):

@@ -185,6 +185,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     elem = hessian_elem(recipe, device)
     factor = 4 if elem == 4 else 8  # the Cholesky's dtype follows the sums' on a GPU
     sums, (out, k) = group_hessians(plan, elem)
+    # the sweep's weight copy and inverse factor (``Recipe.sweep_dtype_on``: float32 or mixed 4,
+    # float64 8)
+    store = torch.empty(0, dtype=recipe.sweep_dtype_on(device)[0]).element_size()
     sink = Aim.of(plan.recipe, plan.facts.causal_lm) is not None
     # one forward's intermediates (residual, q/k/v, attention, o, gate, up and their product)
     forward = size * (4 * h + 2 * kv + 3 * i)
@@ -203,9 +206,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
                         + (0 if elem == 4 else 4 * k * k)) if sums else 0,
         # the widest GEMM's sweep beside its group's sums: the reordered copy and the Cholesky
         # factor (and plain GPTQ's scaled copy of the sums; sink-aware GPTQ adjusts them in
-        # place), then the inverse factor in float32 beside W* (float64), the float32
-        # transposed weight and the codes
-        "sweep": sweep_bytes(out, k, elem, factor, sink) if sums else 0,
+        # place), then the inverse factor beside W* (float64), the transposed weight (both
+        # in the sweep's storage dtype) and the codes
+        "sweep": sweep_bytes(out, k, elem, factor, sink, store=store) if sums else 0,
         # the quantized block's forward for the next block's inputs: micro-batches, every
         # GEMM's input rounded (down_proj's, intermediate wide, the largest), into the
         # whole batch's output
@@ -213,7 +216,7 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
                     + 2 * tokens * h * size) if calib else 0,
     }
     if sums and factor_limit is not None:  # the GEMMs wider than the limit: on the host
-        parts["sweep"] = max(sweep_bytes(o, n, elem, factor, sink, n > factor_limit)
+        parts["sweep"] = max(sweep_bytes(o, n, elem, factor, sink, n > factor_limit, store)
                              for o, n in gemm_shapes(plan))
     records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
         if sums else 0
@@ -230,17 +233,19 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
 
 
 def sweep_bytes(out: int, k: int, elem: int, factor: int, sink: bool,
-                on_host: bool = False) -> int:
+                on_host: bool = False, store: int = 4) -> int:
     """GPU bytes of one ``out x k`` GEMM's sweep: its group's sums (``elem`` bytes each), the
     reordered copy and the Cholesky factor (``factor`` bytes; plain GPTQ also a scaled copy
-    of the sums; sink-aware GPTQ adjusts them in place); then the float32 inverse factor
-    beside ``W*``, the float32 transposed weight, the codes and their dequantized values; then
-    the report's SQNR sums. ``on_host``: factored on the host, only the inverse factor here."""
-    weights = 17 * out * k
+    of the sums; sink-aware GPTQ adjusts them in place); then the inverse factor beside
+    ``W*``, the transposed weight (``store`` bytes each: the sweep's storage dtype), the
+    codes and their dequantized values; then the report's SQNR sums. ``on_host``: factored on
+    the host, only the inverse factor here."""
+    weights = (13 + store) * out * k
     if on_host:
-        return max(4 * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
+        return max(store * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
     return elem * k * k + max(2 * factor * k * k + (0 if sink else elem * k * k),
-                              4 * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
+                              store * k * k + weights,
+                              weights + 24 * min(out * k, SQNR_ELEMENTS))
 
 
 def gemm_shapes(plan: QuantPlan) -> set[tuple[int, int]]:
