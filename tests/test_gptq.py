@@ -334,6 +334,33 @@ def test_float64_sweep_is_the_textbook_algorithm_in_float64(monkeypatch):
     assert seen == {(torch.float32,) * 4}
 
 
+def test_mixed_sweep_keeps_float32_storage_and_loops_in_float64(monkeypatch):
+    """``mixed`` (``sweep.Precision(float32, float64)``): the weight copy and the inverse
+    factor stay float32 (a float32 sweep's memory), every block's column loop runs on float64
+    copies of its columns, factor block and scales with float64 errors; the codes are float64's
+    but for a few at rounding boundaries."""
+    from fp8ptq.algorithms.gptq import sweep
+    from fp8ptq.runtime import native
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(2048, 16, generator=g) @ torch.randn(16, 300, generator=g)
+    X += 0.01 * torch.randn(2048, 300, generator=g)
+    H = (X.T @ X).double()
+    W = torch.randn(64, 300, generator=g) * 0.05
+    fmt = get_format("e4m3")
+    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
+    loops, factors = set(), []
+    real_c, real_factor = native.gptq_block, sweep._factor
+    monkeypatch.setattr(native, "gptq_block", lambda t, v, W1, U1, S1, err, *a: loops.add(
+        (W1.dtype, U1.dtype, S1.dtype, err.dtype)) or real_c(t, v, W1, U1, S1, err, *a))
+    monkeypatch.setattr(sweep, "_factor", lambda *a: factors.append(a[-1]) or real_factor(*a))
+    mixed = gptq_codes(W, H, S, fmt, sweep_dtype=sweep.Precision(torch.float32, torch.float64))
+    if native.available():
+        assert loops == {(torch.float64,) * 4}
+    assert factors == [torch.float32]
+    want = _textbook_gptq64(W, H, S, fmt, 0.01)
+    assert float((mixed != want).float().mean()) < 0.001
+
+
 def test_the_recipe_selects_the_float64_sweep(monkeypatch):
     """``gptq_sweep_dtype`` reaches the sweep of every GEMM (the CLI's
     ``--gptq-sweep-dtype``), and the model's codes change only where float32's rounding

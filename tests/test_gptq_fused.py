@@ -130,6 +130,36 @@ def test_a_fake_cuda_weight_goes_the_torch_way_unless_the_kernel_is_faked(monkey
     assert entered == [Wc.device] * 2  # launched on the weight's GPU, whichever is current
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.float64])
+def test_a_float64_loop_launches_the_float64_tile_on_the_weights_device(monkeypatch, storage):
+    """A float64 column loop on a (fake) GPU, float32 storage (mixed) or float64: the kernel
+    gets ``LOOP64`` and the float64 tile's row blocks, float64 scales and errors, the storage
+    dtype's weight and factor blocks, all on the weight's device."""
+    fmt = get_format("e4m3")
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(w, u, s, v, e, *args, **kwargs):
+                launches.append((grid, kwargs["LOOP64"], kwargs["BLOCK_R"], w.dtype, u.dtype,
+                                 s.dtype, e.dtype, {w.device, u.device, s.device, e.device}))
+            return launch
+
+    W, H = problem(out_features=40, in_features=136)
+    with fake_cuda():
+        Wc = W.to(CUDA)
+        S = scales(Wc, fmt, "channel")
+        monkeypatch.setattr(fused, "launchable", lambda t: True)
+        monkeypatch.setattr(fused, "_kernel", lambda: Launcher())
+        monkeypatch.setattr(fused, "_on", lambda device: nullcontext())
+        sweep.gptq_codes(Wc, H, S, fmt, act_order=True,
+                         sweep_dtype=sweep.Precision(storage, torch.float64))
+    f64 = torch.float64
+    assert [(g, loop64, rows) for g, loop64, rows, *_ in launches] == [((3,), True, 16)] * 2
+    assert all(d[3:6] == (storage, storage, f64) and d[6] == f64 for d in launches)
+    assert all(d[7] == {Wc.device} for d in launches)
+
+
 def test_a_kernel_that_cannot_be_built_leaves_the_torch_loops_codes(monkeypatch):
     """A GPU whose Triton cannot build the kernel: one warning, the torch loop's codes, and
     no second try in the process."""
