@@ -139,6 +139,25 @@ def test_json_report(assets, tmp_path):
     assert meta["calibration"] == calib and set(meta["recipe"]) == set(Recipe().to_dict())
 
 
+@pytest.mark.parametrize("path", [[], ["--sequential"]])
+def test_calib_prefix_token_opens_the_calibration_windows(assets, tmp_path, word_tokenizer,
+                                                          path):
+    """``--calib-prefix-token`` chooses what each document window opens with, in memory and on
+    the one-block path alike: ``auto`` the evaluation's own choice (this BOS-less tokenizer's
+    EOS), ``none`` nothing; recorded in the report and the checkpoint's recipe; moot under
+    random windows."""
+    eos = word_tokenizer.eos_token_id
+    for choice, want in (("auto", [eos]), ("none", [])):
+        out = tmp_path / f"{choice}{len(path)}"
+        report = quantize_json(assets, out, "--calib-windows", "documents",
+                               "--calib-prefix-token", choice, *path)
+        assert report["calibration"]["start_ids"] == want
+        assert read_metadata(out)["recipe"]["calib_prefix_token"] == choice
+    res = quantize(assets / "llama", tmp_path / "r", "--calib-data", str(assets / "calib.txt"),
+                   *CALIB, "--calib-windows", "random", "--calib-prefix-token", "eos")
+    assert res.exit_code != 0 and "calib-prefix-token" in res.output
+
+
 def test_jsonl_text_field_gives_the_same_tokens_as_the_txt(assets, tmp_path):
     many = ["--num-samples", "40"]  # 40 x 16 tokens > the ~250 of the data: windows overlap
     txt = quantize_json(assets, tmp_path / "a", *many)

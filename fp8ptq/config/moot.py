@@ -54,6 +54,9 @@ def moot_options(recipe: Recipe, given=None, *, convolutions: bool = False) -> l
                         ("act_granularity",)))
     if recipe.smoothquant is None:
         out.append(Moot("smoothquant_into", "SmoothQuant is off", ("smoothquant",)))
+    if recipe.calib_windows != "documents":
+        out.append(Moot("calib_prefix_token", "random calibration windows open with no start "
+                        "token", ("calib_windows",)))
     if recipe.kv_cache is None:
         out.append(Moot("kv_granularity", "the KV cache is not quantized", ("kv_cache",)))
     return [m for m in out if m.field in given]

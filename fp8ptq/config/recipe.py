@@ -24,6 +24,7 @@ from .schemes import expand_scheme, scheme_names
 # "random": seeded random offsets into the concatenated documents; "documents": each sample
 # opens a seeded random document after the token every sequence opens with.
 CALIB_WINDOWS = ("random", "documents")
+START_TOKENS = ("auto", "bos", "eos", "none")  # what a sequence opens with (io.data.start_ids)
 SMOOTHQUANT_INTO = ("norms", "gemms", "all")  # where --smoothquant folds 1/s (smoothquant.py)
 KV_CACHE_FORMATS = {"fp8": "e4m3"}  # --kv-cache value -> the format of the cached K / V
 KV_GRANULARITIES = ("tensor", "head")  # compressed-tensors strategies "tensor" / "attn_head"
@@ -231,6 +232,12 @@ class Recipe(BaseModel):
         "documents, or 'documents' (each sample opens a document after the start token: "
         "the BOS the tokenizer adds, else the chat template's first token, else BOS, else "
         "EOS, as eval's --prefix-token auto) [documents].", choices=CALIB_WINDOWS)
+    # the token document windows open with (``fp8ptq.io.data.start_ids``): auto is the one
+    # evaluation (``eval --prefix-token auto``) and serving open with; another is for a stack
+    # that opens sequences otherwise (``eval --compare`` sets it to its ``--prefix-token``)
+    calib_prefix_token: str = flag(
+        "auto", "Token each calibration document window opens with; match how the model is "
+        "served and evaluated (eval's --prefix-token) [auto].", choices=START_TOKENS)
     batch_size: int = flag(8, "Calibration batch size [8].", param="calib_batch_size")
     seed: int = flag(0, "Seed for sampling calibration windows [0].")
     dtype: str = flag("bfloat16", "Dtype the model is loaded and run in [bfloat16].",
@@ -307,6 +314,7 @@ class Recipe(BaseModel):
         _choice("weight_granularity", self.weight_granularity, WEIGHT_GRANULARITIES)
         _choice("act_granularity", self.act_granularity, ACT_GRANULARITIES)
         _choice("calib_windows", self.calib_windows, CALIB_WINDOWS)
+        _choice("calib_prefix_token", self.calib_prefix_token, START_TOKENS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("act_calib", self.act_calib, calibrators.names("activation"))
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))

@@ -107,11 +107,12 @@ def calibration_texts(recipe: Recipe, model_spec: str | None = None
     return load_texts(resolve_calib_spec(recipe.calib_data), text_field=recipe.text_field)
 
 
-def calibration_set(loaded, recipe: Recipe, texts=None, start: str = "auto"):
+def calibration_set(loaded, recipe: Recipe, texts=None, start: str | None = None):
     """Token windows for a transformers model; images for any other module (a CNN).
     ``texts``: what ``calibration_texts`` returned, if it was called already; ``start``: the
-    token document windows open with (``fp8ptq.io.data.start_ids``: evaluation's
-    ``--prefix-token`` where an evaluation quantizes)."""
+    token document windows open with (``fp8ptq.io.data.start_ids``; None: the recipe's
+    ``calib_prefix_token``; evaluation's ``--prefix-token`` where an evaluation quantizes)."""
+    start = recipe.calib_prefix_token if start is None else start
     if not isinstance(loaded.model, PreTrainedModel):
         return texts if isinstance(texts, ImageCalibrationSet) else _image_set(recipe)
     spec = resolve_calib_spec(recipe.calib_data)

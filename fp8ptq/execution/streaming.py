@@ -395,7 +395,8 @@ def calibration_from_folder(folder: str | Path, recipe: Recipe, texts):
     calib = build_calibration_set(texts, tokenizer, num_samples=recipe.num_samples,
                                   seq_len=recipe.seq_len, seed=recipe.seed,
                                   source=resolve_calib_spec(recipe.calib_data),
-                                  windows=recipe.calib_windows)
+                                  windows=recipe.calib_windows,
+                                  start=recipe.calib_prefix_token)
     return tokenizer, calib, list(token_batches(calib.input_ids, recipe.batch_size))
 
 

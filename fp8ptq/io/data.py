@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.recipe import CALIB_WINDOWS
+from ..config.recipe import CALIB_WINDOWS, START_TOKENS
 from ..errors import DataError, UsageError, first_line
 from .loading import hub_reachable
 
@@ -284,7 +284,6 @@ def _document_windows(corpus: torch.Tensor, doc_starts: list[int], prefix: list[
 
 # Which token opens every sequence: calibration's document windows and evaluation's rolling
 # log-likelihood (``--prefix-token``) take the same rule (``start_ids``).
-START_TOKENS = ("auto", "bos", "eos", "none")
 
 
 def start_ids(tokenizer, choice: str = "auto") -> list[int]:
