@@ -380,10 +380,11 @@ def test_the_recipe_selects_the_float64_sweep(monkeypatch):
         r = Recipe(format="e4m3", weight_calib="gptq", gptq_sweep_dtype=name)
         quantize_model(tiny("llama"), r, token_batches(IDS, 2))
         assert seen and set(seen) == {want}
-    default = Recipe(format="e4m3")  # auto: float64 on the CPU, the Triton sweep's on a GPU
+    default = Recipe(format="e4m3")  # auto: float64 on the CPU, mixed on a GPU
     assert default.sweep_dtype_on("cpu") == (f64, f64)
-    assert default.sweep_dtype_on("cuda") == (f32, f32)
-    assert Recipe(format="e4m3", gptq_sweep_dtype="mixed").sweep_dtype_on("cuda") == (f32, f64)
+    assert default.sweep_dtype_on("cuda") == (f32, f64)
+    assert Recipe(format="e4m3", gptq_sweep_dtype="mixed").sweep_dtype_on("cpu") == (f32, f64)
+    assert Recipe(format="e4m3", gptq_sweep_dtype="float32").sweep_dtype_on("cuda") == (f32, f32)
     for key in ("gptq_sweep_dtype", "gptq_hessian_dtype"):  # a recipe file's typo
         with pytest.raises(UsageError, match=key):
             Recipe(format="e4m3", **{key: "bfloat16"}).check_values()

@@ -123,13 +123,13 @@ class Recipe(BaseModel):
     gptq_hessian_dtype: str = flag(
         "auto", "GPTQ: accumulate the Hessian sums (and factor them) in this dtype [auto: "
         "float32 on a GPU, float64 on the CPU].", choices=("auto", "float64", "float32"))
-    # the column sweep's dtype (weight copy, inverse factor, errors); auto: float64 on the CPU,
-    # better than float32 on both families over five seeds (docs/results/studies.md, "Two
-    # families for every default"), and float32 on a GPU (``sweep_dtype_on``); mixed: float32
-    # storage, each 128-column block's loop in float64 (``sweep.Precision``)
+    # the column sweep's dtype (weight copy, inverse factor, errors); mixed: float32 storage,
+    # each 128-column block's loop in float64 (``sweep.Precision``). auto (``sweep_dtype_on``):
+    # float64 on the CPU, mixed on a GPU (float32's memory): each better than float32 on both
+    # families over five seeds (docs/results/studies.md, "Two families for every default")
     gptq_sweep_dtype: str = flag(
         "auto", "GPTQ: run the column sweep in this dtype; mixed: float32 storage, float64 "
-        "inside each block [auto: float64 on the CPU, float32 on a GPU].",
+        "inside each block [auto: float64 on the CPU, mixed on a GPU].",
         choices=("auto", "float64", "float32", "mixed"))
     # GPTQ Hessians from the already-quantized model, group by group in run order
     # (``fp8ptq.algorithms.gptq.sequential``); False: all from one pass over the float model
@@ -364,12 +364,16 @@ class Recipe(BaseModel):
 
     def sweep_dtype_on(self, device):
         """``gptq_sweep_dtype`` as the ``(storage, loop)`` torch dtypes of a column sweep on
-        ``device`` (``sweep.Precision``'s fields; ``auto``: float64 on the CPU, float32
-        elsewhere; ``mixed``: float32, float64)."""
+        ``device`` (``sweep.Precision``'s fields; ``mixed``: float32, float64; ``auto``:
+        float64 on the CPU, mixed elsewhere, where the weight-sized and ``in x in`` storage
+        is the GPU's scarcest resource)."""
         import torch
-        if self.gptq_sweep_dtype == "mixed":
+        name = self.gptq_sweep_dtype
+        if name == "auto":
+            name = "float64" if torch.device(device).type == "cpu" else "mixed"
+        if name == "mixed":
             return torch.float32, torch.float64
-        dtype = _auto_dtype(self.gptq_sweep_dtype, device)
+        dtype = getattr(torch, name)
         return dtype, dtype
 
     @property

@@ -113,9 +113,9 @@ def gptq_codes(W: torch.Tensor, H: torch.Tensor, scale_matrix: torch.Tensor, fmt
     GPU. The Cholesky factor is float64 (float32 for float32 sums: ``factor_dtype``).
     ``sweep_dtype``: the dtype of the weight copy, the inverse factor, the scales and the
     errors, or a ``Precision`` (``Recipe.sweep_dtype_on``: float64 on the CPU, through the C
-    block loop; float32 on a GPU, the Triton kernel's). A sweep on a GPU and on a CPU agree on
-    the codes except where a value sits within rounding of a code boundary and the two
-    devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
+    block loop; mixed on a GPU, the Triton kernel's float64 tile). A sweep on a GPU and on a
+    CPU agree on the codes except where a value sits within rounding of a code boundary and
+    the two devices' GEMMs summed in another order (rare; the GPU tier bounds it)."""
     dev = W.device
     precision = Precision.of(sweep_dtype)
     hdiag, perm, U = _factor(H, damp, act_order, dev, precision.storage)
@@ -160,9 +160,8 @@ def _factor(H: torch.Tensor, damp: float, act_order: bool, dev: torch.device,
     perm = torch.argsort(hdiag, descending=True) if act_order else None
     # the factor in float64 (the Cholesky of a badly conditioned Hessian needs it), but in
     # float32 where the sums are float32 (``gptq_hessian_dtype`` auto on a GPU: its memory
-    # first); U in the sweep's dtype: float64 on the CPU by default (``gptq_sweep_dtype``:
-    # better perplexity than float32 on both families over five seeds, though the layer
-    # output error showed no difference), float32 on a GPU like the reference code
+    # first); U in the sweep's storage dtype: float64 on the CPU by default, float32 on a GPU
+    # (``gptq_sweep_dtype`` auto: mixed there, float32's memory)
     U = _inverse_cholesky(H, damp, perm, factor_dtype(H)).to(dtype).to(dev)
     got = (hdiag.to(dev), None if perm is None else perm.to(dev), U)
     if cache is not None:
