@@ -187,7 +187,7 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     sums, (out, k) = group_hessians(plan, elem)
     # the sweep's weight copy and inverse factor (``Recipe.sweep_dtype_on``: float32 or mixed 4,
     # float64 8)
-    store = torch.empty(0, dtype=recipe.sweep_dtype_on(device)[0]).element_size()
+    store, loop = (torch.empty(0, dtype=d).element_size() for d in recipe.sweep_dtype_on(device))
     sink = Aim.of(plan.recipe, plan.facts.causal_lm) is not None
     # one forward's intermediates (residual, q/k/v, attention, o, gate, up and their product)
     forward = size * (4 * h + 2 * kv + 3 * i)
@@ -208,7 +208,7 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
         # factor (and plain GPTQ's scaled copy of the sums; sink-aware GPTQ adjusts them in
         # place), then the inverse factor beside W* (float64), the transposed weight (both
         # in the sweep's storage dtype) and the codes
-        "sweep": sweep_bytes(out, k, elem, factor, sink, store=store) if sums else 0,
+        "sweep": sweep_bytes(out, k, elem, factor, sink, store=store, loop=loop) if sums else 0,
         # the quantized block's forward for the next block's inputs: micro-batches, every
         # GEMM's input rounded (down_proj's, intermediate wide, the largest), into the
         # whole batch's output
@@ -216,13 +216,16 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
                     + 2 * tokens * h * size) if calib else 0,
     }
     if sums and factor_limit is not None:  # the GEMMs wider than the limit: on the host
-        parts["sweep"] = max(sweep_bytes(o, n, elem, factor, sink, n > factor_limit, store)
+        parts["sweep"] = max(sweep_bytes(o, n, elem, factor, sink, n > factor_limit, store, loop)
                              for o, n in gemm_shapes(plan))
     records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
         if sums else 0
     if sums and plan.experts:  # one MoE layer's expert Hessians, collected together
+        # ... and one expert's sweep beside them (its own sums counted among them)
+        swept = max((sweep_bytes(o, n, elem, factor, True, store=store, loop=loop) - elem * n * n
+                     for o, n in expert_shapes(plan)), default=0)
         parts["calibration"] = max(parts["calibration"],
-                                   tokens * forward + expert_hessians(plan, elem))
+                                   tokens * forward + expert_hessians(plan, elem) + swept)
     steady = parts["block"] + parts["kwargs"] + parts["activations"]
     working = max(parts["calibration"], parts["sweep"])  # replay records held beside these
     room = REPLAY_BYTES if gpu_budget is None else max(0, gpu_budget - steady - working)
@@ -233,19 +236,31 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
 
 
 def sweep_bytes(out: int, k: int, elem: int, factor: int, sink: bool,
-                on_host: bool = False, store: int = 4) -> int:
+                on_host: bool = False, store: int = 4, loop: int = 4) -> int:
     """GPU bytes of one ``out x k`` GEMM's sweep: its group's sums (``elem`` bytes each), the
     reordered copy and the Cholesky factor (``factor`` bytes; plain GPTQ also a scaled copy
     of the sums; sink-aware GPTQ adjusts them in place); then the inverse factor beside
     ``W*``, the transposed weight (``store`` bytes each: the sweep's storage dtype), the
-    codes and their dequantized values; then the report's SQNR sums. ``on_host``: factored on
-    the host, only the inverse factor here."""
-    weights = (13 + store) * out * k
+    codes and their dequantized values, and one 128-column block's buffers (its scales and
+    errors in the loop's dtype, ``loop`` bytes, the errors cast back for the block update; a
+    wider loop than storage, ``mixed``, copies the block's columns and factor block where the
+    torch loop runs it); then the report's SQNR sums. ``on_host``: factored on the host, only
+    the inverse factor here."""
+    block = 128 * out * (2 * loop + 4)
+    if loop != store:
+        block += 128 * out * loop + 128 * 128 * loop
+    weights = (13 + store) * out * k + block
     if on_host:
         return max(store * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
     return elem * k * k + max(2 * factor * k * k + (0 if sink else elem * k * k),
                               store * k * k + weights,
                               weights + 24 * min(out * k, SQNR_ELEMENTS))
+
+
+def expert_shapes(plan: QuantPlan) -> set[tuple[int, int]]:
+    """``(out, in)`` of every expert's matrix (fused 3-D weights ``[experts, out, in]``)."""
+    return {(int(p.shape[1]), int(p.shape[2])) for e in plan.experts
+            for p in e.module.parameters() if p.dim() == 3}
 
 
 def gemm_shapes(plan: QuantPlan) -> set[tuple[int, int]]:
