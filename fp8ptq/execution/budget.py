@@ -246,9 +246,10 @@ def sweep_bytes(out: int, k: int, elem: int, factor: int, sink: bool,
     wider loop than storage, ``mixed``, copies the block's columns and factor block where the
     torch loop runs it); then the report's SQNR sums. ``on_host``: factored on the host, only
     the inverse factor here."""
-    block = 128 * out * (2 * loop + 4)
+    cols = min(128, k)
+    block = cols * out * (2 * loop + 4)
     if loop != store:
-        block += 128 * out * loop + 128 * 128 * loop
+        block += cols * out * loop + cols * cols * loop
     weights = (13 + store) * out * k + block
     if on_host:
         return max(store * k * k + weights, weights + 24 * min(out * k, SQNR_ELEMENTS))
