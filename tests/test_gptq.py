@@ -304,19 +304,25 @@ def _textbook_gptq64(W, H, S, fmt, damp):
     return codes
 
 
+def _low_rank_problem():
+    """(W, H, S, e4m3): 300 inputs of rank-16 activations plus noise (a badly conditioned
+    Hessian), 64 rows, channel max scales: three 128-column blocks, the last partial."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(2048, 16, generator=g) @ torch.randn(16, 300, generator=g)
+    X += 0.01 * torch.randn(2048, 300, generator=g)
+    W = torch.randn(64, 300, generator=g) * 0.05
+    fmt = get_format("e4m3")
+    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
+    return W, (X.T @ X).double(), S, fmt
+
+
 def test_float64_sweep_is_the_textbook_algorithm_in_float64(monkeypatch):
     """``sweep_dtype=float64`` (``--gptq-sweep-dtype float64``) carries the weight copy, the
     factor, the scales and the errors in float64: its codes are the unblocked float64
     algorithm's, code for code, across several 128-column blocks; the float32 sweep is the
     same algorithm within float32 rounding (a few codes at rounding boundaries may differ)."""
     from fp8ptq.algorithms.gptq import sweep
-    g = torch.Generator().manual_seed(3)
-    X = torch.randn(2048, 16, generator=g) @ torch.randn(16, 300, generator=g)
-    X += 0.01 * torch.randn(2048, 300, generator=g)
-    H = (X.T @ X).double()
-    W = torch.randn(64, 300, generator=g) * 0.05
-    fmt = get_format("e4m3")
-    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
+    W, H, S, fmt = _low_rank_problem()
     want = _textbook_gptq64(W, H, S, fmt, 0.01)
     seen = set()  # (weight block, factor block, scales, errors) dtypes of every block loop
     from fp8ptq.runtime import native
@@ -341,13 +347,7 @@ def test_mixed_sweep_keeps_float32_storage_and_loops_in_float64(monkeypatch):
     but for a few at rounding boundaries."""
     from fp8ptq.algorithms.gptq import sweep
     from fp8ptq.runtime import native
-    g = torch.Generator().manual_seed(3)
-    X = torch.randn(2048, 16, generator=g) @ torch.randn(16, 300, generator=g)
-    X += 0.01 * torch.randn(2048, 300, generator=g)
-    H = (X.T @ X).double()
-    W = torch.randn(64, 300, generator=g) * 0.05
-    fmt = get_format("e4m3")
-    S = (W.abs().amax(1, keepdim=True) / fmt.max).expand_as(W).contiguous()
+    W, H, S, fmt = _low_rank_problem()
     loops, factors = set(), []
     real_c, real_factor = native.gptq_block, sweep._factor
     monkeypatch.setattr(native, "gptq_block", lambda t, v, W1, U1, S1, err, *a: loops.add(
