@@ -61,19 +61,15 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     report = {"folder": str(args.folder), "base": args.base, "variants": {}}
+    bases = {s: codes(args.folder / f"{args.base}-seed{s}") for s in seeds}  # read once
     for variant in args.variants.split(","):
-        rows = {}
-        for s in seeds:
-            base = codes(args.folder / f"{args.base}-seed{s}")
-            rows[s] = shares(base, codes(args.folder / f"{variant}-seed{s}"))
+        rows = {s: shares(bases[s], codes(args.folder / f"{variant}-seed{s}")) for s in seeds}
         mean = {k: sum(r[k] for r in rows.values()) / len(rows) for k in next(iter(rows.values()))}
         report["variants"][variant] = {"seeds": rows, "mean": mean}
         print(f"{variant} vs {args.base}, seeds {args.seeds}: codes differ in the first group "
               f"{mean['first_group']:.2e}, block 0 {mean['block0']:.2e}, all GEMMs "
               f"{mean['all']:.2e}")
-    rows = {f"{a}-{b}": shares(codes(args.folder / f"{args.base}-seed{a}"),
-                                codes(args.folder / f"{args.base}-seed{b}"))
-            for a, b in zip(seeds[::2], seeds[1::2])}
+    rows = {f"{a}-{b}": shares(bases[a], bases[b]) for a, b in zip(seeds[::2], seeds[1::2])}
     if rows:
         mean = {k: sum(r[k] for r in rows.values()) / len(rows) for k in next(iter(rows.values()))}
         report["across_seeds"] = {"pairs": rows, "mean": mean}

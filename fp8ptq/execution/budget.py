@@ -221,8 +221,9 @@ def gpu_need(model: torch.nn.Module, recipe: Recipe, plan: QuantPlan,
     records = recipe.num_samples * recipe.seq_len * size * (3 * h + 2 * kv + 2 * i) \
         if sums else 0
     if sums and plan.experts:  # one MoE layer's expert Hessians, collected together
-        # ... and one expert's sweep beside them (its own sums counted among them)
-        swept = max((sweep_bytes(o, n, elem, factor, True, store=store, loop=loop) - elem * n * n
+        # ... and one expert's sweep beside them (its own sums counted among them; experts
+        # get plain GPTQ, so its scaled copy of the sums too)
+        swept = max((sweep_bytes(o, n, elem, factor, False, store=store, loop=loop) - elem * n * n
                      for o, n in expert_shapes(plan)), default=0)
         parts["calibration"] = max(parts["calibration"],
                                    tokens * forward + expert_hessians(plan, elem) + swept)
