@@ -149,6 +149,14 @@ class Recipe(BaseModel):
         None, "Sequential GPTQ also keeps each sequence's first token (the attention sink) "
         "exact through the GEMM's own input rounding, weighted W against all tokens (0: off) "
         "[1 for causal language models, else 0].")
+    # what sink-aware GPTQ keeps each first token's output at (``fp8ptq.algorithms.gptq.sink``):
+    # "layer", the float weight's output on the input the quantized model gives the GEMM;
+    # "float", the float model's output, from a float stream of the first positions alone
+    gptq_sink_target: str = flag(
+        "layer", "Sink-aware GPTQ keeps the first token's output at the float weight's on the "
+        "quantized model's input (layer), or at the float model's (float: each GEMM also "
+        "undoes the drift the layers before left in the first token) [layer].",
+        choices=("layer", "float"))
     # MoE (``fp8ptq.algorithms.gptq.experts``): each expert's GPTQ Hessians from every
     # calibration token instead of the tokens the router sends it
     gptq_all_experts: bool = flag(
@@ -318,7 +326,7 @@ class Recipe(BaseModel):
         _choice("dtype", self.dtype, DTYPES)
         _choice("act_calib", self.act_calib, calibrators.names("activation"))
         _choice("weight_calib", self.weight_calib, calibrators.names("weight"))
-        for key in ("gptq_hessian_dtype", "gptq_sweep_dtype"):
+        for key in ("gptq_hessian_dtype", "gptq_sweep_dtype", "gptq_sink_target"):
             _choice(key, getattr(self, key), flag_spec(type(self).model_fields[key])["choices"])
         if self.rounding is not None:
             _choice("rounding", self.rounding, ROUNDINGS)

@@ -40,6 +40,7 @@ from torch import nn
 
 from ...calibrators.registry import weight_entry
 from ...config.plan import hessian_diagonal_only
+from ...errors import UsageError
 from ...model.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from ...model.blocks import block_prefix, find_blocks
 from ...model.forward import micro_batches, run_batch
@@ -50,7 +51,7 @@ from ...observe.hessian import HessianCollector
 from .asym import AsymmetricCollector, input_quantizer
 from .experts import ExpertSteps, QuantizeExperts
 from .replay import PartialForwards
-from .sink import SinkCollector
+from .sink import FirstTokenStream, SinkCollector, first_token_inputs
 from .sweep import factored_on_host, shared_factors
 
 # (plan entry, Hessian or None, the weight GPTQ aims at: None = the module's own)
@@ -72,11 +73,19 @@ class Aim:
     """What each GEMM's GPTQ aims at instead of its own weight: ``"asym"`` (asymmetric GPTQ,
     ``fp8ptq.algorithms.gptq.asym``: the float model's output, a float stream carried beside
     the quantized one) or ``"sink"`` (sink-aware GPTQ, ``fp8ptq.algorithms.gptq.sink``: the
-    first tokens' exact outputs too, with ``weight``); ``damp``: the dampening of ``W*``."""
+    first tokens' exact outputs too, with ``weight``; ``target``: ``"layer"``, the float
+    weight's output on the quantized model's first-token input, or ``"float"``, the float
+    model's, from a float stream of the first positions); ``damp``: the dampening of ``W*``."""
 
     kind: str
     damp: float = 0.01
     weight: float = 0.0
+    target: str = "layer"
+
+    @property
+    def anchored(self) -> bool:
+        """Sink-aware, aimed at the float model's first-token outputs."""
+        return self.kind == "sink" and self.target == "float"
 
     @property
     def asym(self) -> bool:
@@ -100,7 +109,8 @@ class Aim:
         weight = recipe.gptq_sink
         if weight is None:
             weight = SINK_WEIGHT if causal_lm else 0.0
-        return cls("sink", recipe.gptq_damp, weight) if weight else None
+        return cls("sink", recipe.gptq_damp, weight, recipe.gptq_sink_target) if weight \
+            else None
 
 
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
@@ -130,9 +140,15 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     if aim is not None:
         facts["aim_correction"] = []
     asym = aim is not None and aim.asym
+    anchored = aim is not None and aim.anchored
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, aim, hessian_dtype)
+        if anchored:
+            if any(isinstance(b, BlockBatch) for b in batches):
+                raise UsageError("gptq_sink_target float needs the whole model in memory "
+                                 "(not --sequential or the one-block GPU path)")
+            floats.anchors = first_token_inputs(model, _gemms(targets), batches)
         partial = _quantize_unit(model, [*targets, *experts], gptq, batches, quantize, facts,
                                  floats, activation_budget, experts=steps)
         _count_replayed(facts, partial)
@@ -146,6 +162,8 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     store = ActivationStore(activation_budget, spill_dir)
     kwargs_list = capture_block_inputs(model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches)))
+    # sink-aware GPTQ aimed at the float model: its first tokens, carried block by block
+    firsts = FirstTokenStream(model, blocks[0], batches) if anchored else None
     # the float stream (asymmetric GPTQ): the float model's hidden states, block by block
     fstore = ActivationStore(activation_budget, spill_dir) if asym else store
     if asym:
@@ -160,6 +178,8 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
                                              for j, kw in enumerate(kwargs_list)]
                                             for s in (store, fstore))
             floats = _Floats(block, float_batches, aim, hessian_dtype)
+            if firsts is not None:  # before any of the block's GEMMs is quantized
+                floats.anchors = firsts.through(block, _gemms(local))
             follows = i + 1 < len(blocks)
             partial = _quantize_unit(
                 block, local, {t.name for t in local if t.target.name in gptq}, block_batches,
@@ -185,6 +205,8 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     finally:
         store.close()
         fstore.close()
+        if firsts is not None:
+            firsts.close()
     _summarise(facts)
     return facts
 
@@ -205,6 +227,9 @@ class _Floats:
         self.unit = copy.deepcopy(unit) if aim is not None and aim.asym else None
         self.batches, self.aim = batches, aim
         self.dtype = dtype  # what the unit's Hessian sums are accumulated in
+        # ``--gptq-sink-target float``: name -> batch index -> the float model's first-token
+        # inputs (``fp8ptq.algorithms.gptq.sink.FirstTokenStream``)
+        self.anchors: dict | None = None
 
     @property
     def sink(self) -> float:
@@ -353,7 +378,7 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
     quantizers = {t.name: input_quantizer(_entry(t)) for t in group}
     if floats.sink:
         collector = SinkCollector(modules, quantizers, floats.sink, on_device=True,
-                                  dtype=floats.dtype)
+                                  dtype=floats.dtype, anchors=floats.anchors)
     elif floats.unit is None:
         collector = HessianCollector(modules, on_device=True, dtype=floats.dtype,
                                      diagonal=hessian_diagonal_only([_entry(t) for t in group]))
@@ -383,6 +408,8 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
             for j, batch in distributed.shard(batches):
                 if batch is None:
                     continue
+                if floats.anchors is not None:
+                    collector.at(j)
                 if floats.unit is not None:
                     _run_to_stop(floats.unit, floats.batches[j])
                 if partial is None:
@@ -407,6 +434,11 @@ def _group_hessians(unit: nn.Module, group: list, batches: list, floats: _Floats
             collector.sums[owner] = h.cpu()
             del h
     return collector
+
+
+def _gemms(targets: list) -> dict[str, nn.Module]:
+    """Name -> module of the targets that are GEMMs (not fused experts)."""
+    return {t.name: t.module for t in targets if not _is_experts(t)}
 
 
 def _run_to_stop(unit: nn.Module, batch) -> None:

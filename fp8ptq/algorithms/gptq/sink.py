@@ -26,7 +26,17 @@ makes the column sweep compensate its own rounding along that direction too.
 
 ``weight`` (``lambda'`` above, in units of the whole calibration set): 1 gives the first
 tokens together as much weight as all tokens. Only sequential GPTQ; the inputs are the model's
-quantized so far (``x_b`` is what the quantized model gives the GEMM, as in plain GPTQ).
+quantized so far (``q(x_b)`` rounds what the quantized model gives the GEMM, as in plain GPTQ).
+
+The target (``--gptq-sink-target``): ``layer`` keeps ``W x_b``, the float weight's output on
+that same input, so each GEMM keeps its own rounding off the first token but carries on the
+drift the layers before it left there. ``float`` aims at the float model's output ``W x^f_b``
+instead (asymmetric GPTQ's target, Li et al., "GPTAQ", 2025, for the first rows alone): each
+GEMM also pulls the first token back toward the float model's trajectory, which every later
+token attends to. The float model's first-token inputs are cheap to have: a first token
+attends to itself alone, so its states are those of a one-token sequence, and
+``FirstTokenStream`` carries the calibration sequences' first tokens through each float block
+(one forward of ``sequences x 1`` tokens per block) before the block's GEMMs are quantized.
 """
 
 from __future__ import annotations
@@ -34,9 +44,88 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...model.block_inputs import ActivationStore, capture_block_inputs
+from ...model.forward import run_batch
+from ...model.gemm32 import float32_gemms
 from ...observe.hessian import HessianCollector
 from .asym import damped_cholesky
 from .sweep import factor_dtype
+
+
+def first_positions(batch):
+    """A token batch cut to its first position (``[:, :1]`` of every tensor of two or more
+    dimensions: ids, attention mask, positions)."""
+    return {k: v[:, :1] if torch.is_tensor(v) and v.dim() >= 2 else v
+            for k, v in batch.items()}
+
+
+class FirstTokenStream:
+    """The float model's first-token inputs of every GEMM, block by block: the calibration
+    batches' first positions run up to block 0 once (``capture_block_inputs``: the model
+    builds the masks and rotary tables of a one-token sequence itself), then through each
+    block while it is still float (``through``). A first token attends to itself alone, so
+    these are exactly its states in the full-length forward."""
+
+    def __init__(self, model: nn.Module, first_block: nn.Module, batches: list):
+        self.store = ActivationStore(1 << 62)  # sequences x hidden per batch: never spilled
+        probes = [None if b is None else first_positions(b) for b in batches]
+        self.kwargs = capture_block_inputs(model, first_block, probes, self.store)
+
+    def through(self, block: nn.Module, modules: dict[str, nn.Module]
+                ) -> dict[str, dict[int, torch.Tensor]]:
+        """Run the (still float) ``block`` on the first tokens: returns name -> batch index ->
+        the first-token input rows of ``modules`` ([sequences, in], float32), and keeps the
+        block's outputs as the next block's inputs."""
+        seen: dict[str, dict[int, torch.Tensor]] = {}
+        nxt = ActivationStore(1 << 62)
+        current = [0]
+        handles = [m.register_forward_pre_hook(_recorder(seen, name, current))
+                   for name, m in modules.items()]
+        try:
+            with torch.inference_mode(), float32_gemms(model=block):
+                for j, kw in enumerate(self.kwargs):
+                    if kw is None:
+                        continue
+                    current[0] = j
+                    y = block(hidden_states=self.store.get(j), **kw)
+                    nxt.put(j, y[0] if isinstance(y, tuple) else y)
+        finally:
+            for h in handles:
+                h.remove()
+        self.store.close()
+        self.store = nxt
+        return seen
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def first_token_inputs(unit: nn.Module, modules: dict[str, nn.Module], batches: list
+                       ) -> dict[str, dict[int, torch.Tensor]]:
+    """``FirstTokenStream.through`` for a unit run whole on token batches (a model
+    without repeated blocks): its first-token inputs, from one forward of the first
+    positions before any of its GEMMs is quantized."""
+    seen: dict[str, dict[int, torch.Tensor]] = {}
+    current = [0]
+    handles = [m.register_forward_pre_hook(_recorder(seen, name, current))
+               for name, m in modules.items()]
+    try:
+        with torch.inference_mode(), float32_gemms(model=unit):
+            for j, b in enumerate(batches):
+                if b is not None:
+                    current[0] = j
+                    run_batch(unit, first_positions(b), logits=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _recorder(seen: dict, name: str, current: list):
+    def hook(_module, args):
+        if args and torch.is_tensor(args[0]) and args[0].dim() >= 3:
+            seen.setdefault(name, {})[current[0]] = args[0][:, 0].detach().float()
+    return hook
 
 
 class SinkCollector(HessianCollector):
@@ -50,13 +139,23 @@ class SinkCollector(HessianCollector):
     rows are ``2 x sequences x features x 4`` bytes.)"""
 
     def __init__(self, modules: dict[str, nn.Module], quantizers: dict, weight: float,
-                 on_device: bool = False, dtype: torch.dtype = torch.float64):
+                 on_device: bool = False, dtype: torch.dtype = torch.float64,
+                 anchors: dict[str, dict[int, torch.Tensor]] | None = None):
         super().__init__(modules, on_device=on_device, dtype=dtype)
         self.quantizers, self.weight = quantizers, weight
+        # ``--gptq-sink-target float``: owner -> batch index -> the float model's first-token
+        # inputs (``FirstTokenStream``), which replace ``x`` in the kept rows; ``at`` says
+        # which batch the next forward runs
+        self.anchors = anchors
+        self._batch, self._taken = 0, {}
         # owner -> [(call index, [2, rows, features]: the inputs x and their rounding q)]
         self.first_rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self._tilde: dict[str, torch.Tensor | None] = {}  # owner -> H~, once asked for
         self._solved: dict[tuple, torch.Tensor] = {}  # (owner, damp, dtype, device) -> [n, in]
+
+    def at(self, batch: int) -> None:
+        """The next forward runs calibration batch ``batch`` (its first rows' anchors)."""
+        self._batch, self._taken = batch, {}
 
     def _accumulate(self, name: str, owner: str, x: torch.Tensor) -> None:
         super()._accumulate(name, owner, x)
@@ -65,7 +164,12 @@ class SinkCollector(HessianCollector):
         first = x.detach()[:, :1].float()
         q = self.quantizers.get(owner)
         qf = (q(first) if q is not None else first).reshape(-1, x.shape[-1]).float()
-        rows = torch.stack([first.reshape(-1, x.shape[-1]), qf])
+        aim = first.reshape(-1, x.shape[-1])
+        if self.anchors is not None:  # the float model's, for the same sequences
+            start = self._taken.get(owner, 0)
+            self._taken[owner] = start + aim.shape[0]
+            aim = self.anchors[owner][self._batch][start:start + aim.shape[0]].to(aim.device)
+        rows = torch.stack([aim, qf])
         rows = rows if self.on_device else rows.cpu()
         kept = self.first_rows.setdefault(owner, [])
         kept.append((len(kept), rows))
@@ -147,4 +251,4 @@ class SinkCollector(HessianCollector):
         return torch.addmm(w, low, self._solved[key]).to(w0.device)
 
 
-__all__ = ["SinkCollector"]
+__all__ = ["FirstTokenStream", "SinkCollector", "first_positions", "first_token_inputs"]
