@@ -128,6 +128,21 @@ def test_one_llama_block_at_a_time_on_the_gpu(tmp_path, host_reads, activations_
 
 
 @pytest.mark.slow
+def test_the_float_first_token_stream_runs_on_the_gpu_beside_the_block(tmp_path, host_reads):
+    """``--gptq-sink-target float`` on the one-block path: the first tokens' float stream is
+    captured on the host and carried through each block on the GPU (a device mismatch would
+    raise here); every block aims at the float model, and nothing stays on the GPU."""
+    folder = saved(tmp_path, "llama", num_hidden_layers=2)
+    result, _, writer, mode, need = run_on_gpu(
+        folder, Recipe(dtype="float32", gptq_sink_target="float", **TOKENS))
+    assert writer.blocks == ["model.layers.0.", "model.layers.1."]
+    aims = {b["gptq"]["sequential"]["aim"]["target"]
+            for b in result.extras["blocks"].values()}
+    assert aims == {"float"}
+    assert mode.gpu.bytes == 0 and mode.gpu.peak <= need["total"]
+
+
+@pytest.mark.slow
 def test_activations_on_the_gpu_cost_what_the_prediction_says(tmp_path, host_reads):
     """Kept on the GPU, every batch's hidden states (inputs and outputs) add to the peak
     about what ``gpu_need`` counts for them."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import convert_file_size_to_int
 
-from ..algorithms.gptq.sequential import Aim
+from ..algorithms.gptq.aim import Aim
 from ..config.plan import QuantPlan, needs_full_hessian, reads_data
 from ..config.recipe import Recipe
 from ..errors import UsageError

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..algorithms.bn_retune import retune_batchnorm
-from ..algorithms.gptq.sequential import Aim, outside_blocks, quantize_in_order
+from ..algorithms.gptq.aim import Aim
+from ..algorithms.gptq.sequential import outside_blocks, quantize_in_order
 from ..algorithms.rotation import rotate_model
 from ..algorithms.smoothquant.norms import apply_smoothquant
 from ..calibrators.layerwise import choose_layerwise
@@ -84,7 +85,8 @@ def calibration_passes(recipe: Recipe) -> int:
 
 def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = None,
                    progress=None, plan: QuantPlan | None = None,
-                   activation_budget: int = 1 << 30) -> QuantizeResult:
+                   activation_budget: int = 1 << 30,
+                   first_tokens: dict | None = None) -> QuantizeResult:
     """Quantize ``model`` in place per ``recipe``; ``batches`` feed the calibration pass (not
     needed for weight-only or dynamic per-token activations). ``plan``: the run's plan of
     ``model`` (``build_plan(model, recipe)``, made by the run's entry point and used as it is,
@@ -98,9 +100,12 @@ def quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None = 
     ``fp8ptq`` command bounds the heap: ``fp8ptq.runtime.usage.bound_heap``).
     ``activation_budget``: bytes sequential GPTQ may keep of activations (the inter-block
     store, the partial forwards' replayed outputs) where the model's tensors live; the
-    one-block GPU path sizes it from the GPU budget."""
+    one-block GPU path sizes it from the GPU budget. ``first_tokens``: the float model's
+    first-token inputs of ``model``'s GEMMs (``--gptq-sink-target float`` on a block streamed
+    on its own: ``fp8ptq.algorithms.gptq.sink.FirstTokenStream``)."""
     with float32_gemms(model=model), simulated_gemms():
-        return _quantize_model(model, recipe, batches, progress, plan, activation_budget)
+        return _quantize_model(model, recipe, batches, progress, plan, activation_budget,
+                               first_tokens)
 
 
 @dataclass
@@ -179,7 +184,8 @@ def run_stages(at: str, run: StageRun, times: dict[str, float]) -> None:
 
 def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
                     progress, plan: QuantPlan | None,
-                    activation_budget: int = 1 << 30) -> QuantizeResult:
+                    activation_budget: int = 1 << 30,
+                    first_tokens: dict | None = None) -> QuantizeResult:
     times: dict[str, float] = {}
     batches = list(batches) if batches is not None else None
     run = StageRun(model, recipe, plan, batches, progress, {})
@@ -260,6 +266,7 @@ def _quantize_model(model: nn.Module, recipe: Recipe, batches: Iterable | None,
         extras["gptq"]["sequential"] = quantize_in_order(
             model, targets, {t.name for t in targets if reads_data(t)}, batches, quantize_one,
             aim=Aim.of(recipe, facts.causal_lm), activation_budget=activation_budget,
+            first_tokens=first_tokens,
             hessian_dtype=recipe.hessian_dtype_on(_device_of(model)),
             experts=[e for e in experts if reads_data(e)],
             quantize_experts=lambda e, feed: sweep_experts(

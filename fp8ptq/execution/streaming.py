@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..algorithms.gptq.aim import Aim
+from ..algorithms.gptq.sink import FirstTokenStream
 from ..algorithms.gptq.sweep import host_factoring
 from ..checkpoint.contents import plain_tensors
 from ..checkpoint.layouts import choose_layout, describe_plan, model_type_of, quantized_modules
@@ -151,11 +153,15 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
     kwargs_list = distributed.together(capture_block_inputs, model, blocks[0], batches, store,
                                        distributed.share_indices(len(batches), SAMPLE_BATCHES))
     kwargs_list = to_device(kwargs_list, device)  # masks, positions, rotary: once per batch
+    aim = Aim.of(plan.recipe, plan.facts.causal_lm) if batches else None
+    # sink-aware GPTQ aimed at the float model: the first tokens through each float block
+    firsts = FirstTokenStream(model, blocks[0], batches, device) \
+        if aim is not None and aim.anchored and plan.facts.gptq_in_order else None
     run.times["calibrate"] += time.perf_counter() - t0
     with host_factoring(gpu_factor_limit):
         store, tupled = _each_block(blocks, list_name, loader, store, kwargs_list, run,
                                     propagate, writer if open_writer is not None else None,
-                                    open_writer is not None, device)
+                                    open_writer is not None, device, firsts)
     if outside:
         run.quantize_outside(model, list_name, blocks, store, batches, tupled, device)
     store.close()
@@ -175,10 +181,12 @@ def quantize_sequential(folder: str | Path, recipe: Recipe, batches: list | None
 
 def _each_block(blocks, list_name: str, loader: BlockLoader, store: ActivationStore,
                 kwargs_list: list, run: _Run, propagate: str, writer, writes: bool,
-                device: torch.device) -> tuple[ActivationStore, bool]:
+                device: torch.device, firsts: FirstTokenStream | None = None
+                ) -> tuple[ActivationStore, bool]:
     """Each block in turn: loaded (onto ``device``), quantized, run for the next block's
     inputs, written (``writes``: rank 0's ``writer``) and freed. Returns the last block's
-    outputs and whether blocks return tuples."""
+    outputs and whether blocks return tuples. ``firsts``: the float first-token stream, run
+    through each block before it is quantized (``--gptq-sink-target float``)."""
     tupled = False
     for i, block in enumerate(blocks):
         prefix = block_prefix(list_name, i)
@@ -187,7 +195,10 @@ def _each_block(blocks, list_name: str, loader: BlockLoader, store: ActivationSt
         nxt = store.like()
         if propagate == "fp":
             tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
-        reports = run.quantize_block(block, prefix, store, kwargs_list)
+        anchors = None if firsts is None else firsts.through(block, {
+            m.name[len(prefix):]: block.get_submodule(m.name[len(prefix):])
+            for m in run.plan.gemms if m.name.startswith(prefix)})
+        reports = run.quantize_block(block, prefix, store, kwargs_list, anchors)
         if propagate == "quantized":
             tupled = distributed.together(run_block, block, store, kwargs_list, nxt)
         store.close()
@@ -255,16 +266,18 @@ class _Run:
         self.times = {"calibrate": 0.0, "quantize": 0.0, "smoothquant": 0.0}
 
     def quantize_block(self, block: nn.Module, prefix: str, store: ActivationStore,
-                       kwargs_list: list) -> list:
+                       kwargs_list: list, first_tokens: dict | None = None) -> list:
         """``quantize_model`` on one block with its recorded inputs as calibration batches
-        (read from the store when a forward needs them, so spilled ones stay on disk)."""
+        (read from the store when a forward needs them, so spilled ones stay on disk);
+        ``first_tokens``: its GEMMs' float first-token inputs (``FirstTokenStream``)."""
         plan = self.plan.part(lambda n: n.startswith(prefix), prefix)
         if not plan.modules:
             return []
         block_batches = [None if kw is None else BlockBatch(store, j, kw)
                          for j, kw in enumerate(kwargs_list)] or None
         result = quantize_model(block, plan.recipe, block_batches, progress=self.progress,
-                                plan=plan, activation_budget=self.replay_budget)
+                                plan=plan, activation_budget=self.replay_budget,
+                                first_tokens=first_tokens)
         self._add(result, prefix)
         self.extras["blocks"][prefix.rstrip(".")] = {
             k: v for k, v in result.extras.items()

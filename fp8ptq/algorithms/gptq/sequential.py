@@ -33,14 +33,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ...calibrators.registry import weight_entry
 from ...config.plan import hessian_diagonal_only
-from ...errors import UsageError
 from ...model.block_inputs import ActivationStore, BlockBatch, capture_block_inputs, run_block
 from ...model.blocks import block_prefix, find_blocks
 from ...model.forward import micro_batches, run_batch
@@ -48,6 +45,7 @@ from ...model.gemm import weight_2d
 from ...model.lean import lean_forwards
 from ...observe import distributed
 from ...observe.hessian import HessianCollector
+from .aim import Aim
 from .asym import AsymmetricCollector, input_quantizer
 from .experts import ExpertSteps, QuantizeExperts
 from .replay import PartialForwards
@@ -62,62 +60,12 @@ class _Stop(Exception):
     pass
 
 
-# sink-aware GPTQ's default weight for causal language models: the first tokens weighted as
-# much as all calibration tokens together (docs/results/llm-compressor.md, "fp8ptq's default
-# recipe against llm-compressor": the two against plain GPTQ on SmolLM2, seed by seed)
-SINK_WEIGHT = 1.0
-
-
-@dataclass(frozen=True)
-class Aim:
-    """What each GEMM's GPTQ aims at instead of its own weight: ``"asym"`` (asymmetric GPTQ,
-    ``fp8ptq.algorithms.gptq.asym``: the float model's output, a float stream carried beside
-    the quantized one) or ``"sink"`` (sink-aware GPTQ, ``fp8ptq.algorithms.gptq.sink``: the
-    first tokens' exact outputs too, with ``weight``; ``target``: ``"layer"``, the float
-    weight's output on the quantized model's first-token input, or ``"float"``, the float
-    model's, from a float stream of the first positions); ``damp``: the dampening of ``W*``."""
-
-    kind: str
-    damp: float = 0.01
-    weight: float = 0.0
-    target: str = "layer"
-
-    @property
-    def anchored(self) -> bool:
-        """Sink-aware, aimed at the float model's first-token outputs."""
-        return self.kind == "sink" and self.target == "float"
-
-    @property
-    def asym(self) -> bool:
-        return self.kind == "asym"
-
-    @property
-    def sink(self) -> float:
-        """The sink-aware weight (0: not sink-aware)."""
-        return self.weight if self.kind == "sink" else 0.0
-
-    @classmethod
-    def of(cls, recipe, causal_lm: bool) -> Aim | None:
-        """The recipe's when its weights are rounded by GPTQ (``gptq_asym``, else
-        ``gptq_sink``: its default is
-        ``SINK_WEIGHT`` for a causal language model, whose first token attends to itself
-        alone, and 0 for any other), None for plain GPTQ."""
-        if weight_entry(recipe.weight_calib).rounding != "gptq":
-            return None  # no column sweep (``hmse``: Hessian-weighted scales, then nearest)
-        if recipe.gptq_asym:
-            return cls("asym", recipe.gptq_damp)
-        weight = recipe.gptq_sink
-        if weight is None:
-            weight = SINK_WEIGHT if causal_lm else 0.0
-        return cls("sink", recipe.gptq_damp, weight, recipe.gptq_sink_target) if weight \
-            else None
-
-
 def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: list,
                       quantize: Quantize, *, activation_budget: int = 1 << 30,
                       spill_dir=None, aim: Aim | None = None,
                       hessian_dtype: torch.dtype = torch.float64, experts: list = (),
-                      quantize_experts: QuantizeExperts | None = None) -> dict:
+                      quantize_experts: QuantizeExperts | None = None,
+                      first_tokens: dict | None = None) -> dict:
     """Quantize the ``targets`` (plan entries) inside the model's blocks in run order, calling
     ``quantize(target, hessian, aim)`` for each; ``gptq``: names of the targets that want a
     Hessian. ``aim``: what GPTQ aims at (``Aim``: asymmetric or sink-aware), handed to
@@ -130,13 +78,17 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     ``outside``: the names left to the caller; ``aim``: its kind and sink weight, or None;
     ``aim_correction``: the largest and mean
     ``||W* - W0|| / ||W0||``). ``experts``: fused-experts plan entries swept by
-    ``quantize_experts(entry, feed)`` where their block runs them."""
+    ``quantize_experts(entry, feed)`` where their block runs them. ``first_tokens``: for a
+    unit streamed on its own (``--sequential``), its GEMMs' float first-token inputs
+    (``FirstTokenStream.through``), which sink-aware GPTQ aimed at the float model needs;
+    a whole model makes its own."""
     found = find_blocks(model)
     steps = ExpertSteps(quantize_experts) if experts else None
     outside = outside_blocks(model, targets)
     facts = {"blocks": 0, "groups": 0, "forwards": 0, "replayed_outputs": 0,
              "max_hessian_bytes": 0, "outside": []}
-    facts["aim"] = None if aim is None else {"kind": aim.kind, "weight": aim.weight}
+    facts["aim"] = None if aim is None else {"kind": aim.kind, "weight": aim.weight,
+                                             **({"target": aim.target} if aim.sink else {})}
     if aim is not None:
         facts["aim_correction"] = []
     asym = aim is not None and aim.asym
@@ -144,10 +96,12 @@ def quantize_in_order(model: nn.Module, targets: list, gptq: set[str], batches: 
     if found is None:
         facts["blocks"] = 1
         floats = _Floats(model, batches, aim, hessian_dtype)
-        if anchored:
+        if anchored and first_tokens is not None:
+            floats.anchors = first_tokens
+        elif anchored:  # a block's recorded inputs are past the embeddings: no tokens there
             if any(isinstance(b, BlockBatch) for b in batches):
-                raise UsageError("gptq_sink_target float needs the whole model in memory "
-                                 "(not --sequential or the one-block GPU path)")
+                raise ValueError("a streamed block's float first-token inputs are its "
+                                 "caller's to give (first_tokens)")
             floats.anchors = first_token_inputs(model, _gemms(targets), batches)
         partial = _quantize_unit(model, [*targets, *experts], gptq, batches, quantize, facts,
                                  floats, activation_budget, experts=steps)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...model.block_inputs import ActivationStore, capture_block_inputs
+from ...model.block_inputs import ActivationStore, capture_block_inputs, to_device
 from ...model.forward import run_batch
 from ...model.gemm32 import float32_gemms
 from ...observe.hessian import HessianCollector
@@ -64,12 +64,16 @@ class FirstTokenStream:
     batches' first positions run up to block 0 once (``capture_block_inputs``: the model
     builds the masks and rotary tables of a one-token sequence itself), then through each
     block while it is still float (``through``). A first token attends to itself alone, so
-    these are exactly its states in the full-length forward."""
+    these are exactly its states in the full-length forward. ``device``: where the blocks
+    run, when the embeddings run elsewhere (the one-block GPU path)."""
 
-    def __init__(self, model: nn.Module, first_block: nn.Module, batches: list):
-        self.store = ActivationStore(1 << 62)  # sequences x hidden per batch: never spilled
+    def __init__(self, model: nn.Module, first_block: nn.Module, batches: list,
+                 device: torch.device | str | None = None):
+        # sequences x hidden per batch: never spilled
+        self.store = ActivationStore(1 << 62, home=device, compute=device)
         probes = [None if b is None else first_positions(b) for b in batches]
-        self.kwargs = capture_block_inputs(model, first_block, probes, self.store)
+        kwargs = capture_block_inputs(model, first_block, probes, self.store)
+        self.kwargs = kwargs if device is None else to_device(kwargs, device)
 
     def through(self, block: nn.Module, modules: dict[str, nn.Module]
                 ) -> dict[str, dict[int, torch.Tensor]]:
@@ -77,7 +81,7 @@ class FirstTokenStream:
         the first-token input rows of ``modules`` ([sequences, in], float32), and keeps the
         block's outputs as the next block's inputs."""
         seen: dict[str, dict[int, torch.Tensor]] = {}
-        nxt = ActivationStore(1 << 62)
+        nxt = self.store.like()
         current = [0]
         handles = [m.register_forward_pre_hook(_recorder(seen, name, current))
                    for name, m in modules.items()]
