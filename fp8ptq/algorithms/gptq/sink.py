@@ -169,10 +169,12 @@ class SinkCollector(HessianCollector):
         q = self.quantizers.get(owner)
         qf = (q(first) if q is not None else first).reshape(-1, x.shape[-1]).float()
         aim = first.reshape(-1, x.shape[-1])
-        if self.anchors is not None:  # the float model's, for the same sequences
+        floats = None if self.anchors is None else self.anchors.get(owner, {}).get(self._batch)
+        if floats is not None:  # the float model's, for the same sequences (a GEMM the
+            # one-token forward did not reach keeps its own target)
             start = self._taken.get(owner, 0)
             self._taken[owner] = start + aim.shape[0]
-            aim = self.anchors[owner][self._batch][start:start + aim.shape[0]].to(aim.device)
+            aim = floats[start:start + aim.shape[0]].to(aim.device)
         rows = torch.stack([aim, qf])
         rows = rows if self.on_device else rows.cpu()
         kept = self.first_rows.setdefault(owner, [])
