@@ -20,6 +20,7 @@ _GPTQ = {"gptq_damp": "dampening, a fraction of the Hessian's mean diagonal",
          "gptq_sequential": "Hessians from the model quantized so far, group by group",
          "gptq_asym": "aim at the float model's output (sequential only)",
          "gptq_sink": "weight of each sequence's first token (sequential only)",
+         "gptq_sink_target": "the first token's target: each layer's or the float model's",
          "gptq_hessian_dtype": "dtype the Hessian sums are accumulated in",
          "gptq_sweep_dtype": "dtype of the column sweep (weight copy, factor, errors)",
          "gptq_all_experts": "MoE: each expert's Hessians from every token, not its routed ones"}

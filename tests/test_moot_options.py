@@ -33,6 +33,12 @@ TABLE = [
     ({"block_size": 64, "weight_granularity": "block"}, set()),
     ({"act_group_size": 64}, {"act_group_size"}),
     ({"act_group_size": 64, "act_granularity": "group"}, set()),
+    ({"gptq_sink_target": "float"}, {"gptq_sink_target"}),  # no calibration data: no GPTQ
+    ({"gptq_sink_target": "float", "calib_data": "c.txt"}, set()),
+    ({"gptq_sink_target": "float", "calib_data": "c.txt", "gptq_sink": 0.0},
+     {"gptq_sink_target"}),
+    ({"gptq_sink_target": "float", "calib_data": "c.txt", "gptq_asym": True},
+     {"gptq_sink_target"}),
     ({"smoothquant_into": "all"}, {"smoothquant_into"}),
     ({"smoothquant_into": "all", "smoothquant": 0.5}, set()),
     ({}, set()),
@@ -77,6 +83,8 @@ CLI_TABLE = [
                                                                "--act-granularity token"]),
     (["--weight-calib", "max", "--gptq-damp", "0.05"], 2, ["--gptq-damp 0.05",
                                                            "--weight-calib max"]),
+    (["--weight-calib", "gptq", "--gptq-sink", "0", "--gptq-sink-target", "float"], 2,
+     ["--gptq-sink-target float", "--gptq-sink"]),
 ]
 
 

@@ -57,6 +57,9 @@ def moot_options(recipe: Recipe, given=None, *, convolutions: bool = False) -> l
     if recipe.calib_windows != "documents":
         out.append(Moot("calib_prefix_token", "random calibration windows open with no start "
                         "token", ("calib_windows",)))
+    if recipe.gptq_asym or recipe.gptq_sink == 0 or not recipe.gptq_sequential:
+        out.append(Moot("gptq_sink_target", "sink-aware GPTQ is off",
+                        ("gptq_sink", "gptq_asym", "gptq_sequential")))
     if recipe.kv_cache is None:
         out.append(Moot("kv_granularity", "the KV cache is not quantized", ("kv_cache",)))
     return [m for m in out if m.field in given]
