@@ -309,10 +309,9 @@ def test_first_token_stream_gives_the_full_forwards_first_position_inputs(arch):
             assert torch.allclose(torch.cat([rows[j] for j in sorted(rows)]), want,
                                   rtol=1e-5, atol=1e-6), (i, name)
     # a model without repeated blocks: the whole unit's first positions in one forward
+    down = "mlp.c_proj" if arch == "gpt2" else "mlp.down_proj"
     whole = first_token_inputs(model, _block_gemms(blocks[0]), BATCHES)
-    assert torch.allclose(whole["mlp.down_proj" if arch != "gpt2" else "mlp.c_proj"][1],
-                          full[(0, "mlp.down_proj" if arch != "gpt2" else "mlp.c_proj")][1],
-                          rtol=1e-5, atol=1e-6)
+    assert torch.allclose(whole[down][1], full[(0, down)][1], rtol=1e-5, atol=1e-6)
 
 
 def _sink_recipe(target: str) -> Recipe:

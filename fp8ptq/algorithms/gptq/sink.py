@@ -41,10 +41,12 @@ attends to itself alone, so its states are those of a one-token sequence, and
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
-from ...model.block_inputs import ActivationStore, capture_block_inputs, to_device
+from ...model.block_inputs import ActivationStore, capture_block_inputs, run_block, to_device
 from ...model.forward import run_batch
 from ...model.gemm32 import float32_gemms
 from ...observe.hessian import HessianCollector
@@ -63,9 +65,10 @@ class FirstTokenStream:
     """The float model's first-token inputs of every GEMM, block by block: the calibration
     batches' first positions run up to block 0 once (``capture_block_inputs``: the model
     builds the masks and rotary tables of a one-token sequence itself), then through each
-    block while it is still float (``through``). A first token attends to itself alone, so
-    these are exactly its states in the full-length forward. ``device``: where the blocks
-    run, when the embeddings run elsewhere (the one-block GPU path)."""
+    block while it is still float (``through``, by ``run_block`` as the calibration batches
+    are carried). A first token attends to itself alone, so these are exactly its states in
+    the full-length forward. ``device``: where the blocks run, when the embeddings run
+    elsewhere (the one-block GPU path)."""
 
     def __init__(self, model: nn.Module, first_block: nn.Module, batches: list,
                  device: torch.device | str | None = None):
@@ -80,25 +83,17 @@ class FirstTokenStream:
         """Run the (still float) ``block`` on the first tokens: returns name -> batch index ->
         the first-token input rows of ``modules`` ([sequences, in], float32), and keeps the
         block's outputs as the next block's inputs."""
-        seen: dict[str, dict[int, torch.Tensor]] = {}
+        ran = [j for j, kw in enumerate(self.kwargs) if kw is not None]
         nxt = self.store.like()
-        current = [0]
-        handles = [m.register_forward_pre_hook(_recorder(seen, name, current))
-                   for name, m in modules.items()]
-        try:
-            with torch.inference_mode(), float32_gemms(model=block):
-                for j, kw in enumerate(self.kwargs):
-                    if kw is None:
-                        continue
-                    current[0] = j
-                    y = block(hidden_states=self.store.get(j), **kw)
-                    nxt.put(j, y[0] if isinstance(y, tuple) else y)
-        finally:
-            for h in handles:
-                h.remove()
+        with _first_inputs(modules) as seen:
+            run_block(block, self.store, self.kwargs, nxt)
+        rows = [self.store.get(j).shape[0] for j in ran]  # a batch may run in pieces
         self.store.close()
         self.store = nxt
-        return seen
+        # a module called more than once a forward has no one first-token input: left out
+        # (``SinkCollector`` keeps its own target there)
+        return {name: dict(zip(ran, torch.cat(got).split(rows))) for name, got in seen.items()
+                if sum(g.shape[0] for g in got) == sum(rows)}
 
     def close(self) -> None:
         self.store.close()
@@ -109,27 +104,31 @@ def first_token_inputs(unit: nn.Module, modules: dict[str, nn.Module], batches: 
     """``FirstTokenStream.through`` for a unit run whole on token batches (a model
     without repeated blocks): its first-token inputs, from one forward of the first
     positions before any of its GEMMs is quantized."""
-    seen: dict[str, dict[int, torch.Tensor]] = {}
-    current = [0]
-    handles = [m.register_forward_pre_hook(_recorder(seen, name, current))
-               for name, m in modules.items()]
+    ran = [j for j, b in enumerate(batches) if b is not None]
+    with _first_inputs(modules) as seen, torch.inference_mode(), float32_gemms(model=unit):
+        for j in ran:
+            run_batch(unit, first_positions(batches[j]), logits=False)
+    return {name: dict(zip(ran, got)) for name, got in seen.items() if len(got) == len(ran)}
+
+
+@contextmanager
+def _first_inputs(modules: dict[str, nn.Module]):
+    """name -> the first-position input rows (``x[:, 0]``, float32) each of ``modules`` got,
+    one entry per call, while the context is open."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    def recorder(name):
+        def hook(_module, args):
+            if args and torch.is_tensor(args[0]) and args[0].dim() >= 3:
+                seen.setdefault(name, []).append(args[0][:, 0].detach().float())
+        return hook
+
+    handles = [m.register_forward_pre_hook(recorder(name)) for name, m in modules.items()]
     try:
-        with torch.inference_mode(), float32_gemms(model=unit):
-            for j, b in enumerate(batches):
-                if b is not None:
-                    current[0] = j
-                    run_batch(unit, first_positions(b), logits=False)
+        yield seen
     finally:
         for h in handles:
             h.remove()
-    return seen
-
-
-def _recorder(seen: dict, name: str, current: list):
-    def hook(_module, args):
-        if args and torch.is_tensor(args[0]) and args[0].dim() >= 3:
-            seen.setdefault(name, {})[current[0]] = args[0][:, 0].detach().float()
-    return hook
 
 
 class SinkCollector(HessianCollector):
