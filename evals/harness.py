@@ -29,13 +29,17 @@ class TaskOutcome:
 PREFIX_TOKENS = START_TOKENS
 
 
-class NoPrefixHFLM(HFLM):
-    """Rolling log-likelihood without a prefix token: each document's first token is the
-    context of the second and is not scored itself (lm-eval always prepends a prefix token;
-    here that token is the document's own first one, taken off the scored tokens)."""
+class RollingDocsHFLM(HFLM):
+    """HFLM whose documents, in rolling log-likelihood, are the tokens ``scored_ids`` gives.
+
+    lm-eval encodes each document with the tokenizer's own special tokens and then puts the
+    prefix token in front of it. A tokenizer that adds its BOS (gemma, Llama 3) then opens the
+    document with two, and the second is scored as the document's first token (the same as
+    lm-eval's own HFLM: EleutherAI/lm-evaluation-harness issue 3333). Here the tokenizer's own
+    leading copy of the prefix token is taken off, so the model sees the one start token it is
+    served with and the scored tokens are the text's."""
 
     _rolling = False
-    _first = None
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         self._rolling = True
@@ -46,11 +50,33 @@ class NoPrefixHFLM(HFLM):
 
     def tok_encode(self, string, *args, **kwargs):
         ids = super().tok_encode(string, *args, **kwargs)
-        if self._rolling and ids:
-            # lm-eval encodes the document, then reads prefix_token_id for it
-            self._first = ids[0]
+        return self._scored(ids) if self._rolling and ids else ids
+
+    def scored_ids(self, text: str) -> list[int]:
+        """The tokens of document ``text`` that rolling log-likelihood scores, in order."""
+        return self._scored(super().tok_encode(text))
+
+    def _scored(self, ids: list[int]) -> list[int]:
+        start = self.prefix_token_id
+        if ids and ids[0] == start and start in self.tokenizer.all_special_ids:
             return ids[1:]
         return ids
+
+
+class NoPrefixHFLM(RollingDocsHFLM):
+    """Rolling log-likelihood without a prefix token: each document's first token is the
+    context of the second and is not scored itself (lm-eval always prepends a prefix token;
+    here that token is the document's own first one, taken off the scored tokens). For a
+    tokenizer that adds its BOS that first token is the BOS."""
+
+    _first = None
+
+    def _scored(self, ids: list[int]) -> list[int]:
+        if not ids:
+            return ids
+        # lm-eval encodes the document, then reads prefix_token_id for it
+        self._first = ids[0]
+        return ids[1:]
 
     @property
     def prefix_token_id(self) -> int:
@@ -138,7 +164,7 @@ class ChunkedLogitsMixin:
         return out
 
 
-class ChunkedHFLM(ChunkedLogitsMixin, HFLM):
+class ChunkedHFLM(ChunkedLogitsMixin, RollingDocsHFLM):
     pass
 
 

@@ -62,8 +62,8 @@ def task_config(lm: HFLM, articles: list[dict[str, str]] | None = None) -> dict:
     def process_results(doc, results):
         scores = wikitext_scores(doc, results)
         (loglikelihood,) = results
-        # HFLM predicts every token of tok_encode(target) once, the first after the prefix token
-        scored = len(lm.tok_encode(wikitext_detokenizer(doc))) - getattr(lm, "scored_offset", 0)
+        # HFLM predicts every scored token once, the first after the prefix token
+        scored = len(scored_ids(lm, wikitext_detokenizer(doc)))
         scores["token_perplexity"] = (loglikelihood, scored)
         return scores
 
@@ -89,6 +89,14 @@ def task_config(lm: HFLM, articles: list[dict[str, str]] | None = None) -> dict:
     return config
 
 
+def scored_ids(lm: HFLM, text: str) -> list[int]:
+    """The tokens of document ``text`` that ``lm``'s rolling log-likelihood scores (an HFLM
+    of lm-eval's own scores every token ``tok_encode`` gives)."""
+    if hasattr(lm, "scored_ids"):
+        return lm.scored_ids(text)
+    return lm.tok_encode(text)
+
+
 def _token_name(tokenizer, token_id) -> str:
     which = "bos" if token_id == tokenizer.bos_token_id else \
         "eos" if token_id == tokenizer.eos_token_id else "other"
@@ -102,7 +110,7 @@ def prefix_effect(lm: HFLM, text: str) -> float:
     trained with a BOS), a regime in which every perturbation moves perplexity by percents.
     Scored through ``lm``'s own log-likelihood path, so a chunked LM never holds a document's
     context x vocabulary float32 logits (4 GB at context 2048 with a 262k vocabulary)."""
-    tokens = lm.tok_encode(wikitext_detokenizer({"page": text}))[: lm.max_length - 1]
+    tokens = scored_ids(lm, wikitext_detokenizer({"page": text}))[: lm.max_length - 1]
     if len(tokens) < 3:
         return 1.0
     (with_prefix, _), (without, _) = lm._loglikelihood_tokens(
@@ -126,6 +134,10 @@ def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *,
         "prefix_token_id": lm.prefix_token_id,
         "prefix_token": "none (first token of each document is context)"
         if getattr(lm, "scored_offset", 0) else _token_name(lm.tokenizer, lm.prefix_token_id),
+        # the tokenizer opens every encoding with the prefix token itself: its copy taken off
+        # (``RollingDocsHFLM``), so a document opens with one start token, not two
+        "own_start_dropped": not getattr(lm, "scored_offset", 0)
+        and len(scored_ids(lm, "a")) < len(lm.tok_encode("a")),
         "documents": len(docs),
         "split": SPLIT_RULE,
         "tokens": sum(doc["token_perplexity"][1] for doc in docs),

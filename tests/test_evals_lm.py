@@ -10,13 +10,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from lm_eval.models.huggingface import HFLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fp8ptq.errors import DataError, UsageError
 from fp8ptq.evals.harness import make_lm
 from fp8ptq.evals.runner import run_tasks
-from fp8ptq.evals.wikitext import SPLIT_RULE, evaluate_wikitext, read_articles, split_articles
+from fp8ptq.evals.wikitext import (
+    SPLIT_RULE,
+    evaluate_wikitext,
+    prefix_effect,
+    read_articles,
+    split_articles,
+)
 
 ARTICLES = [
     " = Alpha Station = \n"
@@ -146,6 +153,51 @@ def test_wikitext_matches_hand_computation(model, tokenizer, wiki_file):
     assert protocol["tokens"] == sum(n for _, n in direct)
     expected_token_ppl = math.exp(-sum(ll for ll, _ in direct) / protocol["tokens"])
     assert outcome.metrics["token_perplexity"] == pytest.approx(expected_token_ppl, rel=1e-4)
+
+
+def _adds_bos(tokenizer):
+    """The same vocabulary, with a tokenizer that adds its BOS to every encoding (gemma's and
+    Llama 3's do)."""
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    bos = tokenizer.bos_token_id
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    adds = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    assert adds("a b")["input_ids"][0] == bos != tokenizer("a b")["input_ids"][0]
+    return adds
+
+
+@pytest.mark.parametrize("seq_len", [512, 16])  # one window per article; several
+def test_wikitext_opens_with_one_start_token_when_the_tokenizer_adds_it(model, tokenizer,
+                                                                        wiki_file, seq_len):
+    """lm-eval puts its prefix token (the BOS) before a document the tokenizer has already
+    opened with its BOS: two of them, the second scored. The harness takes the tokenizer's own
+    off, so the scores are those of a tokenizer that adds none, window for window."""
+    adds = _adds_bos(tokenizer)
+    plain = evaluate_wikitext(make_lm(model, tokenizer, batch_size=4, seq_len=seq_len),
+                              wiki_file)
+    lm = make_lm(model, adds, batch_size=4, seq_len=seq_len)
+    once = evaluate_wikitext(lm, wiki_file)
+    assert once.metrics == pytest.approx(plain.metrics, rel=1e-6)
+    assert once.protocol["tokens"] == plain.protocol["tokens"]
+    assert once.protocol["own_start_dropped"] and not plain.protocol["own_start_dropped"]
+    assert [s["word_perplexity"][0] for s in once.samples] == pytest.approx(
+        [s["word_perplexity"][0] for s in plain.samples], rel=1e-6)
+    if seq_len == 512:  # and equal to the hand computation with one BOS
+        direct = [_direct_loglikelihood(model, tokenizer, s["target"]) for s in once.samples]
+        assert [s["word_perplexity"][0] for s in once.samples] == pytest.approx(
+            [ll for ll, _ in direct], rel=1e-4)
+    # lm-eval's own HFLM scores the doubled start: a different number, more tokens
+    upstream = HFLM(pretrained=model, tokenizer=adds, max_length=seq_len, batch_size=4)
+    doubled = evaluate_wikitext(upstream, wiki_file)
+    assert doubled.protocol["tokens"] == plain.protocol["tokens"] + len(ARTICLES)
+    assert doubled.metrics["word_perplexity"] != pytest.approx(
+        plain.metrics["word_perplexity"], rel=1e-3)
+    # prefix_effect reads the text's tokens, not the tokenizer's BOS as the first one
+    text = read_articles(wiki_file)[0]["page"]
+    assert prefix_effect(lm, text) == pytest.approx(
+        prefix_effect(make_lm(model, tokenizer, batch_size=4, seq_len=seq_len), text),
+        rel=1e-6)
 
 
 def test_wikitext_rolling_windows_and_limit(model, tokenizer, wiki_file):
