@@ -41,6 +41,7 @@ BLOCKS = {
     "llmc-reading": "llm-compressor.md",  # by hand
     "moe-gptq": "llm-compressor.md",  # moe_gptq.py
     "two-families": "studies.md",  # two_families.py
+    "loss-parts": "studies.md",  # studies/loss_parts.py
     "fp8-attention": "accuracy.md",  # attention_table.py
 }
 ACCURACY = RESULTS / "accuracy.md"  # reproduce.py's page: rendered around its marked blocks
