@@ -102,6 +102,12 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
                    "calibration windows with: auto = the BOS the tokenizer adds, else the "
                    "chat template's first token, else BOS, else EOS (the rule quantize's "
                    "windows follow); none = the document's own first token, not scored.")
+@click.option("--window-start", type=click.Choice(["first", "every"]), default="first",
+              show_default=True,
+              help="Which rolling windows open with the prefix token: first = a document's "
+                   "first only (lm-eval's windows: later ones open with a text token); every = "
+                   "each window, one token shorter (every request a server gets opens with "
+                   "the BOS; models such as gemma are trained only so).")
 @click.option("--update-card", is_flag=True,
               help="MODEL is an fp8ptq checkpoint: put the table into its README.md model card.")
 @click.option("--allow-calib-overlap", is_flag=True,
@@ -111,7 +117,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 @recipe_options(flag_names=CALIB_FLAG_NAMES)
 def command(model, tasks, compare, data_items, limit, batch_size, seq_len, include_path, json_path,
             markdown_path, plot_path, gates, gate_on, delta_mode, samples_path, prefix_token,
-            update_card, allow_calib_overlap, device, **flags):
+            window_start, update_card, allow_calib_overlap, device, **flags):
     """Evaluate MODEL and its quantized variants on TASKS; one row per variant, deltas to the
     baseline. Exit 3 when a --max-delta gate fails."""
     load_options = loading_from(flags)
@@ -129,7 +135,7 @@ def command(model, tasks, compare, data_items, limit, batch_size, seq_len, inclu
     request = prepare(model, task_list, _split(compare), recipe=recipe, data=data, limit=limit,
                       batch_size=batch_size, seq_len=seq_len, include_path=include_path,
                       device=device, load_options=load_options, prefix_token=prefix_token,
-                      allow_calib_overlap=allow_calib_overlap)
+                      window_start=window_start, allow_calib_overlap=allow_calib_overlap)
     _check_gate_syntax(gates, task_list, request.has_baseline)
     if plot_path and Path(plot_path).suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(f"--plot {plot_path}: expected a {', '.join(PLOT_SUFFIXES)} file")

@@ -21,6 +21,7 @@ from .compare import (
     evaluate_variants,
     plan_variants,
 )
+from .harness import check_windows
 from .report import attach_intervals
 
 
@@ -74,10 +75,12 @@ def prepare(model: str, tasks: list[str], compare: list[str] | None = None, *,
             limit: int | None = None, batch_size: int | None = None,
             seq_len: int | None = None, include_path: str | None = None,
             device: str = "cpu", load_options: dict | None = None,
-            prefix_token: str = "auto", allow_calib_overlap: bool = False) -> EvalRequest:
+            prefix_token: str = "auto", window_start: str = "first",
+            allow_calib_overlap: bool = False) -> EvalRequest:
     """Everything ``evaluate`` checks before a model loads: the variants' sources, the
     calibration-overlap policy, task names and data files, the calibration documents."""
     check_model_spec(model)
+    check_windows(prefix_token, window_start)
     model_meta = checkpoint_meta(model)
     if recipe is None:
         recipe = Recipe.load(model) if model_meta is not None else Recipe()
@@ -93,7 +96,8 @@ def prepare(model: str, tasks: list[str], compare: list[str] | None = None, *,
     texts = job.calibration_texts(recipe, calibrated[0].spec) if calibrated else None
     options = dict(data=data, limit=limit, batch_size=batch_size, seq_len=seq_len,
                    include_path=include_path, device=device,
-                   load_options=dict(load_options or {}), prefix_token=prefix_token)
+                   load_options=dict(load_options or {}), prefix_token=prefix_token,
+                   window_start=window_start)
     return EvalRequest(variants, recipe, list(tasks), notes, texts, options)
 
 

@@ -29,24 +29,50 @@ class TaskOutcome:
 PREFIX_TOKENS = START_TOKENS
 
 
-class RollingDocsHFLM(HFLM):
-    """HFLM whose documents, in rolling log-likelihood, are the tokens ``scored_ids`` gives.
+WINDOW_STARTS = ("first", "every")
+
+
+class RollingDocs:
+    """Rolling log-likelihood (before ``HFLM`` in the MRO) over the tokens ``scored_ids`` gives,
+    and with ``window_start="every"`` every window opened by the prefix token.
 
     lm-eval encodes each document with the tokenizer's own special tokens and then puts the
     prefix token in front of it. A tokenizer that adds its BOS (gemma, Llama 3) then opens the
     document with two, and the second is scored as the document's first token (the same as
     lm-eval's own HFLM: EleutherAI/lm-evaluation-harness issue 3333). Here the tokenizer's own
     leading copy of the prefix token is taken off, so the model sees the one start token it is
-    served with and the scored tokens are the text's."""
+    served with and the scored tokens are the text's.
+
+    lm-eval opens only a document's first window with the prefix token; each later one opens
+    with the text token before its first scored one (issue 2382 there). A model that is always
+    served after its BOS (gemma) meets a first position it never saw in training there.
+    ``every``: windows one token shorter, each later one opened by the prefix token and that
+    text token (the scored tokens are the same)."""
 
     _rolling = False
+    _windowing = False  # lm-eval is cutting windows (one token shorter under ``every``)
+    window_start = "first"
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         self._rolling = True
+        self._windowing = self.window_start == "every"
         try:
             return super().loglikelihood_rolling(requests, disable_tqdm)
         finally:
-            self._rolling = False
+            self._rolling = self._windowing = False
+
+    @property
+    def max_length(self):
+        return super().max_length - (1 if self._windowing else 0)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        if self._windowing:  # lm-eval cuts every window before it scores any
+            self._windowing = False
+        if self._rolling and self.window_start == "every":
+            start = self.prefix_token_id
+            requests = [(key, ctx if ctx[:1] == [start] else [start, *ctx], cont)
+                        for key, ctx, cont in requests]
+        return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
 
     def tok_encode(self, string, *args, **kwargs):
         ids = super().tok_encode(string, *args, **kwargs)
@@ -63,7 +89,7 @@ class RollingDocsHFLM(HFLM):
         return ids
 
 
-class NoPrefixHFLM(RollingDocsHFLM):
+class NoPrefixDocs(RollingDocs):
     """Rolling log-likelihood without a prefix token: each document's first token is the
     context of the second and is not scored itself (lm-eval always prepends a prefix token;
     here that token is the document's own first one, taken off the scored tokens). For a
@@ -85,6 +111,10 @@ class NoPrefixHFLM(RollingDocsHFLM):
         return super().prefix_token_id
 
     scored_offset = 1  # tokens of a document that are context, not scored
+
+
+class NoPrefixHFLM(NoPrefixDocs, HFLM):
+    pass
 
 
 def prefix_token_id(tokenizer, choice: str = "auto") -> int | None:
@@ -164,11 +194,11 @@ class ChunkedLogitsMixin:
         return out
 
 
-class ChunkedHFLM(ChunkedLogitsMixin, RollingDocsHFLM):
+class ChunkedHFLM(RollingDocs, ChunkedLogitsMixin, HFLM):
     pass
 
 
-class ChunkedNoPrefixHFLM(ChunkedLogitsMixin, NoPrefixHFLM):
+class ChunkedNoPrefixHFLM(NoPrefixDocs, ChunkedLogitsMixin, HFLM):
     pass
 
 
@@ -186,17 +216,30 @@ def auto_batch_size(model, seq_len: int, budget_fraction: float = 0.25) -> int:
     return int(max(1, min(64, budget_fraction * avail // max(per_sequence, 1))))
 
 
+def check_windows(prefix_token: str, window_start: str) -> None:
+    """Refuse a ``window_start`` that is unknown or that needs a prefix token there is not."""
+    if window_start not in WINDOW_STARTS:
+        raise UsageError(f"--window-start must be one of {', '.join(WINDOW_STARTS)}")
+    if window_start == "every" and prefix_token == "none":
+        raise UsageError("--window-start every opens each window with the prefix token: "
+                         "not with --prefix-token none")
+
+
 def make_lm(model, tokenizer, *, batch_size: int | None = 8, seq_len: int | None = None,
-            prefix_token: str = "auto") -> HFLM:
+            prefix_token: str = "auto", window_start: str = "first") -> HFLM:
     """Wrap an already loaded causal LM; ``seq_len`` None lets lm-eval take it from the config;
-    ``batch_size`` None chooses one from the free memory (``auto_batch_size``)."""
+    ``batch_size`` None chooses one from the free memory (``auto_batch_size``);
+    ``window_start``: which rolling windows open with the prefix token (``RollingDocs``)."""
+    check_windows(prefix_token, window_start)
     if batch_size is None:
         length = seq_len or getattr(getattr(model, "config", None), "max_position_embeddings",
                                     2048) or 2048
         batch_size = auto_batch_size(model, min(int(length), 8192))
     cls = ChunkedNoPrefixHFLM if prefix_token == "none" else ChunkedHFLM
-    return cls(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
-               prefix_token_id=prefix_token_id(tokenizer, prefix_token))
+    lm = cls(pretrained=model, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
+             prefix_token_id=prefix_token_id(tokenizer, prefix_token))
+    lm.window_start = window_start
+    return lm
 
 
 @contextmanager

@@ -42,6 +42,7 @@ def run_tasks(
     include_path: str | None = None,
     device: str = "cpu",
     prefix_token: str = "auto",
+    window_start: str = "first",
 ) -> EvalResult:
     """Evaluate ``model`` (moved to ``device``) on ``tasks``.
 
@@ -57,7 +58,7 @@ def run_tasks(
         # a model dispatched by an accelerate device map stays where accelerate put it
         model.to(device)
     lm = None if extractive else make_lm(model, tokenizer, batch_size=batch_size, seq_len=seq_len,
-                                         prefix_token=prefix_token)
+                                         prefix_token=prefix_token, window_start=window_start)
 
     result = EvalResult()
     for task in tasks:

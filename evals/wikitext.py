@@ -128,14 +128,15 @@ def evaluate_wikitext(lm: HFLM, data: str | Path | None = None, *,
     protocol = {
         "context_length": lm.max_length,
         # context_len=1 rolling windows: disjoint, each conditioned on the last token of the
-        # previous one
-        "stride": lm.max_length,
+        # previous one (``every``: and opened by the prefix token, one token shorter)
+        "stride": lm.max_length - (getattr(lm, "window_start", "first") == "every"),
+        "window_start": getattr(lm, "window_start", "first"),
         "bos": bos_id is not None and lm.prefix_token_id == bos_id,
         "prefix_token_id": lm.prefix_token_id,
         "prefix_token": "none (first token of each document is context)"
         if getattr(lm, "scored_offset", 0) else _token_name(lm.tokenizer, lm.prefix_token_id),
         # the tokenizer opens every encoding with the prefix token itself: its copy taken off
-        # (``RollingDocsHFLM``), so a document opens with one start token, not two
+        # (``RollingDocs``), so a document opens with one start token, not two
         "own_start_dropped": not getattr(lm, "scored_offset", 0)
         and len(scored_ids(lm, "a")) < len(lm.tok_encode("a")),
         "documents": len(docs),

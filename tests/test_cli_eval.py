@@ -176,6 +176,23 @@ def test_calibration_file_used_for_evaluation_is_refused(files, tmp_path):
     assert "--allow-calib-overlap" in res.stderr
 
 
+@pytest.mark.usefixtures("no_model_loading")
+def test_window_start_every_needs_a_prefix_token(files):
+    res = run("eval", files.llama, "--tasks", "wikitext", "--data", f"wikitext={files.wiki}",
+              "--prefix-token", "none", "--window-start", "every")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: --window-start every")
+
+
+def test_window_start_every_is_in_the_protocol(files, tmp_path):
+    res = eval_wiki(files, files.llama, "--window-start", "every", "--prefix-token", "eos",
+                    "--seq-len", 8, "--limit", 1, "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    protocol = json.loads((tmp_path / "r.json").read_text())["protocol"]["wikitext"]
+    assert protocol["window_start"] == "every" and protocol["stride"] == 7
+    assert "window_start=every" in res.stdout
+
+
 @pytest.mark.slow
 def test_calibration_overlap_allowed_is_noted(files, tmp_path):
     res = run("eval", files.llama, "--tasks", "wikitext", "--data", f"wikitext={files.wiki}",

@@ -315,3 +315,43 @@ def test_bf16_eval_runs_its_gemms_and_attention_in_float32(model, tokenizer, wik
     assert mode == pytest.approx(plain, rel=1e-4)
     exact = loglikelihoods(model, "1")  # float32 model: the mode changes nothing
     assert abs(sum(mode) - sum(exact)) <= abs(sum(plain) - sum(exact))
+
+
+def _served_windows_loglikelihood(model, tokenizer, text, length):
+    """sum log p over windows of ``length - 1`` scored tokens, each opened by the BOS (and,
+    after the first, the token before its first scored one): what ``every`` must give."""
+    ids, bos, total, p = tokenizer(text)["input_ids"], tokenizer.bos_token_id, 0.0, 0
+    while p < len(ids):
+        e = min(len(ids), p + length - 1)
+        x = [bos, *ids[:e - 1]] if p == 0 else [bos, *ids[p - 1:e - 1]]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([x])).logits.float(), dim=-1)[0]
+        y = torch.tensor(ids[p:e])
+        total += logp[-len(y):].gather(1, y[:, None]).sum().item()
+        p = e
+    return total
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_every_window_opens_with_the_prefix_token(model, tokenizer, wiki_file, adds_bos):
+    tok = _adds_bos(tokenizer) if adds_bos else tokenizer
+    lm = make_lm(model, tok, batch_size=4, seq_len=16, prefix_token="bos", window_start="every")
+    every = evaluate_wikitext(lm, wiki_file)
+    first = evaluate_wikitext(make_lm(model, tok, batch_size=4, seq_len=16, prefix_token="bos"),
+                              wiki_file)
+    assert every.protocol["window_start"] == "every" and every.protocol["stride"] == 15
+    assert first.protocol["window_start"] == "first" and first.protocol["stride"] == 16
+    assert every.protocol["tokens"] == first.protocol["tokens"]  # the same tokens scored
+    got = [s["word_perplexity"][0] for s in every.samples]
+    want = [_served_windows_loglikelihood(model, tokenizer, s["target"], 16)
+            for s in every.samples]
+    assert got == pytest.approx(want, rel=1e-4)
+    assert got != pytest.approx([s["word_perplexity"][0] for s in first.samples], rel=1e-4)
+    assert lm.max_length == 16  # only while lm-eval cuts the windows
+
+
+def test_every_window_needs_a_prefix_token(model, tokenizer):
+    with pytest.raises(UsageError, match="--prefix-token none"):
+        make_lm(model, tokenizer, prefix_token="none", window_start="every")
+    with pytest.raises(UsageError, match="--window-start must be one of"):
+        make_lm(model, tokenizer, window_start="all")
