@@ -3,7 +3,8 @@ weights or only its input rounding, and every seed's checkpoint against the inpu
 
     python benchmarks/studies/loss_parts.py out/gemma-bos1 --checkpoint DIR
         [--rows fp8ptq-s64-n64,fp8ptq-m64-n64] [--seeds 0,1,2,3,4] [--source FLOAT_FOLDER]
-        [--articles 2] [--threads 1] [--doc docs/results/studies.md] [--assets ../shared/assets]
+        [--articles 2] [--threads 1] [--window-start first|every] [--doc docs/results/studies.md]
+        [--assets ../shared/assets]
 
 ``FOLDER``: ``benchmarks/llmc_vs_default.py``'s evaluation rows of one model (``baseline.json``,
 ``NAME-seedS.json``: per-article log-likelihoods; WikiText-2 test, context 2048, word
@@ -90,7 +91,7 @@ def only(part: str, source: str):
 
 
 def evaluate_parts(folder: Path, checkpoint: Path, source: str, assets: Path,
-                   articles: int) -> dict[str, dict]:
+                   articles: int, window_start: str = "first") -> dict[str, dict]:
     """``parts-weights`` and ``parts-acts`` of ``checkpoint`` through the harness's own
     evaluation (cached in ``folder``)."""
     from recipe_study import run_one
@@ -99,7 +100,8 @@ def evaluate_parts(folder: Path, checkpoint: Path, source: str, assets: Path,
 
     base = Recipe(calib_data=str(assets / "calib/wiki-paragraphs.txt"), dtype="float32")
     kwargs = {"data": {"wikitext": str(assets / "wikitext-2-raw/wiki.test.raw")},
-              "limit": articles, "seq_len": 2048, "batch_size": None}
+              "limit": articles, "seq_len": 2048, "batch_size": None,
+              "window_start": window_start}
     out = {}
     for part in PARTS:
         with only(part, source):
@@ -205,6 +207,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--source", help="the float model (default: the checkpoint's source)")
     ap.add_argument("--articles", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--window-start", default="first", choices=("first", "every"),
+                    help="the rows' windows (``fp8ptq eval --window-start``)")
     ap.add_argument("--assets", default=str(ROOT.parent / "shared/assets"))
     ap.add_argument("--doc", default=str(page_of(BLOCK)))
     args = ap.parse_args(argv)
@@ -213,7 +217,7 @@ def main(argv=None) -> dict:
     meta = _load(args.checkpoint / "fp8ptq.json")
     source = args.source or meta["source"]["path"]
     parts = evaluate_parts(args.folder, args.checkpoint, source, Path(args.assets),
-                           args.articles)
+                           args.articles, args.window_start)
     full = _load(args.folder / f"{args.checkpoint.name}.json")
     res = floor_report(args.folder, parts["acts"], [r for r in args.rows.split(",") if r],
                        [int(x) for x in args.seeds.split(",")])
