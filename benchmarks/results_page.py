@@ -42,6 +42,7 @@ BLOCKS = {
     "moe-gptq": "llm-compressor.md",  # moe_gptq.py
     "two-families": "studies.md",  # two_families.py
     "loss-parts": "studies.md",  # studies/loss_parts.py
+    "loss-parts-every": "studies.md",  # studies/loss_parts.py --window-start every
     "fp8-attention": "accuracy.md",  # attention_table.py
 }
 ACCURACY = RESULTS / "accuracy.md"  # reproduce.py's page: rendered around its marked blocks

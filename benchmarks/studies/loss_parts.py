@@ -43,7 +43,7 @@ from results_page import md_table, page_of, splice  # noqa: E402
 from seed_pairs import seed_interval  # noqa: E402
 
 METRIC = "wikitext.word_perplexity"
-BLOCK = "loss-parts"
+BLOCK = "loss-parts"  # "loss-parts-every" for rows evaluated with --window-start every
 PARTS = ("weights", "acts")
 
 
@@ -211,6 +211,8 @@ def main(argv=None) -> dict:
                     help="the rows' windows (``fp8ptq eval --window-start``)")
     ap.add_argument("--assets", default=str(ROOT.parent / "shared/assets"))
     ap.add_argument("--doc", default=str(page_of(BLOCK)))
+    ap.add_argument("--block", help="the block of --doc to write (default: loss-parts, "
+                    "loss-parts-every under --window-start every)")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -225,7 +227,8 @@ def main(argv=None) -> dict:
     text = section(res, parts, full, args.checkpoint.name, argv)
     (args.folder / "loss-parts.json").write_text(json.dumps(res, indent=1) + "\n")
     if args.doc:
-        Path(args.doc).write_text(splice(Path(args.doc).read_text(), text, BLOCK))
+        block = args.block or (BLOCK if args.window_start == "first" else f"{BLOCK}-every")
+        Path(args.doc).write_text(splice(Path(args.doc).read_text(), text, block))
     return res
 
 
