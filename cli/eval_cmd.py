@@ -118,8 +118,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def command(model, tasks, compare, data_items, limit, batch_size, seq_len, include_path, json_path,
             markdown_path, plot_path, gates, gate_on, delta_mode, samples_path, prefix_token,
             window_start, update_card, allow_calib_overlap, device, **flags):
-    """Evaluate MODEL and its quantized variants on TASKS; one row per variant, deltas to the
-    baseline. Exit 3 when a --max-delta gate fails."""
+    """Evaluate MODEL and its variants on TASKS against the baseline; exit 3 if a gate fails."""
     load_options = loading_from(flags)
     check_model_spec(model)
     note_source(model)
