@@ -38,16 +38,16 @@ class RollingDocs:
 
     lm-eval encodes each document with the tokenizer's own special tokens and then puts the
     prefix token in front of it. A tokenizer that adds its BOS (gemma, Llama 3) then opens the
-    document with two, and the second is scored as the document's first token (the same as
-    lm-eval's own HFLM: EleutherAI/lm-evaluation-harness issue 3333). Here the tokenizer's own
-    leading copy of the prefix token is taken off, so the model sees the one start token it is
-    served with and the scored tokens are the text's.
+    document with two, and the second is scored as the document's first token, as in lm-eval's
+    own HFLM (github.com/EleutherAI/lm-evaluation-harness/issues/3333). Here the tokenizer's
+    own leading copy of the prefix token is taken off, so the model sees the one start token it
+    is served with and the scored tokens are the text's.
 
     lm-eval opens only a document's first window with the prefix token; each later one opens
-    with the text token before its first scored one (issue 2382 there). A model that is always
-    served after its BOS (gemma) meets a first position it never saw in training there.
-    ``every``: windows one token shorter, each later one opened by the prefix token and that
-    text token (the scored tokens are the same)."""
+    with the text token before its first scored one (.../lm-evaluation-harness/issues/2382). A
+    model that is always served after its BOS (gemma) meets a first position it never saw in
+    training there. ``every``: windows one token shorter, each later one opened by the prefix
+    token and that text token (the scored tokens are the same)."""
 
     _rolling = False
     _windowing = False  # lm-eval is cutting windows (one token shorter under ``every``)
