@@ -55,32 +55,39 @@ def _pct(doc: dict, base: float) -> float:
     return 100 * (doc["metrics"][METRIC] / base - 1)
 
 
-@contextmanager
-def only(part: str, source: str):
-    """While active, a checkpoint the harness loads keeps only ``part`` of its quantization:
-    ``weights`` (its inputs unrounded) or ``acts`` (``source``'s float weights put back)."""
+def keep_only(model, part: str, float_model=None) -> None:
+    """Leave ``model``'s quantized GEMMs with only ``part`` of their quantization: ``weights``
+    (inputs unrounded) or ``acts`` (``float_model``'s weights put back, inputs still rounded)."""
     import torch
 
-    import fp8ptq.evals.compare as cmp
     from fp8ptq.nn.quant_gemm import QuantGemm
+
+    gemms = {n: m for n, m in model.named_modules() if isinstance(m, QuantGemm)}
+    if part == "weights":
+        for m in gemms.values():
+            m.act_format = None
+        return
+    floats = {n: m.weight for n, m in float_model.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    with torch.no_grad():
+        for name, m in gemms.items():
+            m.inner.weight.copy_(floats[name])
+
+
+@contextmanager
+def only(part: str, source: str):
+    """While active, a checkpoint the harness loads keeps only ``part`` of its quantization
+    (``keep_only``; ``source``: the float model whose weights ``acts`` puts back)."""
+    import fp8ptq.evals.compare as cmp
 
     original = cmp.load_variant
 
     def patched(v, *args, **kwargs):
         loaded = original(v, *args, **kwargs)
-        if v.kind != "checkpoint":
-            return loaded
-        gemms = {n: m for n, m in loaded.model.named_modules() if isinstance(m, QuantGemm)}
-        if part == "weights":
-            for m in gemms.values():
-                m.act_format = None
-        else:
-            ref = original(cmp.Variant("float", "baseline", source, v.recipe)).model
-            floats = {n: m.weight for n, m in ref.named_modules()
-                      if isinstance(m, torch.nn.Linear)}
-            with torch.no_grad():
-                for name, m in gemms.items():
-                    m.inner.weight.copy_(floats[name])
+        if v.kind == "checkpoint":
+            ref = None if part == "weights" else original(
+                cmp.Variant("float", "baseline", source, v.recipe)).model
+            keep_only(loaded.model, part, ref)
         return loaded
 
     cmp.load_variant = patched

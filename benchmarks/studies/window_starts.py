@@ -25,11 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "studies"))
+
+from loss_parts import keep_only  # noqa: E402
 
 
 def windows(ids: list[int], bos: int, length: int) -> list[tuple[str, list[int], list[int]]]:
@@ -105,16 +110,13 @@ def main(argv=None) -> dict:
         wins += windows(tok(wikitext_detokenizer(doc), add_special_tokens=False).input_ids,
                         bos, args.context)
     res = {"float": nlls(f.model, wins), "served": nlls(q.model, wins)}
-    gemms = {n: m for n, m in q.model.named_modules() if isinstance(m, QuantGemm)}
-    formats = {n: m.act_format for n, m in gemms.items()}
-    for m in gemms.values():
-        m.act_format = None
+    formats = {n: m.act_format for n, m in q.model.named_modules() if isinstance(m, QuantGemm)}
+    keep_only(q.model, "weights")
     res["weights only"] = nlls(q.model, wins)
-    floats = {n: m.weight for n, m in f.model.named_modules() if isinstance(m, torch.nn.Linear)}
-    with torch.no_grad():
-        for n, m in gemms.items():
+    for n, m in q.model.named_modules():
+        if n in formats:
             m.act_format = formats[n]
-            m.inner.weight.copy_(floats[n])
+    keep_only(q.model, "acts", f.model)
     res["input rounding only"] = nlls(q.model, wins)
     table = deltas(wins, res)
     for kind, r in table.items():
